@@ -1,0 +1,93 @@
+"""What every backend offers the :class:`~vegas.pipeline.Pipeline`, and what it returns."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from ..config import VegasConfig
+from ..sampling import SamplingParams
+
+__all__ = ["Backend", "RequestOutput", "RequestStats"]
+
+
+@dataclass
+class RequestStats:
+    """Per-request statistics of one ``generate`` call.
+
+    Attributes:
+        num_generated: tokens emitted (after truncation to ``max_new_tokens``/EOS).
+        iterations: draft/verify iterations (plain decoding: decode steps).
+        num_drafted: draft tokens proposed (γ per iteration).
+        num_accepted: draft tokens accepted.
+        decode_seconds: wall time of the batch's decode phase, after prefill (seconds).
+        prefill_seconds: wall time of the batch's prefill (seconds).
+        selection_seconds: time in score collection, top-k and index building (seconds).
+    """
+
+    num_generated: int = 0
+    iterations: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+    decode_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    selection_seconds: float = 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        """τ: tokens emitted per iteration (accepted drafts + the bonus/correction token)."""
+        return (self.num_accepted + self.iterations) / self.iterations if self.iterations else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.__dict__, "acceptance_length": self.acceptance_length}
+
+
+@dataclass
+class RequestOutput:
+    """One request's result: generated ``token_ids``, decoded ``text``, and ``stats``."""
+
+    token_ids: list[int]
+    text: str | None = None
+    stats: RequestStats = field(default_factory=RequestStats)
+
+
+class Backend(ABC):
+    """An inference engine that runs plain and Vegas decoding on one model.
+
+    Args:
+        model: path of a transformers model directory (or hub id, if cached locally).
+        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``; None picks CUDA when available.
+        trust_remote_code: allow model code from the model directory (off by default).
+    """
+
+    name: ClassVar[str]
+
+    @property
+    @abstractmethod
+    def tokenizer(self) -> Any:
+        """The model's transformers tokenizer."""
+
+    @property
+    @abstractmethod
+    def max_context(self) -> int:
+        """Longest sequence (prompt + generated tokens) the model accepts, in tokens."""
+
+    @abstractmethod
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        max_new_tokens: int,
+        sampling: SamplingParams,
+        selector: str | None,
+        config: VegasConfig,
+    ) -> list[RequestOutput]:
+        """Decode ``max_new_tokens`` tokens after each prompt (fewer if EOS comes first).
+
+        Args:
+            prompts: token ids, one validated non-empty list per request.
+            selector: registered selector name for Vegas decoding, or None for plain decoding.
+            config: Vegas hyperparameters (ignored by plain decoding).
+        """

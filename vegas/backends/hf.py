@@ -1,0 +1,279 @@
+"""HF transformers backend: any causal LM, eager PyTorch, CPU or CUDA.
+
+The model is unchanged; Vegas plugs in through ``AttentionInterface`` (see
+:mod:`vegas.backends.hf_attention`) and keeps transformers' ``DynamicCache``.
+
+Cache layout and rollback rule: one ``DynamicCache`` for the batch; every sequence
+appends the same number of slots per forward (prompts are left-padded, an iteration
+writes γ + 1 slots for all). After acceptance the cache is cropped to the longest kept
+prefix of the batch, and ``valid`` (batch_size, num_slots) marks each sequence's own
+slots; padding and rejected slots stay masked (never attended, never selected). RoPE
+positions are per sequence and absolute.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from typing import Any
+
+import torch
+from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from ..config import VegasConfig, kv_budget_for
+from ..interfaces import Drafter, Selection, SelectionInput, Selector, Verifier
+from ..loop import plain_decode, speculative_decode
+from ..sampling import SampleFn, SamplingParams
+from .base import Backend, RequestOutput
+from .hf_attention import ATTENTION_NAME, AttentionContext, vegas_attention
+
+log = logging.getLogger(__name__)
+
+AttentionInterface.register(ATTENTION_NAME, vegas_attention)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class HFSession(Drafter, Verifier):
+    """One batch of sequences on a transformers model: the HF Drafter and Verifier.
+
+    Both roles share the cache, so one object plays both; the loop in :mod:`vegas.loop`
+    only sees the two interfaces.
+
+    Args:
+        model: a transformers causal LM loaded with ``attn_implementation="vegas"``.
+        config: Vegas hyperparameters.
+        selector: the selector, or None for plain decoding.
+    """
+
+    def __init__(self, model: Any, config: VegasConfig, selector: Selector | None) -> None:
+        self.model = model
+        self.config = config
+        self.selector = selector
+        self.device = model.device
+        self.num_layers = model.config.num_hidden_layers
+        self.layer_types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
+        self.cache = DynamicCache(config=model.config)
+        self.cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.sync = self.device.type == "cuda"
+        self.valid = torch.zeros(0, 0, dtype=torch.bool, device=self.device)  # [B, num_slots]
+        self.num_committed = torch.zeros(0, dtype=torch.long, device=self.device)  # [B]
+        self.last_tokens = torch.zeros(0, dtype=torch.long, device=self.device)  # [B] x_last
+        self.pending = 0  # slots appended since the last commit
+        self.selections: list[Selection] = []
+        self.selection_len = 0
+        self.selection_seconds = 0.0
+        self._warned_full_budget = False
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _tick(self) -> float:
+        if self.sync:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def _forward(
+        self, input_ids: torch.Tensor, input_valid: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        """Append ``input_ids`` ``(B, T)`` to the cache; returns logits ``(B, T, V)`` float32."""
+        num_prev, num_new = self.valid.shape[1], input_ids.shape[1]
+        valid = torch.cat([self.valid, input_valid], dim=1)  # [B, num_prev + T]
+        offsets = (input_valid.long().cumsum(dim=1) - 1).clamp(min=0)
+        position_ids = self.num_committed[:, None] + self.pending + offsets  # [B, T]
+        mask = None
+        if ctx.mode == "full":
+            slots = torch.arange(num_prev + num_new, device=self.device)
+            query_slots = num_prev + torch.arange(num_new, device=self.device)
+            allowed = valid[:, None, :] & (slots[None, None, :] <= query_slots[None, :, None])
+            if ctx.score_rows:
+                ctx.score_allowed = allowed[:, ctx.score_rows] & input_valid[:, ctx.score_rows, None]
+            # Padding queries attend to everything (finite garbage, never read).
+            mask = (allowed | ~input_valid[:, :, None])[:, None]  # [B, 1, T, num_prev + T]
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask={layer_type: mask for layer_type in self.layer_types},
+            use_cache=True,
+            vegas_ctx=ctx,
+            **{self.cache_kwarg: self.cache},
+        )
+        self.valid = valid
+        self.pending += num_new
+        self.selection_seconds += ctx.selection_seconds
+        return out.logits.float()
+
+    def _crop(self, num_slots: int) -> None:
+        if num_slots > 0:
+            self.cache.crop(-num_slots)  # negative: remove, in transformers 5.17 and 5.24
+            self.valid = self.valid[:, :-num_slots]
+
+    def _select(self, scores: dict[int, torch.Tensor]) -> None:
+        start = self._tick()
+        num_slots = self.valid.shape[1]
+        counts = self.valid.sum(dim=1)  # [B]
+        wanted = torch.tensor([kv_budget_for(self.config, int(c)) for c in counts], device=self.device)
+        if not self._warned_full_budget and bool((wanted >= counts).any()):
+            log.info("KV budget >= context for some sequence: drafting attends to everything there")
+            self._warned_full_budget = True
+        budget = torch.minimum(wanted, counts)
+        self.selections = []
+        for layer in range(self.num_layers):
+            layer_scores = scores.get(layer)
+            inputs = SelectionInput(
+                layer_idx=layer,
+                scores=None if layer_scores is None else layer_scores[..., :num_slots],
+                valid=self.valid,
+                budget=budget,
+                keys=self.cache.layers[layer].keys,
+            )
+            self.selections.append(self.selector.select(inputs))
+        self.selection_len = num_slots
+        self.selection_seconds += self._tick() - start
+
+    def _full_context(self, chunk_len: int, num_new: int) -> AttentionContext:
+        """Full-attention context collecting the selector's rows among the last ``chunk_len``."""
+        rows = self.selector.score_rows(chunk_len) if self.selector is not None else []
+        rows = [num_new - chunk_len + r for r in rows if num_new - chunk_len + r >= 0]
+        return AttentionContext(
+            mode="full",
+            score_rows=rows or None,
+            score_mode=self.config.score_mode,
+            groups=self._groups(),
+            sync=self.sync,
+        )
+
+    def _groups(self) -> int:
+        if self.config.granularity == "kv_head":
+            return self.model.config.num_key_value_heads
+        return 1
+
+    # -- Verifier --------------------------------------------------------------------------
+    def prefill(self, prompts: list[list[int]]) -> None:
+        batch_size = len(prompts)
+        width = max(len(p) for p in prompts) - 1
+        input_ids = torch.zeros(batch_size, width, dtype=torch.long)
+        input_valid = torch.zeros(batch_size, width, dtype=torch.bool)
+        for b, prompt in enumerate(prompts):  # left padding
+            n = len(prompt) - 1
+            if n:
+                input_ids[b, width - n:] = torch.tensor(prompt[:-1])
+                input_valid[b, width - n:] = True
+        input_ids, input_valid = input_ids.to(self.device), input_valid.to(self.device)
+        self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device)
+        self.num_committed = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+        self.last_tokens = torch.tensor([p[-1] for p in prompts], device=self.device)
+        ctx = self._full_context(self.config.num_draft_tokens + 1, width)
+        if width:
+            self._forward(input_ids, input_valid, ctx)
+        self.num_committed = input_valid.sum(dim=1)
+        self.pending = 0
+        if self.selector is not None:
+            self._select(ctx.scores)
+
+    @torch.inference_mode()
+    def verify(self, draft_tokens: torch.Tensor) -> torch.Tensor:
+        self._crop(self.pending)  # the drafting phase's slots are rewritten with full attention
+        self.pending = 0
+        chunk = torch.cat([self.last_tokens[:, None], draft_tokens.to(self.device)], dim=1)
+        ctx = self._full_context(chunk.shape[1], chunk.shape[1])
+        logits = self._forward(chunk, torch.ones_like(chunk, dtype=torch.bool), ctx)
+        self._verify_scores = ctx.scores
+        return logits
+
+    def commit(self, num_accepted: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        num_kept = num_accepted.to(self.device) + 1  # x_last, d_1..d_n  [B]
+        max_kept = int(num_kept.max())
+        self._crop(self.pending - max_kept)
+        kept = torch.arange(max_kept, device=self.device)[None, :] < num_kept[:, None]
+        self.valid[:, self.valid.shape[1] - max_kept:] &= kept
+        self.num_committed = self.num_committed + num_kept
+        self.pending = 0
+        self.last_tokens = next_tokens.to(self.device)
+        if self.selector is not None:
+            self._select(self._verify_scores)
+
+    # -- Drafter ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def draft(self, num_draft_tokens: int, sample: SampleFn):
+        ctx = AttentionContext(
+            mode="draft",
+            selections=self.selections,
+            selection_len=self.selection_len,
+            selector=self.selector,
+            sync=self.sync,
+        )
+        tokens, probs = [], []
+        x = self.last_tokens
+        ones = torch.ones(x.shape[0], 1, dtype=torch.bool, device=self.device)
+        for _ in range(num_draft_tokens):
+            ctx.selection_seconds = 0.0
+            logits = self._forward(x[:, None], ones, ctx)[:, -1]  # [B, V]
+            x, p = sample(logits)
+            tokens.append(x)
+            probs.append(p)
+        draft_probs = None if probs[0] is None else torch.stack(probs, dim=1)
+        return torch.stack(tokens, dim=1), draft_probs
+
+
+class HFBackend(Backend):
+    """transformers eager backend (CPU and CUDA; float32, bfloat16, float16).
+
+    Raises:
+        ValueError: unknown ``dtype``.
+        OSError: the model or tokenizer cannot be loaded from ``model``.
+    """
+
+    name = "hf"
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        dtype: str = "float32",
+        device: str | None = None,
+        trust_remote_code: bool = False,
+    ) -> None:
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self._tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model,
+            dtype=DTYPES[dtype],
+            attn_implementation=ATTENTION_NAME,
+            trust_remote_code=trust_remote_code,
+        ).to(device).eval()
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    @property
+    def max_context(self) -> int:
+        return int(self.model.config.max_position_embeddings)
+
+    @torch.inference_mode()
+    def generate(self, prompts, *, max_new_tokens, sampling: SamplingParams, selector, config):
+        from ..plugins import create_selector
+
+        selector_obj = create_selector(selector, config) if selector is not None else None
+        session = HFSession(self.model, config, selector_obj)
+        generator = torch.Generator(device=self.model.device).manual_seed(sampling.seed)
+        common = dict(
+            max_new_tokens=max_new_tokens,
+            sampling=sampling,
+            generator=generator,
+            eos_token_id=self._tokenizer.eos_token_id,
+            clock=session._tick,
+        )
+        if selector_obj is None:
+            tokens, stats = plain_decode(session, prompts, **common)
+        else:
+            tokens, stats = speculative_decode(
+                session, session, selector_obj, prompts,
+                num_draft_tokens=config.num_draft_tokens, **common,
+            )
+        return [
+            RequestOutput(token_ids=t, text=self._tokenizer.decode(t), stats=s)
+            for t, s in zip(tokens, stats)
+        ]

@@ -1,0 +1,169 @@
+"""The three abstract roles of self-speculative decoding: Selector, Drafter, Verifier.
+
+One iteration of the Vegas loop (design notes §1; gpt-fast's ``speculative_decode`` in shape):
+
+1. ``Drafter.draft``: γ tokens with sparse attention over each layer's selected KV entries
+   plus the positions appended since the selection.
+2. ``Verifier.verify``: one full-attention pass over ``[x_last, d_1 .. d_γ]``; the backend
+   hands the logits of the query rows the selector asks for (``Selector.score_rows``) to
+   the selector, reduced over the layer's query heads.
+3. Acceptance (:mod:`vegas.acceptance`), then ``Verifier.commit``: roll the KV cache back
+   to the accepted length and ask the selector for the next index sets.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .config import VegasConfig
+
+__all__ = ["Selection", "SelectionInput", "Selector", "Drafter", "Verifier"]
+
+
+@dataclass
+class Selection:
+    """The KV entries one layer attends to while drafting.
+
+    Attributes:
+        indices: ``torch.LongTensor`` of shape ``(batch_size, groups, k)``: cache slots,
+            ascending where ``mask`` is True. ``groups`` is 1 (shared by the layer's
+            heads) or the number of KV heads.
+        mask: ``torch.BoolTensor`` of shape ``(batch_size, groups, k)``: which entries are
+            real (sequences with a smaller budget or a shorter context are padded).
+    """
+
+    indices: torch.Tensor  # [batch_size, groups, k] int64
+    mask: torch.Tensor  # [batch_size, groups, k] bool
+
+
+@dataclass
+class SelectionInput:
+    """What a full-attention pass saw at one layer, handed to ``Selector.select``.
+
+    Attributes:
+        layer_idx: decoder layer index.
+        scores: ``torch.FloatTensor`` of shape ``(batch_size, groups, num_slots)``, float32:
+            attention logits (or softmax weights, per ``score_mode``) of the rows named by
+            ``Selector.score_rows`` summed over those rows and the query heads of each
+            group; None for selectors that name no rows.
+        valid: ``torch.BoolTensor`` of shape ``(batch_size, num_slots)``: committed cache
+            slots of each sequence (padding and rolled-back slots are False).
+        budget: ``torch.LongTensor`` of shape ``(batch_size,)``: KV budget k per sequence
+            (tokens), already clamped to the number of valid slots.
+        keys: ``torch.Tensor`` of shape ``(batch_size, num_kv_heads, num_slots, head_dim)``
+            in the model dtype: the layer's cached keys (post-RoPE), for key-based
+            selectors such as Quest.
+    """
+
+    layer_idx: int
+    scores: torch.Tensor | None  # [batch_size, groups, num_slots] float32
+    valid: torch.Tensor  # [batch_size, num_slots] bool
+    budget: torch.Tensor  # [batch_size] int64
+    keys: torch.Tensor  # [batch_size, num_kv_heads, num_slots, head_dim]
+
+
+class Selector(ABC):
+    """Chooses, per layer, the KV entries the next drafting phase attends to.
+
+    Subclasses set ``name`` and implement ``select``. A selector that aggregates attention
+    logits of the verified chunk names the rows it needs in ``score_rows``; a query-aware
+    selector (Quest) also implements ``select_for_query``, called at every draft step.
+
+    Args:
+        config: the run's validated :class:`~vegas.config.VegasConfig`.
+    """
+
+    name: ClassVar[str]
+    #: True when ``select_for_query`` must be called at every draft step.
+    query_aware: ClassVar[bool] = False
+
+    def __init__(self, config: VegasConfig) -> None:
+        self.config = config
+
+    def score_rows(self, chunk_len: int) -> list[int]:
+        """Rows of a verified chunk of ``chunk_len`` (γ+1) queries whose logits to aggregate.
+
+        Row 0 is ``x_last`` (it predicts the first draft token), row ``chunk_len - 1`` is
+        the last draft token (it predicts the bonus token). Empty: no scores needed.
+        """
+        return []
+
+    @abstractmethod
+    def select(self, inputs: SelectionInput) -> Selection:
+        """Index sets of one layer for the next drafting phase, within ``inputs.budget``."""
+
+    def select_for_query(
+        self, layer_idx: int, query: torch.Tensor, selection: Selection
+    ) -> Selection:
+        """Refine ``selection`` for one draft query; only for ``query_aware`` selectors.
+
+        Args:
+            query: ``(batch_size, num_heads, 1, head_dim)`` post-RoPE draft query.
+        """
+        return selection
+
+    def observe(self, num_accepted: torch.Tensor, num_draft_tokens: int) -> None:
+        """Learn from an iteration's outcome: ``num_accepted`` ``(batch_size,)`` int64."""
+
+
+class Drafter(ABC):
+    """Proposes γ tokens with sparse attention over the selector's index sets."""
+
+    @abstractmethod
+    def draft(
+        self, num_draft_tokens: int, sample: "SampleFn"
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft γ tokens after each sequence's ``x_last`` (its last committed token).
+
+        Args:
+            num_draft_tokens: γ >= 1.
+            sample: maps logits ``(batch_size, vocab)`` to ``(tokens (batch_size,), probs
+                (batch_size, vocab) | None)``; probs are None under greedy decoding.
+
+        Returns:
+            ``draft_tokens`` ``torch.LongTensor (batch_size, γ)`` and ``draft_probs``
+            ``torch.FloatTensor (batch_size, γ, vocab)`` or None (greedy).
+        """
+
+
+class Verifier(ABC):
+    """Runs the target model with full attention: prefill, verification and rollback."""
+
+    @abstractmethod
+    def prefill(self, prompts: list[list[int]]) -> None:
+        """Prefill all but the last token of each prompt and make the first selection.
+
+        The last prompt token becomes ``x_last``, so that every generated token, the first
+        included, comes out of a draft/verify iteration.
+
+        Args:
+            prompts: token ids, one non-empty list per sequence (lengths may differ).
+        """
+
+    @abstractmethod
+    def verify(self, draft_tokens: torch.Tensor) -> torch.Tensor:
+        """Full attention over ``[x_last, d_1..d_γ]``; collects the selector's scores.
+
+        Args:
+            draft_tokens: ``torch.LongTensor (batch_size, γ)``.
+
+        Returns:
+            target logits ``torch.FloatTensor (batch_size, γ + 1, vocab)``.
+        """
+
+    @abstractmethod
+    def commit(self, num_accepted: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        """Keep ``x_last, d_1..d_n`` in the cache, drop the rest, select for the next draft.
+
+        Args:
+            num_accepted: ``torch.LongTensor (batch_size,)``, n in [0, γ].
+            next_tokens: ``torch.LongTensor (batch_size,)``: the correction or bonus
+                token, the new ``x_last``.
+        """
+
+
+from .sampling import SampleFn  # noqa: E402  (type used in annotations only)

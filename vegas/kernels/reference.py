@@ -1,0 +1,87 @@
+"""Pure-PyTorch reference of score collection and top-k over a paged KV cache.
+
+Layout (vLLM FlashAttention, NHD): ``key_cache[block, offset, kv_head, :]`` holds the key of the
+token at position ``p`` of sequence ``s`` where ``block = block_table[s, p // block_size]`` and
+``offset = p % block_size``; its *slot id* is ``block * block_size + offset``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["collect_scores_reference", "select_topk", "slots_to_fa_pages"]
+
+
+def collect_scores_reference(
+    queries: torch.Tensor,
+    key_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    max_len: int,
+    scale: float = 1.0,
+) -> torch.Tensor:
+    """Reference of :func:`vegas.kernels.collect_scores` (same arguments and result).
+
+    Materialises every logit per head and query in float32, one sequence at a time.
+    """
+    num_seqs, _, num_q_heads, _ = queries.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    out = torch.full((num_seqs, max_len), float("-inf"), dtype=torch.float32, device=queries.device)
+    for s in range(num_seqs):
+        n = int(ctx_lens[s])
+        if n == 0:
+            continue
+        pos = torch.arange(n, device=queries.device)
+        blocks = block_table[s, pos // block_size].long()
+        keys = key_cache[blocks, pos % block_size].float()  # [n, num_kv_heads, head_dim]
+        keys = keys.repeat_interleave(group, dim=1)  # [n, num_q_heads, head_dim]
+        logits = torch.einsum("qhd,nhd->qhn", queries[s].float(), keys) * scale  # [Q, H, n]
+        out[s, :n] = logits.sum(dim=(0, 1))
+    return out
+
+
+def select_topk(
+    scores: torch.Tensor,
+    budgets: torch.Tensor,
+    k_max: int,
+    block_table: torch.Tensor,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence top-k positions of ``scores``, as slot ids of the paged cache.
+
+    Args:
+        scores: ``(num_seqs, max_len)`` float scores, ``-inf`` where a position is not a candidate.
+        budgets: ``(num_seqs,)`` k per sequence (callers clamp it to the number of candidates).
+        k_max: static width, >= ``budgets.max()`` (and <= ``max_len``).
+        block_table: ``(num_seqs, max_blocks)`` int32 block ids.
+        block_size: tokens per block.
+
+    Returns:
+        ``slots``: ``torch.IntTensor`` of shape ``(num_seqs, k_max)``: slot ids of the selected
+        positions (unordered) in the first ``budgets[s]`` columns, ``-1`` after;
+        ``counts``: ``torch.IntTensor`` of shape ``(num_seqs,)``, equal to ``budgets``.
+    """
+    num_seqs = scores.shape[0]
+    if k_max == 0:
+        return (
+            torch.empty((num_seqs, 0), dtype=torch.int32, device=scores.device),
+            budgets.to(torch.int32),
+        )
+    pos = torch.topk(scores, k_max, dim=1, sorted=False).indices  # [num_seqs, k_max]
+    blocks = torch.gather(block_table.long(), 1, pos // block_size)
+    slots = (blocks * block_size + pos % block_size).to(torch.int32)
+    col = torch.arange(k_max, device=scores.device)
+    slots = torch.where(col[None, :] < budgets[:, None], slots, torch.full_like(slots, -1))
+    return slots, budgets.to(torch.int32)
+
+
+def slots_to_fa_pages(slots: torch.Tensor, block_size: int, block_stride_tokens: int) -> torch.Tensor:
+    """Slot ids -> page ids of a page-size-1 view of the cache.
+
+    vLLM's FlashAttention cache is ``[num_blocks, 2, block_size, kv_heads, head_dim]`` (K and V
+    interleaved per block), so a page-size-1 view over the flat tensor puts the key of slot
+    ``b * block_size + o`` at page ``b * block_stride_tokens + o`` with
+    ``block_stride_tokens = 2 * block_size`` (and its value ``block_size`` pages later).
+    """
+    return slots + (slots // block_size) * (block_stride_tokens - block_size)

@@ -1,0 +1,137 @@
+"""The decode loops: plain decoding and the Vegas draft → verify → accept → commit loop.
+
+Backend-agnostic: they drive a :class:`~vegas.interfaces.Drafter` and a
+:class:`~vegas.interfaces.Verifier` that share one batch of sequences.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .acceptance import greedy_accept, speculative_sampling
+from .backends.base import RequestStats
+from .interfaces import Drafter, Selector, Verifier
+from .sampling import SamplingParams, make_sampler
+
+__all__ = ["speculative_decode", "plain_decode"]
+
+
+class _Outputs:
+    """Emitted tokens per sequence, truncated at ``max_new_tokens`` or after EOS."""
+
+    def __init__(self, batch_size: int, max_new_tokens: int, eos_token_id: int | None):
+        self.tokens: list[list[int]] = [[] for _ in range(batch_size)]
+        self.stats = [RequestStats() for _ in range(batch_size)]
+        self.done = [max_new_tokens == 0] * batch_size
+        self.max_new_tokens = max_new_tokens
+        self.eos_token_id = eos_token_id
+
+    def emit(self, b: int, tokens: list[int], num_drafted: int, num_accepted: int) -> None:
+        if self.done[b]:
+            return
+        stats = self.stats[b]
+        stats.iterations += 1
+        stats.num_drafted += num_drafted
+        stats.num_accepted += num_accepted
+        for token in tokens:
+            self.tokens[b].append(token)
+            if token == self.eos_token_id or len(self.tokens[b]) == self.max_new_tokens:
+                self.done[b] = True
+                break
+        stats.num_generated = len(self.tokens[b])
+
+    def finish(self, prefill_seconds: float, decode_seconds: float, selection_seconds: float):
+        for stats in self.stats:
+            stats.prefill_seconds = prefill_seconds
+            stats.decode_seconds = decode_seconds
+            stats.selection_seconds = selection_seconds
+        return self.tokens, self.stats
+
+
+def speculative_decode(
+    verifier: Verifier,
+    drafter: Drafter,
+    selector: Selector,
+    prompts: list[list[int]],
+    *,
+    num_draft_tokens: int,
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    generator: torch.Generator | None = None,
+    eos_token_id: int | None = None,
+    clock=time.perf_counter,
+) -> tuple[list[list[int]], list[RequestStats]]:
+    """Vegas decoding (design notes §1): draft γ, verify, accept, roll back, select.
+
+    Args:
+        prompts: token ids per sequence (non-empty).
+        num_draft_tokens: γ.
+        max_new_tokens: tokens to emit per sequence (fewer after EOS).
+        sampling: greedy (temperature 0) or temperature / top-p sampling.
+        generator: random source for drafting and acceptance.
+        clock: returns seconds; backends on GPUs pass one that synchronises.
+
+    Returns:
+        emitted token ids and :class:`~vegas.backends.base.RequestStats` per sequence;
+        ``selection_seconds`` is read from ``verifier.selection_seconds``.
+    """
+    sample = make_sampler(sampling, generator)
+    out = _Outputs(len(prompts), max_new_tokens, eos_token_id)
+    start = clock()
+    verifier.prefill(prompts)
+    prefill_end = clock()
+    while not all(out.done):
+        # 1. Draft γ tokens with sparse attention.
+        draft_tokens, draft_probs = drafter.draft(num_draft_tokens, sample)  # [B, γ], [B, γ, V]
+        # 2. Verify [x_last, d_1..d_γ] with full attention (scores collected on the way).
+        target_logits = verifier.verify(draft_tokens)  # [B, γ + 1, V]
+        # 3. Accept the longest valid prefix, plus a correction or bonus token.
+        if sampling.greedy:
+            num_accepted, next_tokens = greedy_accept(draft_tokens, target_logits)
+        else:
+            target_probs = sampling.probs(target_logits)
+            num_accepted, next_tokens = speculative_sampling(
+                draft_tokens, draft_probs, target_probs, generator
+            )
+        # 4. Roll back rejected slots; select the next drafting phase's KV entries.
+        verifier.commit(num_accepted, next_tokens)
+        selector.observe(num_accepted, num_draft_tokens)
+        drafts, accepted, nexts = draft_tokens.tolist(), num_accepted.tolist(), next_tokens.tolist()
+        for b, n in enumerate(accepted):
+            out.emit(b, drafts[b][:n] + [nexts[b]], num_draft_tokens, n)
+    end = clock()
+    return out.finish(prefill_end - start, end - prefill_end, verifier.selection_seconds)
+
+
+def plain_decode(
+    verifier: Verifier,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    generator: torch.Generator | None = None,
+    eos_token_id: int | None = None,
+    clock=time.perf_counter,
+) -> tuple[list[list[int]], list[RequestStats]]:
+    """Plain autoregressive decoding with full attention, through the same verifier.
+
+    A decode step is a verification of zero drafts: one full-attention forward of
+    ``x_last``, whose next token is sampled from the target and committed.
+    """
+    sample = make_sampler(sampling, generator)
+    out = _Outputs(len(prompts), max_new_tokens, eos_token_id)
+    start = clock()
+    verifier.prefill(prompts)
+    prefill_end = clock()
+    batch_size = len(prompts)
+    no_drafts = torch.empty(batch_size, 0, dtype=torch.long)
+    while not all(out.done):
+        logits = verifier.verify(no_drafts)  # [B, 1, V]
+        next_tokens, _ = sample(logits[:, -1])
+        verifier.commit(torch.zeros(batch_size, dtype=torch.long), next_tokens)
+        for b, token in enumerate(next_tokens.tolist()):
+            out.emit(b, [token], 0, 0)
+    end = clock()
+    return out.finish(prefill_end - start, end - prefill_end, 0.0)

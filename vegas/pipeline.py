@@ -1,0 +1,137 @@
+"""The front door: ``Pipeline(model=..., selector="collect2", backend="hf").generate(...)``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from .backends.base import Backend, RequestOutput
+from .config import VegasConfig, VegasConfigError
+from .plugins import create_selector, get_backend_class
+from .sampling import SamplingParams
+
+__all__ = ["Pipeline", "DEFAULT_MODEL"]
+
+#: The embedded default model: vegas-tiny-code (Qwen3 architecture, 15.7M parameters,
+#: trained on Python source without click, docutils and jinja2).
+DEFAULT_MODEL = str(Path(__file__).parent / "model")
+
+
+class Pipeline:
+    """Self-speculative decoding with verification-guided sparse attention.
+
+    Args:
+        model: transformers model directory; default the embedded vegas-tiny-code.
+        selector: registered selector name (built-ins: ``collect2``, ``aggregated``,
+            ``sliding_window``, ``quest``, ``last_token``), or None for plain decoding.
+        backend: registered backend name (``hf``, ``vllm``).
+        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        device: ``"cpu"``/``"cuda"``; None picks CUDA when available.
+        trust_remote_code: allow model code shipped with the model (off by default).
+        **config: fields of :class:`~vegas.config.VegasConfig` (``num_draft_tokens``,
+            ``sparsity_ratio``, ``kv_budget``, ...).
+
+    Raises:
+        VegasConfigError: unknown selector, backend or config field, or a field outside
+            its allowed values.
+
+    Example::
+
+        pipe = Pipeline(selector="collect2", backend="hf", num_draft_tokens=4)
+        out = pipe.generate(["def fib(n):"], max_new_tokens=32)
+        print(out[0].text, out[0].stats.acceptance_length)
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        selector: str | None = "collect2",
+        backend: str = "hf",
+        dtype: str = "float32",
+        device: str | None = None,
+        trust_remote_code: bool = False,
+        **config,
+    ) -> None:
+        unknown = set(config) - set(VegasConfig.__dataclass_fields__)
+        if unknown:
+            raise VegasConfigError(
+                f"unknown config field(s) {sorted(unknown)}; allowed: {sorted(VegasConfig.__dataclass_fields__)}"
+            )
+        self.config = VegasConfig(**config)
+        if selector is not None:
+            create_selector(selector, self.config)  # fail fast on an unknown name
+        self.selector = selector
+        backend_cls = get_backend_class(backend)
+        self.backend: Backend = backend_cls(
+            model or DEFAULT_MODEL, dtype=dtype, device=device, trust_remote_code=trust_remote_code
+        )
+
+    @property
+    def tokenizer(self):
+        return self.backend.tokenizer
+
+    def encode(self, prompts: str | Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
+        """Token ids of ``prompts`` (texts are tokenised, token-id lists kept)."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if len(prompts) == 0:
+            raise VegasConfigError("prompts must hold at least one prompt, got an empty list")
+        ids = [
+            self.tokenizer(p, add_special_tokens=False).input_ids if isinstance(p, str) else [int(t) for t in p]
+            for p in prompts
+        ]
+        for i, p in enumerate(ids):
+            if not p:
+                raise VegasConfigError(f"prompt {i} is empty; every prompt needs at least one token")
+        return ids
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        selector: str | None | type(...) = ...,
+    ) -> list[RequestOutput]:
+        """Generate up to ``max_new_tokens`` tokens per prompt (a batch, lengths may differ).
+
+        Args:
+            prompts: a text, a list of texts, or a list of token-id lists.
+            max_new_tokens: tokens to generate per prompt (>= 1).
+            temperature: 0 = greedy (token-identical to plain greedy decoding), else > 0
+                with speculative rejection sampling (the target distribution is kept).
+            top_p: nucleus sampling mass in (0, 1].
+            seed: seed of the sampling generator.
+            selector: override the pipeline's selector for this call (None = plain).
+
+        Returns:
+            one :class:`~vegas.backends.base.RequestOutput` per prompt: ``token_ids``,
+            ``text`` and ``stats`` (acceptance length τ, drafted/accepted counts, decode
+            and selection seconds).
+
+        Raises:
+            VegasConfigError: empty prompt list or prompt, ``max_new_tokens`` < 1, bad
+                sampling parameters, or a prompt that with ``max_new_tokens`` and γ + 1
+                verification slots exceeds the model's context.
+        """
+        selector = self.selector if selector is ... else selector
+        if selector is not None:
+            create_selector(selector, self.config)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise VegasConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
+        ids = self.encode(prompts)
+        limit = self.backend.max_context - max_new_tokens - self.config.num_draft_tokens - 1
+        for i, p in enumerate(ids):
+            if len(p) > limit:
+                raise VegasConfigError(
+                    f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} and "
+                    f"num_draft_tokens={self.config.num_draft_tokens} it must be at most {limit} "
+                    f"tokens (model context {self.backend.max_context})"
+                )
+        return self.backend.generate(
+            ids, max_new_tokens=max_new_tokens, sampling=sampling, selector=selector, config=self.config
+        )

@@ -1,0 +1,167 @@
+"""The plugin manager: built-ins and third-party selectors and backends, by name.
+
+Environment switches (read when the registry is first built):
+
+* ``VEGAS_DISABLE_PLUGIN_AUTOLOAD=1``: load no entry-point plugins (tests do this and
+  register their fixture plugins explicitly with :func:`register`).
+* ``VEGAS_PLUGINS=name1,name2``: load only these entry points of the group ``vegas``.
+* ``VEGAS_TRACE_PLUGINS=1``: log every hook call (pluggy's tracing).
+
+A plugin that fails to import, or raises in a hook, is logged with its name and skipped;
+the others still load.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+from typing import Any
+
+import pluggy
+
+from . import hookspecs
+from .config import VegasConfig, VegasConfigError
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "vegas"
+
+_manager: pluggy.PluginManager | None = None
+_registry: dict[str, dict[str, Any]] | None = None
+plugin_errors: list[str] = []
+
+
+class _Builtins:
+    @hookspecs.hookimpl
+    def vegas_selectors(self):
+        from .strategies import BUILTIN_SELECTORS
+
+        return BUILTIN_SELECTORS
+
+    @hookspecs.hookimpl
+    def vegas_backends(self):
+        def vllm():
+            from .backends.vllm import VLLMBackend
+
+            return VLLMBackend
+
+        from .backends.hf import HFBackend
+
+        return {"hf": HFBackend, "vllm": vllm}
+
+
+def _load_entry_points(pm: pluggy.PluginManager) -> None:
+    if os.environ.get("VEGAS_DISABLE_PLUGIN_AUTOLOAD", "").lower() in ("1", "true", "yes"):
+        return
+    only = {n.strip() for n in os.environ.get("VEGAS_PLUGINS", "").split(",") if n.strip()}
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if only and ep.name not in only:
+            continue
+        try:
+            pm.register(ep.load(), name=ep.name)
+        except Exception as exc:  # a broken plugin must not break the others
+            _report(ep.name, exc)
+
+
+def _report(name: str, exc: BaseException) -> None:
+    message = f"vegas plugin {name!r} failed and was skipped: {type(exc).__name__}: {exc}"
+    plugin_errors.append(message)
+    log.warning(message)
+
+
+def get_plugin_manager() -> pluggy.PluginManager:
+    """The process-wide manager: hook specs, entry-point plugins, then the built-ins."""
+    global _manager
+    if _manager is None:
+        pm = pluggy.PluginManager("vegas")
+        pm.add_hookspecs(hookspecs)
+        if os.environ.get("VEGAS_TRACE_PLUGINS"):
+            pm.trace.root.setwriter(log.debug)
+            pm.enable_tracing()
+        _load_entry_points(pm)
+        pm.register(_Builtins(), name="vegas.builtins")
+        _manager = pm
+    return _manager
+
+
+def register(plugin: object, name: str | None = None) -> None:
+    """Register a plugin object or module by hand (e.g. a test fixture)."""
+    global _registry
+    get_plugin_manager().register(plugin, name=name)
+    _registry = None
+
+
+def unregister(name: str) -> None:
+    """Remove a plugin registered under ``name``."""
+    global _registry
+    get_plugin_manager().unregister(name=name)
+    _registry = None
+
+
+def _collect(hook_name: str) -> dict[str, Any]:
+    pm = get_plugin_manager()
+    merged: dict[str, Any] = {}
+    # Call each implementation on its own so that one raising plugin is skipped, not fatal.
+    # Built-ins claim their names first, then plugins in registration order.
+    impls = getattr(pm.hook, hook_name).get_hookimpls()
+    for impl in sorted(impls, key=lambda impl: impl.plugin_name != "vegas.builtins"):
+        try:
+            provided = impl.function()
+        except Exception as exc:
+            _report(impl.plugin_name, exc)
+            continue
+        for name, obj in (provided or {}).items():
+            if name in merged:
+                log.warning("plugin %r: %s %r already registered, ignored", impl.plugin_name, hook_name, name)
+                continue
+            merged[name] = obj
+    return merged
+
+
+def registry() -> dict[str, dict[str, Any]]:
+    """``{"selectors": {...}, "backends": {...}}`` from every registered plugin."""
+    global _registry
+    if _registry is None:
+        _registry = {
+            "selectors": _collect("vegas_selectors"),
+            "backends": _collect("vegas_backends"),
+        }
+    return _registry
+
+
+def selector_names() -> list[str]:
+    return sorted(registry()["selectors"])
+
+
+def backend_names() -> list[str]:
+    return sorted(registry()["backends"])
+
+
+def create_selector(name: str, config: VegasConfig):
+    """Build the selector registered as ``name``.
+
+    Raises:
+        VegasConfigError: no selector of that name (the message lists the known ones).
+    """
+    selectors = registry()["selectors"]
+    if name not in selectors:
+        raise VegasConfigError(f"selector must be one of {sorted(selectors)}, got {name!r}")
+    return selectors[name](config)
+
+
+def get_backend_class(name: str):
+    """The backend class registered as ``name``.
+
+    Raises:
+        VegasConfigError: no backend of that name (the message lists the known ones).
+    """
+    from .backends.base import Backend
+
+    backends = registry()["backends"]
+    if name not in backends:
+        raise VegasConfigError(f"backend must be one of {sorted(backends)}, got {name!r}")
+    cls = backends[name]
+    if not (isinstance(cls, type) and issubclass(cls, Backend)):
+        cls = cls()  # lazy factory
+    return cls

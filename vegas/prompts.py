@@ -1,0 +1,69 @@
+"""Long-context prompts: built at run time from installed source the model never saw.
+
+The embedded model was trained on Python source without docutils, jinja2 and click
+(design notes §7). ``click`` is vegas's CLI library, so it is always installed: its
+modules, concatenated in a fixed order, form one long document from which contexts of
+the requested length are cut. Users pass their own file or directory instead; files are
+read as text, never executed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from .config import VegasConfigError
+
+__all__ = ["package_source", "read_text_source", "cut_contexts"]
+
+TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".json", ".jsonl", ".toml", ".cfg", ".yaml", ".yml")
+
+
+def package_source(package: str = "click") -> str:
+    """All ``.py`` files of an installed package, sorted by path, each headed by its name."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise VegasConfigError(f"prompt package {package!r} is not an installed package")
+    root = Path(next(iter(spec.submodule_search_locations)))
+    return _concatenate(sorted(root.rglob("*.py")), root.parent)
+
+
+def read_text_source(path: str | Path) -> str:
+    """Text of a file, or of every text file under a directory (sorted), concatenated.
+
+    Raises:
+        VegasConfigError: the path does not exist or holds no text file.
+    """
+    path = Path(path)
+    if path.is_file():
+        return path.read_text(encoding="utf-8", errors="replace")
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+        if files:
+            return _concatenate(files, path)
+    raise VegasConfigError(f"prompts path {str(path)!r} is not a file or a directory with text files")
+
+
+def _concatenate(files: list[Path], root: Path) -> str:
+    parts = [f"# file: {f.relative_to(root)}\n{f.read_text(encoding='utf-8', errors='replace')}" for f in files]
+    return "\n".join(parts)
+
+
+def cut_contexts(token_ids: list[int], context: int, count: int) -> list[list[int]]:
+    """``count`` windows of ``context`` tokens, spread evenly over ``token_ids``.
+
+    Windows overlap when the document is shorter than ``count * context`` tokens.
+
+    Raises:
+        VegasConfigError: ``context`` < 1, ``count`` < 1, or the document is shorter than
+            ``context`` tokens.
+    """
+    if context < 1 or count < 1:
+        raise VegasConfigError(f"context and count must be >= 1, got context={context}, count={count}")
+    if len(token_ids) < context:
+        raise VegasConfigError(
+            f"context={context} tokens is longer than the prompt source ({len(token_ids)} tokens)"
+        )
+    span = len(token_ids) - context
+    starts = [span * i // max(count - 1, 1) if count > 1 else span for i in range(count)]
+    return [token_ids[s : s + context] for s in starts]

@@ -1,0 +1,69 @@
+"""Turning logits into tokens: greedy, or temperature / top-p sampling.
+
+The warpers are transformers' own (``TemperatureLogitsWarper``, ``TopPLogitsWarper``), so
+the target distribution is exactly the one ``model.generate`` would sample from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from transformers import TemperatureLogitsWarper, TopPLogitsWarper
+
+from .config import VegasConfigError
+
+__all__ = ["SamplingParams", "SampleFn", "make_sampler"]
+
+#: logits (batch_size, vocab) -> (tokens (batch_size,) int64, probs (batch_size, vocab) | None)
+SampleFn = Callable[[torch.Tensor], tuple[torch.Tensor, "torch.Tensor | None"]]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are chosen.
+
+    Args:
+        temperature: 0 for greedy decoding, else > 0.
+        top_p: nucleus mass in (0, 1]; 1 switches it off.
+        seed: seed of the ``torch.Generator`` used for sampling and acceptance draws.
+
+    Raises:
+        VegasConfigError: temperature < 0 or top_p outside (0, 1].
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise VegasConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not (0 < self.top_p <= 1):
+            raise VegasConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Sampling distribution ``(..., vocab)`` float32 of ``logits`` ``(..., vocab)``."""
+        shape = logits.shape
+        scores = logits.reshape(-1, shape[-1]).float()
+        scores = TemperatureLogitsWarper(self.temperature)(None, scores)
+        if self.top_p < 1:
+            scores = TopPLogitsWarper(self.top_p)(None, scores)
+        return torch.softmax(scores, dim=-1).reshape(shape)
+
+
+def make_sampler(params: SamplingParams, generator: torch.Generator | None) -> SampleFn:
+    """A ``SampleFn``: argmax under greedy decoding, else a draw from ``params.probs``."""
+
+    def sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if params.greedy:
+            return logits.argmax(dim=-1), None
+        probs = params.probs(logits)
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1), probs
+
+    return sample

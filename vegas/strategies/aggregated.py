@@ -1,0 +1,23 @@
+"""Aggregated-logit selection (Vegas, seed; design notes §1 step 4).
+
+``score_l[i] = Σ_{t ∈ chunk} Σ_{h ∈ heads(l)} logit_l^{(h)}[t, i]`` over all γ+1 queries
+of the verified chunk, rejected ones included; ``S_l = top-k(score_l)``.
+"""
+
+from __future__ import annotations
+
+from ..interfaces import Selection, SelectionInput, Selector
+from ..selection import topk_selection
+
+
+class AggregatedSelector(Selector):
+    """Top-k of the attention logits summed over every query of the verified chunk."""
+
+    name = "aggregated"
+
+    def score_rows(self, chunk_len: int) -> list[int]:
+        return list(range(chunk_len))
+
+    def select(self, inputs: SelectionInput) -> Selection:
+        assert inputs.scores is not None, "the backend must collect score_rows"
+        return topk_selection(inputs.scores, inputs.valid, inputs.budget)
