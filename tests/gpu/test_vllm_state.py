@@ -1,0 +1,103 @@
+"""CPU tests of the vLLM backend's selection plumbing (no vLLM needed): plans, selections and
+the page-size-1 draft tables, checked against positions computed by hand."""
+
+from __future__ import annotations
+
+import torch
+
+from vegas.kernels import collect_scores_reference
+from vegas.vllm_plugin.state import (
+    VllmVegasConfig,
+    build_draft_tables,
+    collect_layer_slots,
+    make_plan,
+    sliding_window_slots,
+)
+
+BS = 16
+
+
+def _block_table(lens, shuffle_seed=0):
+    g = torch.Generator().manual_seed(shuffle_seed)
+    nbs = [(n + BS - 1) // BS + 1 for n in lens]
+    perm = torch.randperm(sum(nbs) + 2, generator=g)
+    bt = torch.zeros(len(lens), max(nbs), dtype=torch.int32)
+    used = 0
+    for i, nb in enumerate(nbs):
+        bt[i, :nb] = perm[used : used + nb].to(torch.int32)
+        used += nb
+    return bt, sum(nbs) + 2
+
+
+def _slot(bt, i, p):
+    return int(bt[i, p // BS]) * BS + p % BS
+
+
+def _page_to_slot(page, page_stride=2 * BS):
+    return (page // page_stride) * BS + page % page_stride
+
+
+def test_plan_verify_and_prefill_rows():
+    # row 0: verify chunk of gamma+1 = 5 tokens, seq_len 100 -> positions 95..99
+    # row 1: prefill of 40 tokens (seq_len 40) -> collect the last 5: positions 35..39
+    # row 2: one-token decode at seq_len 10 (position 9)
+    qsl = torch.tensor([0, 5, 45, 46], dtype=torch.int32)
+    seq_lens = torch.tensor([100, 40, 10], dtype=torch.int32)
+    cfg = VllmVegasConfig(selector="collect2", sparsity_ratio=0.1, min_kv_budget=4)
+    plan = make_plan(qsl, seq_lens, 100, 4, cfg)
+    assert plan.q_idx.tolist() == [[0, 4], [40, 44], [45, 45]]
+    assert plan.q_weight.tolist() == [[1, 1], [1, 1], [1, 0]]
+    assert plan.ctx_sel.tolist() == [95, 35, 9]
+    assert plan.budgets.tolist() == [10, 4, 4]  # ceil(9.5)=10, max(ceil(3.5),4)=4, max(1,4)=4
+    assert plan.k_max == 10
+    agg = make_plan(qsl, seq_lens, 100, 4, VllmVegasConfig(selector="aggregated"))
+    assert agg.q_idx[0].tolist() == [0, 1, 2, 3, 4] and agg.q_weight[2].tolist() == [1, 0, 0, 0, 0]
+
+
+def test_collect_layer_slots_pick_top_scores():
+    lens = [60, 33]
+    bt, nb = _block_table(lens)
+    kv = torch.randn(nb, 2, BS, 2, 8)
+    query = torch.randn(10, 4, 8)  # 2 requests x 5 verify tokens, 4 q heads, 2 kv heads
+    qsl = torch.tensor([0, 5, 10], dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    cfg = VllmVegasConfig(selector="collect2", kv_budget=6)
+    plan = make_plan(qsl, seq_lens, 60, 4, cfg)
+    slots = collect_layer_slots(plan, query, kv.unbind(1)[0], bt, 0.3)
+    for i in range(2):
+        q = query[plan.q_idx[i]][None]  # [1, 2, 4, 8]
+        ref = collect_scores_reference(q, kv.unbind(1)[0], bt[i : i + 1], plan.ctx_sel[i : i + 1], 60, 0.3)[0]
+        top = torch.topk(ref, 6).indices.tolist()
+        assert sorted(slots[i].tolist()) == sorted(_slot(bt, i, p) for p in top)
+
+
+def test_sliding_window_positions():
+    bt, _ = _block_table([100])
+    qsl = torch.tensor([0, 5], dtype=torch.int32)
+    plan = make_plan(qsl, torch.tensor([100], dtype=torch.int32), 100, 4,
+                     VllmVegasConfig(selector="sliding_window", kv_budget=10, num_sinks=4))
+    slots = sliding_window_slots(plan, 4, bt, BS)
+    want = [0, 1, 2, 3] + list(range(89, 95))  # ctx_sel = 95
+    assert sorted(slots[0].tolist()) == sorted(_slot(bt, 0, p) for p in want)
+
+
+def test_draft_tables_cover_selection_plus_recent():
+    lens = [200, 50]
+    bt, _ = _block_table(lens, 3)
+    budgets = torch.tensor([5, 3])
+    ctx_sel = torch.tensor([190, 45])
+    pos0 = torch.tensor([193, 47])  # bonus token positions (2 and 1 accepted)
+    gamma = 4
+    sel_pos = [[3, 70, 11, 150, 0], [7, 1, 30]]
+    k_max = 5
+    sel = torch.full((1, 2, k_max), -1, dtype=torch.int64)
+    for i, ps in enumerate(sel_pos):
+        sel[0, i, : len(ps)] = torch.tensor([_slot(bt, i, p) for p in ps])
+    tables = build_draft_tables(sel, budgets, ctx_sel, pos0 + gamma - 1, bt, BS, 2 * BS, 2 * gamma + 2)
+    for i in range(2):
+        for j in range(gamma):
+            used = int(budgets[i] + (pos0[i] + j - ctx_sel[i] + 1))
+            pages = tables[0, i, :used].tolist()
+            got = sorted(_page_to_slot(p) for p in pages)
+            want_pos = sel_pos[i] + list(range(int(ctx_sel[i]), int(pos0[i]) + j + 1))
+            assert got == sorted(_slot(bt, i, p) for p in want_pos)

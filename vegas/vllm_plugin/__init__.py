@@ -1,0 +1,76 @@
+"""Vegas for stock vLLM 0.24 (V1 GPU model runner, FlashAttention-3 backend).
+
+Switch it on in any vLLM program, no code changes beyond the engine arguments::
+
+    from vllm import LLM
+    llm = LLM(
+        model=...,
+        speculative_config={"method": "custom_class",
+                            "model": "vegas.vllm_plugin.proposer.VegasProposer",
+                            "num_speculative_tokens": 4},
+        compilation_config={"cudagraph_mode": "PIECEWISE"},
+        attention_backend="FLASH_ATTN",
+    )
+
+or ``vllm serve MODEL --speculative-config '{"method": "custom_class", "model":
+"vegas.vllm_plugin.proposer.VegasProposer", "num_speculative_tokens": 4}' -cc.cudagraph_mode=PIECEWISE``,
+with ``VLLM_USE_V2_MODEL_RUNNER=0`` (vLLM picks V1 for custom proposers anyway) and the selector
+in ``VEGAS_VLLM_CONFIG='{"selector": "collect2", "sparsity_ratio": 0.05}'``.
+
+The proposer installs what it needs in the worker process that builds it (single-GPU engines:
+the scheduler lives in that process too). For multi-process workers, installing vegas also
+registers :func:`register` as a ``vllm.general_plugins`` entry point, which vLLM runs in every
+process before the engine exists.
+
+Nothing here imports vLLM at module import time.
+"""
+
+from __future__ import annotations
+
+from .state import SELECTORS, VllmVegasConfig
+
+__all__ = ["CLASS_PATH", "SELECTORS", "VllmVegasConfig", "configure", "get_stats", "register"]
+
+CLASS_PATH = "vegas.vllm_plugin.proposer.VegasProposer"
+
+
+def register() -> None:
+    """``vllm.general_plugins`` entry point: install the attention override and the scheduler's
+    lookahead allocation for the Vegas proposer. Safe to call many times, and a no-op for
+    engines that do not use the Vegas proposer (the override only acts when it is enabled)."""
+    from .attention import install
+    from .proposer import patch_scheduler_lookahead
+
+    install()
+    patch_scheduler_lookahead()
+
+
+def _drafter(worker):
+    runner = getattr(worker, "model_runner", worker)
+    return getattr(runner, "drafter", None)
+
+
+def configure(worker, config_json: str | None = None, reset_stats: bool = True) -> str:
+    """``LLM.collective_rpc(configure, args=(json,))``: change the selector/budget at run time.
+
+    Returns the config now in force, as JSON.
+    """
+    import json
+
+    from .state import STATE
+
+    if config_json:
+        STATE.config = VllmVegasConfig(**json.loads(config_json))
+    drafter = _drafter(worker)
+    if reset_stats and drafter is not None and hasattr(drafter, "reset_stats"):
+        drafter.reset_stats()
+    return STATE.config.to_json()
+
+
+def get_stats(worker) -> dict:
+    """``LLM.collective_rpc(get_stats)``: the proposer's counters (see ``ProposerStats``)."""
+    drafter = _drafter(worker)
+    if drafter is None or not hasattr(drafter, "stats"):
+        return {}
+    drafter._resolve_events()
+    return drafter.stats.as_dict()

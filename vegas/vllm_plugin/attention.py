@@ -1,0 +1,154 @@
+"""Attention override for vLLM's FlashAttention backend (FA3 on Hopper).
+
+``install()`` wraps ``FlashAttentionImpl.forward`` once per process:
+
+- **draft calls** (the forward context carries :class:`DraftMetadata` for the layer): FA3 over
+  the same paged cache viewed with page size 1, with this layer's block table of selected
+  pages plus the recent/draft pages (``seqused_k`` = budget + recent count);
+- **every other call with metadata** (prefill and verification of the runner): the normal FA3
+  call, then :meth:`vegas.vllm_plugin.state.SelectionState.on_layer` collects the scores of the
+  collect queries and selects this layer's top-k.
+
+The KV write of draft tokens is vLLM's own ``unified_kv_cache_update`` with the slot mapping
+that the proposer puts into the forward context. Runs under piecewise CUDA graphs (attention is
+a splitting op, so this Python runs eagerly every step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .state import STATE
+
+__all__ = ["DraftMetadata", "install", "layer_index", "page_views"]
+
+_installed = False
+_layer_idx: dict[str, int] = {}
+_views: dict[tuple[int, tuple], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+@dataclass
+class DraftMetadata:
+    """Attention metadata of one layer in one draft step (query length 1 per request).
+
+    Attributes:
+        block_table: ``(num_seqs, width)`` int32 page ids of the page-size-1 view.
+        seqused_k: ``(num_seqs,)`` int32 pages used per request.
+        query_start_loc: ``(num_seqs + 1,)`` int32, ``arange``.
+        max_seq_len: host bound of ``seqused_k`` (the table width).
+        num_actual_tokens: requests in the step (tokens beyond are padding).
+    """
+
+    block_table: torch.Tensor
+    seqused_k: torch.Tensor
+    query_start_loc: torch.Tensor
+    max_seq_len: int
+    num_actual_tokens: int
+
+
+def layer_index(layer_name: str) -> int:
+    idx = _layer_idx.get(layer_name)
+    if idx is None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        idx = _layer_idx[layer_name] = extract_layer_index(layer_name)
+    return idx
+
+
+def page_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[num_blocks, 2, block_size, H, D]`` cache -> K and V views ``[num_pages, 1, H, D]``.
+
+    Page ``p = block * page_stride + offset`` (``page_stride = stride(0) // stride(2)``,
+    ``2 * block_size`` for vLLM's NHD layout) addresses the key (value) of slot
+    ``block * block_size + offset``; see :func:`vegas.kernels.slots_to_fa_pages`.
+    """
+    key = (kv_cache.data_ptr(), tuple(kv_cache.shape))
+    hit = _views.get(key)
+    if hit is not None:
+        return hit
+    num_blocks, _, block_size, num_heads, head_dim = kv_cache.shape
+    k_cache, v_cache = kv_cache.unbind(1)
+    s_block, s_tok, s_head = k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
+    page_stride = s_block // s_tok
+    num_pages = (num_blocks - 1) * page_stride + block_size
+    size, stride = (num_pages, 1, num_heads, head_dim), (s_tok, s_tok, s_head, 1)
+    views = (
+        torch.as_strided(k_cache, size, stride),
+        torch.as_strided(v_cache, size, stride),
+    )
+    _views[key] = views
+    return views
+
+
+def _draft_attention(impl, layer, query, kv_cache, md: DraftMetadata, output):
+    from vllm.v1.attention.backends.flash_attn import flash_attn_varlen_func
+
+    n = md.num_actual_tokens
+    k_view, v_view = page_views(kv_cache)
+    descale_shape = (n, impl.num_kv_heads)
+    flash_attn_varlen_func(
+        q=query[:n],
+        k=k_view,
+        v=v_view,
+        out=output[:n],
+        cu_seqlens_q=md.query_start_loc,
+        max_seqlen_q=1,
+        seqused_k=md.seqused_k,
+        max_seqlen_k=md.max_seq_len,
+        softmax_scale=impl.scale,
+        causal=True,
+        alibi_slopes=impl.alibi_slopes,
+        window_size=list(impl.sliding_window) if impl.sliding_window is not None else None,
+        block_table=md.block_table,
+        softcap=impl.logits_soft_cap,
+        scheduler_metadata=None,
+        fa_version=impl.vllm_flash_attn_version,
+        q_descale=None,
+        k_descale=layer._k_scale.expand(descale_shape),
+        v_descale=layer._v_scale.expand(descale_shape),
+        num_splits=0,
+        s_aux=impl.sinks,
+    )
+    return output
+
+
+def install() -> None:
+    """Wrap ``FlashAttentionImpl.forward`` (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
+
+    original = FlashAttentionImpl.forward
+    if getattr(original, "_vegas", False):
+        _installed = True
+        return
+
+    def forward(
+        self,
+        layer,
+        query,
+        key,
+        value,
+        kv_cache,
+        attn_metadata,
+        output,
+        output_scale=None,
+        output_block_scale=None,
+    ):
+        if isinstance(attn_metadata, dict):  # pragma: no cover - defensive
+            attn_metadata = attn_metadata.get(layer.layer_name)
+        if isinstance(attn_metadata, DraftMetadata):
+            return _draft_attention(self, layer, query, kv_cache, attn_metadata, output)
+        out = original(
+            self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
+        )
+        if STATE.enabled and attn_metadata is not None and kv_cache.numel() > 0:
+            STATE.on_layer(layer_index(layer.layer_name), query, kv_cache, attn_metadata, self.scale)
+        return out
+
+    forward._vegas = True  # type: ignore[attr-defined]
+    FlashAttentionImpl.forward = forward
+    _installed = True

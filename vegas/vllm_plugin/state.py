@@ -1,0 +1,319 @@
+"""Selection state shared by the attention override and the proposer (pure PyTorch, no vLLM).
+
+One :class:`SelectionState` per worker process. During each full-attention forward of the
+runner (prefill or verification) the attention override calls :meth:`SelectionState.on_layer`
+for every layer: at the first layer it builds a :class:`CollectPlan` for the batch; at every
+layer it turns the collect queries' logits into that layer's top-k slot ids. The proposer then
+turns the selection into page-size-1 FlashAttention block tables (:func:`build_draft_tables`)
+and drafts γ tokens with them, in the same ``execute_model`` call, so batch rows line up.
+
+Positions, per request of the batch:
+
+- the verified chunk holds positions ``[seq_len - query_len, seq_len)``;
+- the collect queries are the last ``γ + 1`` of the chunk (or the whole chunk when shorter):
+  collect2 takes the first and last of them, aggregated all of them;
+- ``ctx_sel`` = position of the first collect query; keys ``[0, ctx_sel)`` are scored, so no
+  causal mask is needed (every collect query sees all of them);
+- drafting attends to the ``k`` selected positions plus every position ``>= ctx_sel``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ..kernels import collect_scores, select_topk, slots_to_fa_pages
+
+__all__ = [
+    "SELECTORS",
+    "CollectPlan",
+    "SelectionState",
+    "VllmVegasConfig",
+    "build_draft_tables",
+    "make_plan",
+    "sliding_window_slots",
+    "STATE",
+]
+
+#: selectors the vLLM backend implements
+SELECTORS = ("collect2", "aggregated", "sliding_window")
+ENV_VAR = "VEGAS_VLLM_CONFIG"
+
+
+@dataclass
+class VllmVegasConfig:
+    """Vegas settings of the vLLM proposer (γ comes from ``speculative_config``).
+
+    Args:
+        selector: one of :data:`SELECTORS`.
+        sparsity_ratio: KV budget as a share of the context (used when ``kv_budget`` is None).
+        kv_budget: fixed KV budget k in tokens, or None.
+        min_kv_budget: lower bound of the ratio-derived budget (tokens).
+        num_sinks: sinks of the sliding-window selector (tokens).
+        window: recent window of the sliding-window selector; None: ``budget - num_sinks``.
+    """
+
+    selector: str = "collect2"
+    sparsity_ratio: float = 0.05
+    kv_budget: int | None = None
+    min_kv_budget: int = 256
+    num_sinks: int = 4
+    window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.selector not in SELECTORS:
+            raise ValueError(
+                f"selector {self.selector!r} is not available on the vLLM backend; "
+                f"choose one of {', '.join(SELECTORS)}"
+            )
+        if not (0 < self.sparsity_ratio <= 1):
+            raise ValueError(f"sparsity_ratio must be in (0, 1], got {self.sparsity_ratio!r}")
+        for name in ("min_kv_budget", "num_sinks"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+
+    @classmethod
+    def from_env(cls) -> VllmVegasConfig:
+        """Read ``$VEGAS_VLLM_CONFIG`` (a JSON object of the fields above); defaults if unset."""
+        raw = os.environ.get(ENV_VAR, "").strip()
+        return cls(**json.loads(raw)) if raw else cls()
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    def budget(self, ctx: int) -> int:
+        """KV budget for a context of ``ctx`` selectable positions (clamped to ``ctx``)."""
+        if self.selector == "sliding_window" and self.window is not None:
+            k = self.num_sinks + self.window
+        elif self.kv_budget is not None:
+            k = self.kv_budget
+        else:
+            k = max(math.ceil(ctx * self.sparsity_ratio), self.min_kv_budget)
+        return min(k, ctx)
+
+    def budgets(self, ctx: torch.Tensor) -> torch.Tensor:
+        """Vectorised :meth:`budget` over ``ctx`` ``(num_seqs,)`` int64 (no host sync)."""
+        if self.selector == "sliding_window" and self.window is not None:
+            k = torch.full_like(ctx, self.num_sinks + self.window)
+        elif self.kv_budget is not None:
+            k = torch.full_like(ctx, self.kv_budget)
+        else:
+            k = torch.ceil(ctx.double() * self.sparsity_ratio).long().clamp(min=self.min_kv_budget)
+        return torch.minimum(k, ctx)
+
+
+@dataclass
+class CollectPlan:
+    """Per-batch plan of one full-attention forward (built at its first layer).
+
+    Attributes:
+        num_seqs: requests in the batch.
+        q_idx: ``(num_seqs, Q)`` token indices of the collect queries in the batch (None for
+            query-agnostic selectors).
+        q_weight: ``(num_seqs, Q)`` float 1/0 (0 masks a repeated index of a short chunk).
+        ctx_sel: ``(num_seqs,)`` int64 selectable positions ``[0, ctx_sel)``.
+        budgets: ``(num_seqs,)`` int64 k per request (<= ctx_sel).
+        k_max: static top-k width (>= budgets.max()).
+        max_len: score width (>= ctx_sel.max()).
+    """
+
+    num_seqs: int
+    q_idx: torch.Tensor | None
+    q_weight: torch.Tensor | None
+    ctx_sel: torch.Tensor
+    budgets: torch.Tensor
+    k_max: int
+    max_len: int
+
+
+def make_plan(
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    gamma: int,
+    config: VllmVegasConfig,
+) -> CollectPlan:
+    """Collect plan of a batch from its attention metadata (device tensors, no host sync).
+
+    Args:
+        query_start_loc: ``(num_seqs + 1,)`` int32 cumulative query lengths.
+        seq_lens: ``(num_seqs,)`` int32 sequence lengths including this chunk.
+        max_seq_len: host-side upper bound of ``seq_lens``.
+        gamma: γ, draft tokens per iteration.
+    """
+    num_seqs = seq_lens.shape[0]
+    start = query_start_loc[:num_seqs].long()
+    end = query_start_loc[1 : num_seqs + 1].long()
+    first = torch.maximum(start, end - 1 - gamma)
+    ctx_sel = seq_lens.long() - (end - first)
+    q_idx = q_weight = None
+    if config.selector == "collect2":
+        q_idx = torch.stack([first, end - 1], dim=1)
+        q_weight = torch.ones(q_idx.shape, dtype=torch.float32, device=q_idx.device)
+        q_weight[:, 1] = (end - 1 > first).float()  # one-token chunk: count it once
+    elif config.selector == "aggregated":
+        offs = torch.arange(gamma + 1, device=first.device)
+        raw = first[:, None] + offs[None, :]
+        q_weight = (raw <= (end - 1)[:, None]).float()
+        q_idx = torch.minimum(raw, (end - 1)[:, None])
+    max_len = max(int(max_seq_len), 1)
+    k_max = config.budget(max_len)
+    return CollectPlan(num_seqs, q_idx, q_weight, ctx_sel, config.budgets(ctx_sel), k_max, max_len)
+
+
+def fold_collect_queries(
+    query: torch.Tensor, plan: CollectPlan, num_kv_heads: int
+) -> torch.Tensor:
+    """``query`` ``(num_tokens, H, D)`` -> ``(num_seqs, num_kv_heads, D)`` float32 sums of the
+    plan's collect queries over queries and each KV head's group of query heads."""
+    assert plan.q_idx is not None and plan.q_weight is not None
+    q = query[plan.q_idx.reshape(-1)].float()  # [num_seqs * Q, H, D]
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    q = q.view(plan.num_seqs, -1, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    return (q * plan.q_weight[:, :, None, None, None]).sum(dim=(1, 3))
+
+
+def collect_layer_slots(
+    plan: CollectPlan,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One layer's selection: ``(num_seqs, k_max)`` int32 slot ids (-1 beyond each budget)."""
+    num_kv_heads = key_cache.shape[2]
+    qsum = fold_collect_queries(query, plan, num_kv_heads)
+    if key_cache.is_cuda:
+        from ..kernels.triton_score import collect_scores_triton
+
+        scores = collect_scores_triton(
+            None, key_cache, block_table[: plan.num_seqs], plan.ctx_sel, plan.max_len, scale, qsum=qsum
+        )
+    else:
+        # [num_seqs, 1, num_kv_heads, D] queries against GQA group size 1 == the folded sums
+        q = qsum[:, None]
+        keys = key_cache
+        scores = collect_scores(q, keys, block_table[: plan.num_seqs], plan.ctx_sel, plan.max_len, scale)
+    slots, _ = select_topk(scores, plan.budgets, plan.k_max, block_table[: plan.num_seqs], key_cache.shape[1])
+    return slots
+
+
+def sliding_window_slots(
+    plan: CollectPlan, num_sinks: int, block_table: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """Sinks plus the last ``k - sinks`` positions before ``ctx_sel``, as ``(num_seqs, k_max)`` slot ids."""
+    col = torch.arange(plan.k_max, device=plan.ctx_sel.device)[None, :]
+    k = plan.budgets[:, None]
+    sinks = torch.clamp(k, max=num_sinks)
+    pos = torch.where(col < sinks, col, plan.ctx_sel[:, None] - k + col)
+    pos = torch.clamp(pos, min=0)
+    blocks = torch.gather(block_table[: plan.num_seqs].long(), 1, pos // block_size)
+    slots = (blocks * block_size + pos % block_size).to(torch.int32)
+    return torch.where(col < k, slots, torch.full_like(slots, -1))
+
+
+def build_draft_tables(
+    sel_slots: torch.Tensor,
+    budgets: torch.Tensor,
+    ctx_sel: torch.Tensor,
+    last_pos: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    page_stride: int,
+    recent_cap: int,
+) -> torch.Tensor:
+    """Page-size-1 block tables of the draft phase.
+
+    Row ``s`` of layer ``l``: columns ``[0, budgets[s])`` hold the selected pages, then the pages
+    of positions ``ctx_sel[s], ctx_sel[s] + 1, …`` (the recent and draft positions); a draft query
+    at position ``p`` uses ``seqused_k = budgets[s] + p - ctx_sel[s] + 1``.
+
+    Args:
+        sel_slots: ``(L, num_seqs, k_max)`` slot ids (L = layers, or 1 when shared).
+        budgets, ctx_sel, last_pos: ``(num_seqs,)`` int64; ``last_pos`` is the last draft position.
+        block_table: ``(num_seqs, max_blocks)`` int32.
+        page_stride: pages per block in the page-size-1 view (``2 * block_size`` in vLLM).
+        recent_cap: columns reserved for recent positions (>= max ``last_pos - ctx_sel + 1``).
+
+    Returns:
+        ``torch.IntTensor`` of shape ``(L, num_seqs, k_max + recent_cap)``.
+    """
+    num_layers, num_seqs, k_max = sel_slots.shape
+    width = k_max + recent_cap
+    col = torch.arange(width, device=budgets.device)[None, :]
+    k = budgets[:, None]
+    pos = ctx_sel[:, None] + (col - k)
+    pos = torch.minimum(torch.clamp(pos, min=0), last_pos[:, None])
+    blocks = torch.gather(block_table[:num_seqs].long(), 1, pos // block_size)
+    recent = slots_to_fa_pages(blocks * block_size + pos % block_size, block_size, page_stride)
+    sel = slots_to_fa_pages(sel_slots.long().clamp(min=0), block_size, page_stride)
+    sel = torch.nn.functional.pad(sel, (0, recent_cap))
+    return torch.where(col[None] < k[None], sel, recent[None]).to(torch.int32)
+
+
+@dataclass
+class SelectionState:
+    """Per-process selection state written by the attention override, read by the proposer."""
+
+    config: VllmVegasConfig = field(default_factory=VllmVegasConfig)
+    gamma: int = 0
+    enabled: bool = False
+    first_layer: int = 0
+    last_layer: int = 0
+    plan: CollectPlan | None = None
+    #: layer index -> (num_seqs, k_max) int32 slot ids of the last full-attention forward
+    slots: dict[int, torch.Tensor] = field(default_factory=dict)
+    block_table: torch.Tensor | None = None
+    block_size: int = 0
+    page_stride: int = 0
+    #: (start, end) CUDA events around each forward's selection work, resolved by the proposer
+    events: list = field(default_factory=list)
+    time_events: bool = True
+    _start: object = None
+
+    def on_layer(self, layer_idx: int, query, kv_cache, attn_metadata, scale: float) -> None:
+        """Called after the full attention of ``layer_idx`` in a runner forward."""
+        cfg = self.config
+        if layer_idx == self.first_layer:
+            start = None
+            if self.time_events and query.is_cuda:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()
+            self.plan = make_plan(
+                attn_metadata.query_start_loc,
+                attn_metadata.seq_lens,
+                attn_metadata.max_seq_len,
+                self.gamma,
+                cfg,
+            )
+            self.slots = {}
+            self.block_table = attn_metadata.block_table
+            self.block_size = kv_cache.shape[2]
+            self.page_stride = kv_cache.stride(0) // kv_cache.stride(2)
+            self._start = start
+        plan = self.plan
+        if plan is None or plan.k_max == 0:
+            return
+        if cfg.selector == "sliding_window":
+            if layer_idx == self.first_layer:
+                self.slots[-1] = sliding_window_slots(
+                    plan, cfg.num_sinks, attn_metadata.block_table, self.block_size
+                )
+        else:
+            key_cache = kv_cache.unbind(1)[0]
+            self.slots[layer_idx] = collect_layer_slots(
+                plan, query, key_cache, attn_metadata.block_table, scale
+            )
+        if layer_idx == self.last_layer and self._start is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.events.append((self._start, end))
+            self._start = None
+
+
+#: the process-wide state (one model runner per worker process)
+STATE = SelectionState()
