@@ -149,7 +149,7 @@ def make_plan(
     start = query_start_loc[:num_seqs].long()
     end = query_start_loc[1 : num_seqs + 1].long()
     first = torch.maximum(start, end - 1 - gamma)
-    ctx_sel = seq_lens.long() - (end - first)
+    ctx_sel = torch.clamp(seq_lens.long() - (end - first), min=0)
     q_idx = q_weight = None
     if config.selector == "collect2":
         q_idx = torch.stack([first, end - 1], dim=1)

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One device call: kernel-vs-reference tests, CUDA tests of the whole suite, then the vLLM
+# benchmark (greedy exactness + throughput table). Keeps going after a failure; logs in $OUT.
+#
+# Before it, in back-to-back device calls (the machine stays warm ~30 s), unpack the vLLM bundle
+# built here by `bash ../shared/device/make_vllm_bundle.sh .device/vllm`:
+#   run(command="bash .device/vllm/pN/unpack.sh", carry=[".device/vllm/pN"])   for N = 0..6
+# then:
+#   run(command="bash scripts/device_check.sh")            (BENCH_ARGS / BENCH_S / PHASES to adjust)
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+export VLLM_ALLOW_INSECURE_SERIALIZATION=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-/tmp/vegas_out}; mkdir -p "$OUT"
+PHASES=${PHASES:-"env kernels cuda bench"}
+BENCH_S=${BENCH_S:-420}
+BENCH_ARGS=${BENCH_ARGS:-"--methods vegas,plain,ngram --contexts 16384 --batches 1,8,32,128 --new-tokens 128"}
+T0=$(date +%s)
+say() { echo "=== [$(( $(date +%s) - T0 ))s] $*"; }
+
+if [ ! -d /tmp/site/vllm ]; then say "vLLM bundle not unpacked in /tmp/site (see header)"; fi
+for phase in $PHASES; do
+  case $phase in
+    env)
+      say "env"
+      nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv 2>&1 | tee "$OUT/env.log"
+      python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" 2>&1 | tee -a "$OUT/env.log"
+      python3 -c "import vllm; print('vllm', vllm.__version__)" 2>&1 | tail -1 | tee -a "$OUT/env.log"
+      ;;
+    kernels)
+      say "kernel vs reference tests (tests/gpu)"
+      timeout 240 python3 -m pytest tests/gpu -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/kernel_tests.log" | tail -25
+      ;;
+    cuda)
+      say "CUDA tests of the suite (-k 'cuda or gpu', tests/gpu excluded)"
+      timeout 150 python3 -m pytest tests -x -q -k "cuda or gpu" --ignore=tests/gpu -p no:cacheprovider 2>&1 \
+        | tee "$OUT/cuda_tests.log" | tail -15
+      ;;
+    bench)
+      left=$(( BENCH_S ))
+      say "vllm_bench.py $BENCH_ARGS (time budget ${left}s)"
+      timeout $(( left + 60 )) python3 scripts/vllm_bench.py $BENCH_ARGS --time-budget "$left" \
+        --out "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+      echo "bench rc=$?"
+      grep -E "^\[|^\||exactness|errors|Error|error|Traceback|FAILED" "$OUT/bench.log" | grep -v "WARNING" | tail -80
+      ;;
+  esac
+done
+say "done"

@@ -1,0 +1,336 @@
+#!/usr/bin/env python3
+"""Device benchmark of the vLLM backend: plain vLLM, vLLM ngram, vegas selectors.
+
+Run on the GPU machine after the vLLM bundle is unpacked (see scripts/device_check.sh)::
+
+    PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python scripts/vllm_bench.py \
+        --contexts 16384,8192 --batches 1,8,32,128 --out $OUT/bench.json
+
+Prompts: windows of held-out code (benchmarks/data/heldout_code_dev.jsonl.xz, packages the
+model never saw), tokenized with the model's tokenizer; window i starts at a different offset
+of the concatenated documents, the shorter context is a prefix of the longer one.
+
+Per engine and context, every prompt is first prefilled once (max_tokens=1) so that prefix
+caching holds it; the timed run then decodes ``--new-tokens`` tokens per request
+(``ignore_eos``), so its wall time is decode time (plus one block of prefill).
+Decode throughput = generated tokens / wall time. Acceptance length τ = tokens emitted per
+verification (vegas: the proposer's counters; ngram: vLLM's spec-decode metrics).
+Selection overhead = GPU time of score collection + top-k + draft-table building (CUDA events)
+/ wall time. Speedup = throughput / plain vLLM throughput at the same context and batch.
+
+Greedy exactness: ``--exact-prompts`` prompts at the first context, greedy, compared token by
+token with plain vLLM greedy; at the first differing token the plain run's top-2 logprob gap
+is reported (a bf16 near-tie shows a small gap).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import lzma
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+sys.path.insert(0, str(ROOT))
+
+T_START = time.time()
+
+
+def log(*a):
+    print(f"[{time.time() - T_START:7.1f}s]", *a, flush=True)
+
+
+def load_prompts(model_dir: str, num: int, length: int, data: Path) -> list[list[int]]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    docs = [json.loads(line)["text"] for line in lzma.open(data, "rt")]
+    ids: list[int] = []
+    for d in docs:
+        ids.extend(tok.encode(d).ids)
+    span = len(ids) - length
+    if span <= 0:
+        ids = ids * (length // len(ids) + 2)
+        span = len(ids) - length
+    stride = max(span // max(num, 1), 1)
+    return [ids[(i * stride) % span : (i * stride) % span + length] for i in range(num)]
+
+
+def metric_counts(llm) -> dict[str, float]:
+    out: dict[str, float] = {}
+    try:
+        for m in llm.get_metrics():
+            if m.name.startswith("vllm:spec_decode_num") and hasattr(m, "value"):
+                out[m.name] = out.get(m.name, 0.0) + float(m.value)
+    except Exception as e:  # metrics are optional
+        out["error"] = str(e)  # type: ignore[assignment]
+    return out
+
+
+def build_llm(method: str, args, max_len: int, vegas_cfg: dict | None = None):
+    from vllm import LLM
+
+    kw = dict(
+        model=args.model,
+        dtype="bfloat16",
+        max_model_len=max_len,
+        max_num_seqs=max(args.batches),
+        gpu_memory_utilization=args.gpu_mem,
+        enable_prefix_caching=True,
+        skip_tokenizer_init=True,
+        disable_log_stats=False,
+        attention_backend="FLASH_ATTN",
+        seed=0,
+    )
+    if args.load_format:
+        kw["load_format"] = args.load_format
+    if args.eager:
+        kw["enforce_eager"] = True
+    sizes = sorted({1, 2, 4, 8, 16, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512, 640})
+    cc: dict = {"cudagraph_capture_sizes": sizes}
+    if method == "ngram":
+        kw["speculative_config"] = {
+            "method": "ngram",
+            "num_speculative_tokens": args.gamma,
+            "prompt_lookup_max": 4,
+            "prompt_lookup_min": 2,
+        }
+    elif method == "vegas":
+        from vegas.vllm_plugin import CLASS_PATH
+
+        os.environ["VEGAS_VLLM_CONFIG"] = json.dumps(vegas_cfg or {})
+        kw["speculative_config"] = {
+            "method": "custom_class",
+            "model": CLASS_PATH,
+            "num_speculative_tokens": args.gamma,
+        }
+        cc["cudagraph_mode"] = "PIECEWISE"
+    if not args.eager:
+        kw["compilation_config"] = cc
+    t = time.time()
+    llm = LLM(**kw)
+    log(f"engine {method} ready in {time.time() - t:.1f}s")
+    return llm
+
+
+def vegas_cfg(args, selector: str) -> dict:
+    cfg = {"selector": selector, "sparsity_ratio": args.sparsity, "min_kv_budget": args.min_kv_budget}
+    if args.kv_budget:
+        cfg["kv_budget"] = args.kv_budget
+    return cfg
+
+
+def generate(llm, prompts, sp):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return outs
+
+
+def run_engine(method: str, args, prompts_by_ctx, results, exact_ref):
+    from vllm import SamplingParams
+
+    from vegas.vllm_plugin import configure, get_stats
+
+    max_ctx = max(prompts_by_ctx)
+    llm = build_llm(method, args, max_ctx + args.new_tokens + 64, vegas_cfg(args, args.selectors[0]))
+    selectors = args.selectors if method == "vegas" else [None]
+
+    def set_selector(sel):
+        if sel is not None:
+            llm.collective_rpc(configure, args=(json.dumps(vegas_cfg(args, sel)),))
+
+    # ---- greedy exactness ----
+    ectx = args.contexts[0]
+    eprompts = prompts_by_ctx[ectx][: args.exact_prompts]
+    if eprompts:
+        for sel in selectors:
+            set_selector(sel)
+            sp = SamplingParams(
+                temperature=0.0, max_tokens=args.exact_tokens, ignore_eos=True, detokenize=False,
+                logprobs=2 if method == "plain" else None,
+            )
+            t = time.time()
+            outs = generate(llm, eprompts, sp)
+            name = method if sel is None else f"vegas-{sel}"
+            toks = [list(o.outputs[0].token_ids) for o in outs]
+            exact_ref[name] = toks
+            if method == "plain":
+                exact_ref["plain_logprobs"] = [o.outputs[0].logprobs for o in outs]
+            log(f"greedy {name}: {len(toks)} x {args.exact_tokens} tokens in {time.time()-t:.1f}s")
+            if method == "vegas":
+                st = llm.collective_rpc(get_stats)[0]
+                log(f"greedy {name} proposer stats: {json.dumps(st)}")
+
+    # ---- throughput ----
+    for ctx in args.contexts:
+        prompts = prompts_by_ctx[ctx]
+        t = time.time()
+        generate(llm, prompts[: max(args.batches)], SamplingParams(max_tokens=1, detokenize=False))
+        log(f"{method} ctx {ctx}: warm prefill of {max(args.batches)} prompts {time.time()-t:.1f}s")
+        for bsz in args.batches:
+            for sel in selectors:
+                if time.time() - T_START > args.time_budget:
+                    log("time budget reached; skipping the rest")
+                    return llm
+                set_selector(sel)
+                name = method if sel is None else f"vegas-{sel}"
+                sp = SamplingParams(
+                    temperature=args.temperature, top_p=1.0, max_tokens=args.new_tokens,
+                    ignore_eos=True, detokenize=False,
+                )
+                m0 = metric_counts(llm)
+                if method == "vegas":
+                    llm.collective_rpc(configure, args=(None, True))
+                t = time.time()
+                outs = generate(llm, prompts[:bsz], sp)
+                wall = time.time() - t
+                ntok = sum(len(o.outputs[0].token_ids) for o in outs)
+                row = {"ctx": ctx, "batch": bsz, "method": name, "tokens": ntok, "wall_s": wall,
+                       "tok_per_s": ntok / wall, "ms_per_token_step": wall * 1e3 / (ntok / bsz)}
+                if method == "vegas":
+                    st = llm.collective_rpc(get_stats)[0]
+                    row["acceptance_length"] = st.get("acceptance_length")
+                    row["selection_overhead"] = (st.get("select_ms", 0) + st.get("table_ms", 0)) / (wall * 1e3)
+                    row["draft_share"] = st.get("draft_ms", 0) / (wall * 1e3)
+                    row["stats"] = st
+                elif method == "ngram":
+                    m1 = metric_counts(llm)
+                    dr = m1.get("vllm:spec_decode_num_drafts", 0) - m0.get("vllm:spec_decode_num_drafts", 0)
+                    acc = m1.get("vllm:spec_decode_num_accepted_tokens", 0) - m0.get(
+                        "vllm:spec_decode_num_accepted_tokens", 0)
+                    row["acceptance_length"] = 1 + acc / dr if dr else None
+                results["rows"].append(row)
+                log(json.dumps({k: v for k, v in row.items() if k != "stats"}))
+                save(results, args)
+    return llm
+
+
+def compare(toks, ref) -> dict:
+    n_same, diffs = 0, []
+    for i, (a, b) in enumerate(zip(toks, ref["plain"])):
+        if a == b:
+            n_same += 1
+            continue
+        j = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
+        gap = None
+        lp = ref["plain_logprobs"][i]
+        if lp is not None and j < len(lp) and lp[j]:
+            vals = sorted((v.logprob for v in lp[j].values()), reverse=True)
+            if len(vals) >= 2:
+                gap = vals[0] - vals[1]
+        diffs.append({"prompt": i, "first_diff": j, "top2_logprob_gap": gap,
+                      "differing_tokens": sum(x != y for x, y in zip(a, b))})
+    return {"identical": n_same, "total": len(toks), "diffs": diffs}
+
+
+def save(results, args):
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1, default=str))
+
+
+def _fmt(v, spec: str) -> str:
+    return "" if v is None else spec.format(v)
+
+
+def shutdown(llm) -> None:
+    """Stop the engine's processes so that the next engine gets the GPU memory."""
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception as e:  # best effort
+        log(f"shutdown: {e!r}")
+
+
+def table(results) -> str:
+    rows = results["rows"]
+    plain = {(r["ctx"], r["batch"]): r["tok_per_s"] for r in rows if r["method"] == "plain"}
+    lines = ["| ctx | batch | method | tok/s | ms/step | τ | sel. overhead | speedup |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        base = plain.get((r["ctx"], r["batch"]))
+        tau = r.get("acceptance_length")
+        so = r.get("selection_overhead")
+        lines.append(
+            f"| {r['ctx']} | {r['batch']} | {r['method']} | {r['tok_per_s']:.0f} | {r['ms_per_token_step']:.2f} | "
+            f"{_fmt(tau, '{:.2f}')} | {_fmt(so and 100 * so, '{:.1f}%')} | "
+            f"{_fmt(base and r['tok_per_s'] / base, '{:.2f}x')} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=str(ROOT / "vegas" / "model"))
+    ap.add_argument("--load-format", default=None, help="e.g. dummy")
+    ap.add_argument("--data", default=str(ROOT / "benchmarks" / "data" / "heldout_code_dev.jsonl.xz"))
+    ap.add_argument("--contexts", default="16384,8192")
+    ap.add_argument("--batches", default="1,8,32,128")
+    ap.add_argument("--methods", default="plain,ngram,vegas")
+    ap.add_argument("--selectors", default="collect2,aggregated,sliding_window")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--sparsity", type=float, default=0.05)
+    ap.add_argument("--min-kv-budget", type=int, default=256)
+    ap.add_argument("--kv-budget", type=int, default=0)
+    ap.add_argument("--temperature", type=float, default=0.8)
+    ap.add_argument("--greedy", action="store_true", help="benchmark greedy instead of sampling")
+    ap.add_argument("--exact-prompts", type=int, default=8)
+    ap.add_argument("--exact-tokens", type=int, default=64)
+    ap.add_argument("--gpu-mem", type=float, default=0.5)
+    ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--time-budget", type=float, default=1e9, help="seconds; later runs are skipped")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    args.contexts = [int(x) for x in args.contexts.split(",")]
+    args.batches = [int(x) for x in args.batches.split(",")]
+    args.selectors = args.selectors.split(",")
+    if args.greedy:
+        args.temperature = 0.0
+    methods = args.methods.split(",")
+
+    t = time.time()
+    longest = load_prompts(args.model, max(args.batches + [args.exact_prompts]), max(args.contexts), Path(args.data))
+    prompts_by_ctx = {c: [p[:c] for p in longest] for c in args.contexts}
+    log(f"prompts: {len(longest)} x {max(args.contexts)} tokens ({time.time()-t:.1f}s)")
+    results = {"args": vars(args), "rows": [], "exactness": {}, "errors": {}}
+    exact_ref: dict = {}
+    for method in methods:
+        if time.time() - T_START > args.time_budget:
+            break
+        try:
+            llm = run_engine(method, args, prompts_by_ctx, results, exact_ref)
+            shutdown(llm)
+            del llm
+        except Exception as e:  # keep going: one failing engine must not hide the others
+            import traceback
+
+            traceback.print_exc()
+            results["errors"][method] = repr(e)
+            log(f"ENGINE {method} FAILED: {e!r}")
+        gc.collect()
+        try:
+            import torch
+
+            torch.cuda.empty_cache()
+        except Exception:
+            pass
+        save(results, args)
+    if "plain" in exact_ref:
+        for name, toks in exact_ref.items():
+            if name not in ("plain", "plain_logprobs"):
+                results["exactness"][name] = compare(toks, exact_ref)
+    print(table(results), flush=True)
+    for k, v in results["exactness"].items():
+        print(f"exactness {k}: {v['identical']}/{v['total']} identical; diffs: {v['diffs']}", flush=True)
+    if results["errors"]:
+        print("errors:", results["errors"], flush=True)
+    save(results, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
