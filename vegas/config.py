@@ -39,6 +39,10 @@ class VegasConfig:
         window: recent positions kept by the sliding-window selector (tokens); None means
             ``budget - num_sinks`` so that baselines compare at equal budget.
         page_size: Quest page size P (tokens).
+        recent_window: the last committed positions every score-based selector keeps inside
+            its budget (tokens), on top of the top-k of the rest; 0 = pure top-k. Default 64
+            (the reference keeps the recent tokens; at 4K context, γ=4, budget 256 it raised
+            collect2 τ from 3.62 to 4.27 greedy and 2.74 to 3.37 sampled).
         granularity: ``"layer"`` (one index set per layer shared by its heads, the seed's
             formula) or ``"kv_head"`` (one set per KV head).
         score_mode: ``"logit"`` (rank by summed pre-softmax logits, the seed's formula) or
@@ -56,6 +60,7 @@ class VegasConfig:
     num_sinks: int = 4
     window: int | None = None
     page_size: int = 16
+    recent_window: int = 64
     granularity: Literal["layer", "kv_head"] = "layer"
     score_mode: Literal["logit", "weight"] = "logit"
 
@@ -71,6 +76,7 @@ class VegasConfig:
         if self.window is not None:
             _raise_if_not_int("window", self.window, 0)
         _raise_if_not_int("page_size", self.page_size, 1)
+        _raise_if_not_int("recent_window", self.recent_window, 0)
         if self.granularity not in ("layer", "kv_head"):
             raise VegasConfigError(
                 f"granularity must be 'layer' or 'kv_head', got {self.granularity!r}"

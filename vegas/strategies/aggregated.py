@@ -6,8 +6,11 @@ of the verified chunk, rejected ones included; ``S_l = top-k(score_l)``.
 
 from __future__ import annotations
 
+import torch
+
 from ..interfaces import Selection, SelectionInput, Selector
 from ..selection import topk_selection
+from .sliding_window import sliding_window_keep
 
 
 class AggregatedSelector(Selector):
@@ -20,4 +23,10 @@ class AggregatedSelector(Selector):
 
     def select(self, inputs: SelectionInput) -> Selection:
         assert inputs.scores is not None, "the backend must collect score_rows"
-        return topk_selection(inputs.scores, inputs.valid, inputs.budget)
+        scores = inputs.scores
+        if self.config.recent_window:
+            none = torch.zeros_like(inputs.budget)
+            window = inputs.budget.clamp(max=self.config.recent_window)
+            recent = sliding_window_keep(inputs.valid, none, window)  # [B, num_slots]
+            scores = scores.masked_fill(recent[:, None, :], float("inf"))
+        return topk_selection(scores, inputs.valid, inputs.budget)

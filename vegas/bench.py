@@ -1,0 +1,146 @@
+"""The main job: plain decoding and each selector on the same prompts, one table.
+
+Throughput runs sample (temperature 0.8, top-p 0.95 by default): greedy decoding of the
+small embedded model falls into repetition loops (design notes §7), which makes greedy
+throughput meaningless. Every run also checks exactness: a short greedy generation per
+selector must equal plain greedy decoding on the same prompts, token for token.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from .backends.base import RequestOutput
+from .pipeline import Pipeline
+from .plugins import create_selector
+from .prompts import cut_contexts, package_source, read_text_source
+
+__all__ = ["BenchOptions", "run_bench", "summarize"]
+
+
+@dataclass
+class BenchOptions:
+    """Options of ``vegas bench`` (see ``vegas bench --help``)."""
+
+    model: str | None = None
+    backend: str = "hf"
+    selectors: list[str] = field(default_factory=lambda: ["collect2", "aggregated", "sliding_window", "quest"])
+    context: int = 4096
+    new_tokens: int = 64
+    batch_size: int = 2
+    num_draft_tokens: int = 4
+    sparsity_ratio: float = 0.05
+    kv_budget: int | None = None
+    temperature: float = 0.8
+    top_p: float = 0.95
+    check_tokens: int = 16
+    prompts: str | None = None
+    dtype: str = "float32"
+    device: str | None = None
+    seed: int = 0
+
+
+def summarize(outputs: list[RequestOutput]) -> dict:
+    """Batch-level figures of one ``generate`` call.
+
+    Returns:
+        ``tokens_per_second`` (generated tokens / decode seconds), ``acceptance_length``
+        (tokens emitted per iteration, over the batch), ``selection_overhead`` (selection
+        seconds / decode seconds), token and second counts.
+    """
+    stats = [o.stats for o in outputs]
+    generated = sum(s.num_generated for s in stats)
+    iterations = sum(s.iterations for s in stats)
+    decode = stats[0].decode_seconds
+    return {
+        "generated_tokens": generated,
+        "iterations": iterations,
+        "acceptance_length": generated / iterations if iterations else 0.0,
+        "decode_seconds": decode,
+        "prefill_seconds": stats[0].prefill_seconds,
+        "tokens_per_second": generated / decode if decode else 0.0,
+        "selection_overhead": stats[0].selection_seconds / decode if decode else 0.0,
+    }
+
+
+def _prompts(pipe: Pipeline, opts: BenchOptions) -> list[list[int]]:
+    text = read_text_source(opts.prompts) if opts.prompts else package_source("click")
+    ids = pipe.tokenizer(text, add_special_tokens=False).input_ids
+    return cut_contexts(ids, opts.context, opts.batch_size)
+
+
+def run_bench(opts: BenchOptions, console: Console | None = None) -> dict:
+    """Run the benchmark and return the results (also what ``--json`` writes).
+
+    Raises:
+        VegasConfigError: a bad option (named in the message).
+    """
+    console = console or Console(stderr=True)
+    config = {"num_draft_tokens": opts.num_draft_tokens, "sparsity_ratio": opts.sparsity_ratio}
+    if opts.kv_budget is not None:
+        config["kv_budget"] = opts.kv_budget
+    pipe = Pipeline(
+        opts.model, selector=None, backend=opts.backend, dtype=opts.dtype, device=opts.device, **config
+    )
+    for name in opts.selectors:  # fail on an unknown name before any work
+        create_selector(name, pipe.config)
+    prompts = _prompts(pipe, opts)
+    sampled = dict(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)
+    results: dict = {"options": asdict(opts), "config": asdict(pipe.config), "selectors": {}}
+
+    runs = [None, *opts.selectors]
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("vegas bench", total=2 * len(runs))
+        progress.update(task, description="plain greedy (reference)")
+        reference = pipe.generate(prompts, max_new_tokens=opts.check_tokens, selector=None)
+        progress.advance(task)
+        for name in runs:
+            label = name or "plain"
+            progress.update(task, description=f"{label}: sampling")
+            row = summarize(pipe.generate(prompts, max_new_tokens=opts.new_tokens, selector=name, **sampled))
+            progress.advance(task)
+            if name is None:
+                results["plain"] = row
+                continue
+            progress.update(task, description=f"{label}: greedy exactness check")
+            greedy = pipe.generate(prompts, max_new_tokens=opts.check_tokens, selector=name)
+            progress.advance(task)
+            row["greedy_acceptance_length"] = summarize(greedy)["acceptance_length"]
+            row["lossless"] = all(g.token_ids == r.token_ids for g, r in zip(greedy, reference))
+            row["speedup"] = row["tokens_per_second"] / results["plain"]["tokens_per_second"]
+            results["selectors"][name] = row
+    return results
+
+
+def render(results: dict) -> Table:
+    """A rich table of ``results`` (plain decoding first, then each selector)."""
+    o = results["options"]
+    table = Table(
+        title=f"vegas bench: {o['backend']} backend, context {o['context']}, batch {o['batch_size']}, "
+        f"γ={o['num_draft_tokens']}, sparsity {o['sparsity_ratio']}, T={o['temperature']}"
+    )
+    for col in ("method", "τ (sampled)", "τ (greedy)", "tok/s", "speedup", "selection", "lossless"):
+        table.add_column(col, justify="right" if col != "method" else "left")
+    plain = results["plain"]
+    table.add_row("plain", "1.00", "1.00", f"{plain['tokens_per_second']:.1f}", "1.00×", "-", "ref")
+    for name, r in results["selectors"].items():
+        table.add_row(
+            name,
+            f"{r['acceptance_length']:.2f}",
+            f"{r['greedy_acceptance_length']:.2f}",
+            f"{r['tokens_per_second']:.1f}",
+            f"{r['speedup']:.2f}×",
+            f"{100 * r['selection_overhead']:.1f} %",
+            "yes" if r["lossless"] else "NO",
+        )
+    return table
+
+
+def write_json(results: dict, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(results, indent=2))

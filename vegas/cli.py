@@ -1,0 +1,94 @@
+"""Command line: ``vegas bench`` (the main job) and ``vegas generate``."""
+
+from __future__ import annotations
+
+import logging
+
+import click
+from rich.console import Console
+
+from .config import VegasConfigError
+
+_CONFIG_OPTIONS = [
+    click.option("--model", default=None, help="Model directory (default: the embedded vegas-tiny-code)."),
+    click.option("--backend", default="hf", show_default=True, help="Registered backend: hf, vllm, or a plugin's."),
+    click.option("--num-draft-tokens", "-g", default=4, show_default=True, type=int, help="γ, draft tokens per iteration."),
+    click.option("--sparsity-ratio", default=0.05, show_default=True, type=float, help="KV budget / context, in (0, 1]."),
+    click.option("--kv-budget", default=None, type=int, help="KV budget in tokens (overrides --sparsity-ratio)."),
+    click.option("--temperature", default=0.8, show_default=True, type=float, help="0 = greedy."),
+    click.option("--top-p", default=0.95, show_default=True, type=float),
+    click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"])),
+    click.option("--device", default=None, help="cpu or cuda (default: cuda when available)."),
+    click.option("--seed", default=0, show_default=True, type=int),
+]
+
+
+def _config_options(fn):
+    for option in reversed(_CONFIG_OPTIONS):
+        fn = option(fn)
+    return fn
+
+
+@click.group()
+@click.option("-v", "--verbose", is_flag=True, help="Log at INFO level.")
+def main(verbose: bool) -> None:
+    """vegas: lossless self-speculative decoding with verification-guided sparse attention."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING)
+
+
+@main.command()
+@_config_options
+@click.option("--selectors", default="collect2,aggregated,sliding_window,quest", show_default=True,
+              help="Comma-separated selector names.")
+@click.option("--context", default=4096, show_default=True, type=int, help="Prompt length in tokens.")
+@click.option("--new-tokens", default=64, show_default=True, type=int, help="Tokens generated per prompt.")
+@click.option("--batch-size", default=2, show_default=True, type=int, help="Prompts decoded together.")
+@click.option("--check-tokens", default=16, show_default=True, type=int,
+              help="Tokens of the greedy exactness check per selector.")
+@click.option("--prompts", default=None, type=click.Path(exists=True),
+              help="Text file or directory to cut prompts from (default: installed click source).")
+@click.option("--json", "json_path", default=None, type=click.Path(), help="Write results as JSON here.")
+def bench(json_path, selectors, **kwargs) -> None:
+    """Plain decoding vs each selector on the same long prompts: τ, tok/s, speedup, exactness."""
+    from .bench import BenchOptions, render, run_bench, write_json
+
+    console = Console()
+    try:
+        opts = BenchOptions(selectors=[s.strip() for s in selectors.split(",") if s.strip()], **kwargs)
+        results = run_bench(opts, Console(stderr=True))
+    except VegasConfigError as exc:
+        raise click.UsageError(str(exc)) from exc
+    console.print(render(results))
+    if json_path:
+        write_json(results, json_path)
+        console.print(f"results written to {json_path}")
+    if not all(r["lossless"] for r in results["selectors"].values()):
+        raise click.ClickException("greedy exactness check failed for some selector")
+
+
+@main.command()
+@_config_options
+@click.argument("prompt")
+@click.option("--selector", default="collect2", show_default=True, help="Selector name, or 'none' for plain decoding.")
+@click.option("--max-new-tokens", default=64, show_default=True, type=int)
+def generate(prompt, selector, max_new_tokens, model, backend, dtype, device, temperature, top_p, seed, **config) -> None:
+    """Generate after PROMPT (text; '@path' reads it from a file) and print text and statistics."""
+    from .pipeline import Pipeline
+    from .prompts import read_text_source
+
+    try:
+        text = read_text_source(prompt[1:]) if prompt.startswith("@") else prompt
+        if config["kv_budget"] is None:
+            config.pop("kv_budget")
+        pipe = Pipeline(model, selector=None if selector == "none" else selector, backend=backend,
+                        dtype=dtype, device=device, **config)
+        out = pipe.generate(text, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)[0]
+    except VegasConfigError as exc:
+        raise click.UsageError(str(exc)) from exc
+    click.echo(out.text)
+    s = out.stats
+    click.echo(
+        f"\n[{s.num_generated} tokens, τ={s.acceptance_length:.2f}, accepted {s.num_accepted}/{s.num_drafted}, "
+        f"decode {s.decode_seconds:.2f} s, selection {s.selection_seconds:.3f} s]",
+        err=True,
+    )
