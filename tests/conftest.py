@@ -1,0 +1,31 @@
+"""Shared fixtures. Plugin autoload is off: tests register their fixture plugins explicitly."""
+
+import os
+
+os.environ["VEGAS_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from vegas import Pipeline  # noqa: E402
+from vegas.prompts import package_source  # noqa: E402
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def pipe() -> Pipeline:
+    """The embedded model, float32 on the CPU, plain decoding by default."""
+    return Pipeline(selector=None, dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def click_ids(pipe) -> list[int]:
+    """Token ids of the installed click source (held out of the model's training)."""
+    return pipe.tokenizer(package_source("click"), add_special_tokens=False).input_ids
+
+
+@pytest.fixture(scope="session")
+def code_prompts(click_ids) -> list[list[int]]:
+    """Two real prompts of different lengths (900 and 611 tokens)."""
+    return [click_ids[20000:20900], click_ids[60000:60611]]

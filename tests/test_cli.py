@@ -1,0 +1,37 @@
+import json
+
+from click.testing import CliRunner
+
+from vegas.cli import main
+
+
+def test_bench_small_writes_json(tmp_path):
+    out = tmp_path / "r.json"
+    result = CliRunner().invoke(main, [
+        "bench", "--context", "512", "--new-tokens", "8", "--check-tokens", "6", "--batch-size", "2",
+        "--selectors", "collect2,sliding_window", "--json", str(out),
+    ])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert set(data["selectors"]) == {"collect2", "sliding_window"}
+    for row in data["selectors"].values():
+        assert row["lossless"] is True
+        for key in ("acceptance_length", "tokens_per_second", "speedup", "selection_overhead"):
+            assert isinstance(row[key], float)
+        assert row["acceptance_length"] >= 1.0
+    assert "collect2" in result.output
+
+
+def test_bench_rejects_bad_options():
+    result = CliRunner().invoke(main, ["bench", "--selectors", "nope", "--context", "64"])
+    assert result.exit_code == 2 and "selector must be one of" in result.output
+    result = CliRunner().invoke(main, ["bench", "--sparsity-ratio", "1.5", "--context", "64"])
+    assert result.exit_code == 2 and "sparsity_ratio" in result.output
+
+
+def test_generate_prints_text_and_stats(tmp_path):
+    prompt = tmp_path / "p.py"
+    prompt.write_text("import os\n\n\ndef main():\n")
+    result = CliRunner().invoke(main, ["generate", f"@{prompt}", "--max-new-tokens", "6", "--temperature", "0"])
+    assert result.exit_code == 0, result.output
+    assert "τ=" in result.output

@@ -1,0 +1,70 @@
+"""Greedy Vegas decoding equals plain greedy decoding, token for token (float32, real code)."""
+
+import pytest
+
+from vegas import VegasConfig
+from vegas.sampling import SamplingParams
+
+SELECTORS = ["collect2", "aggregated", "sliding_window", "quest", "last_token"]
+NEW_TOKENS = 24
+GREEDY = SamplingParams(temperature=0.0)
+# A small budget so that drafts really differ from the target and rollbacks happen.
+SMALL = dict(kv_budget=48, recent_window=8, num_sinks=4, page_size=8)
+
+
+def run(pipe, prompts, selector, **config):
+    return pipe.backend.generate(
+        prompts, max_new_tokens=NEW_TOKENS, sampling=GREEDY, selector=selector, config=VegasConfig(**config)
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(pipe, code_prompts):
+    return [o.token_ids for o in run(pipe, code_prompts, None)]
+
+
+def test_plain_batch_equals_single_prompts(pipe, code_prompts, reference):
+    for prompt, ref in zip(code_prompts, reference):
+        assert run(pipe, [prompt], None)[0].token_ids == ref
+    assert all(len(r) == NEW_TOKENS for r in reference)
+
+
+@pytest.mark.parametrize("gamma", [1, 4])
+@pytest.mark.parametrize("selector", SELECTORS)
+def test_greedy_equals_plain_greedy(pipe, code_prompts, reference, selector, gamma):
+    outputs = run(pipe, code_prompts, selector, num_draft_tokens=gamma, **SMALL)
+    assert [o.token_ids for o in outputs] == reference
+    drafted = sum(o.stats.num_drafted for o in outputs)
+    accepted = sum(o.stats.num_accepted for o in outputs)
+    assert 0 < accepted < drafted, "the test must exercise both acceptance and rollback"
+    for o in outputs:
+        assert o.stats.iterations * gamma == o.stats.num_drafted
+        assert 1 <= o.stats.acceptance_length <= gamma + 1
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"granularity": "kv_head"}, {"score_mode": "weight"}, {"recent_window": 0}, {"kv_budget": 10_000}],
+    ids=["kv_head", "weight", "no_recent", "budget_above_context"],
+)
+def test_greedy_exact_under_options(pipe, code_prompts, reference, options):
+    config = {**SMALL, "num_draft_tokens": 3, **options}
+    outputs = run(pipe, code_prompts, "collect2", **config)
+    assert [o.token_ids for o in outputs] == reference
+
+
+def test_budget_above_context_logs_once(pipe, code_prompts, caplog):
+    with caplog.at_level("INFO", logger="vegas.backends.hf"):
+        run(pipe, code_prompts, "collect2", kv_budget=10_000)
+    assert sum("attends to everything" in r.message for r in caplog.records) == 1
+
+
+def test_bfloat16_greedy_matches_bfloat16_plain(code_prompts):
+    """Same backend and dtype: bf16 Vegas vs bf16 plain (first 12 tokens, CPU)."""
+    from vegas import Pipeline
+
+    bf16 = Pipeline(selector=None, dtype="bfloat16", device="cpu")
+    prompts = [p[:400] for p in code_prompts]
+    ref = bf16.generate(prompts, max_new_tokens=12)
+    out = bf16.generate(prompts, max_new_tokens=12, selector="collect2")
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]

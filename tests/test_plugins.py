@@ -1,0 +1,95 @@
+import importlib.metadata
+import inspect
+import subprocess
+import sys
+
+import pytest
+
+from vegas import VegasConfig, VegasConfigError, hookspecs, plugins
+from vegas.strategies import Collect2Selector
+
+from .plugins.fixture_plugins import GoodPlugin, RaisingPlugin, ShadowingPlugin
+
+
+@pytest.fixture
+def registered():
+    names = []
+
+    def add(plugin, name):
+        plugins.register(plugin, name=name)
+        names.append(name)
+
+    yield add
+    for name in names:
+        plugins.unregister(name)
+
+
+def test_builtins_are_registered_through_the_hooks():
+    assert {"collect2", "aggregated", "sliding_window", "quest", "last_token"} <= set(plugins.selector_names())
+    assert {"hf", "vllm"} <= set(plugins.backend_names())
+
+
+def test_every_hook_is_documented():
+    specs = [f for name, f in inspect.getmembers(hookspecs, inspect.isfunction) if name.startswith("vegas_")]
+    assert specs
+    for spec in specs:
+        assert spec.__doc__ and "Returns" in spec.__doc__, spec.__name__
+
+
+def test_fixture_plugin_selector_runs_through_pipeline(pipe, code_prompts, registered):
+    registered(GoodPlugin(), "good")
+    out = pipe.generate([code_prompts[1][:300]], max_new_tokens=8, selector="sinks_only")
+    ref = pipe.generate([code_prompts[1][:300]], max_new_tokens=8, selector=None)
+    assert out[0].token_ids == ref[0].token_ids
+    assert out[0].stats.iterations > 0
+
+
+def test_raising_plugin_is_reported_and_others_still_work(registered, caplog):
+    registered(RaisingPlugin(), "raising")
+    registered(GoodPlugin(), "good")
+    with caplog.at_level("WARNING"):
+        names = plugins.selector_names()
+    assert "sinks_only" in names and "collect2" in names
+    assert any("'raising'" in m and "boom" in m for m in caplog.messages)
+
+
+def test_plugin_cannot_shadow_a_builtin(registered):
+    registered(ShadowingPlugin(), "shadow")
+    assert isinstance(plugins.create_selector("collect2", VegasConfig()), Collect2Selector)
+
+
+def test_unknown_names_list_the_allowed_values():
+    with pytest.raises(VegasConfigError, match=r"selector must be one of .*collect2"):
+        plugins.create_selector("nope", VegasConfig())
+    with pytest.raises(VegasConfigError, match=r"backend must be one of .*hf"):
+        plugins.get_backend_class("nope")
+
+
+def _run(code, **env):
+    import os
+
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("VEGAS_")}
+    full_env.update(env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env, check=True)
+
+
+LIST = "from vegas import plugins; print(','.join(plugins.selector_names()))"
+
+
+def test_example_plugin_is_installed_and_autoloaded():
+    eps = {ep.name for ep in importlib.metadata.entry_points(group="vegas")}
+    assert "h2o" in eps, "install the example plugin: pip install ./plugins/vegas-h2o"
+    assert "h2o" in _run(LIST).stdout.split(",")[0:10] or "h2o" in _run(LIST).stdout
+    assert "h2o" not in _run(LIST, VEGAS_DISABLE_PLUGIN_AUTOLOAD="1").stdout
+    assert "h2o" not in _run(LIST, VEGAS_PLUGINS="some_other").stdout
+    assert "h2o" in _run(LIST, VEGAS_PLUGINS="h2o").stdout
+
+
+def test_broken_entry_point_is_reported(tmp_path):
+    dist = tmp_path / "broken_plugin-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-plugin\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[vegas]\nbroken = no_such_module_xyz\n")
+    code = f"import sys; sys.path.insert(0, {str(tmp_path)!r}); {LIST}; print(plugins.plugin_errors)"
+    out = _run(code).stdout
+    assert "collect2" in out and "'broken'" in out and "ModuleNotFoundError" in out

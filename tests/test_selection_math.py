@@ -1,0 +1,92 @@
+"""Selector maths on tiny hand-made tensors."""
+
+import torch
+
+from vegas import SelectionInput, VegasConfig
+from vegas.selection import collect_scores, selection_from_keep, topk_selection
+from vegas.strategies import AggregatedSelector, Collect2Selector, LastTokenSelector, QuestSelector, SlidingWindowSelector
+from vegas.strategies.quest import page_bounds, page_scores
+
+
+def selected(sel):
+    return [[[int(i) for i, m in zip(ri, rm) if m] for ri, rm in zip(bi, bm)] for bi, bm in zip(sel.indices, sel.mask)]
+
+
+def test_topk_known_answer_per_sequence_budget():
+    scores = torch.tensor([[[0.1, 5.0, 3.0, 4.0, -1.0, 9.0]], [[7.0, 1.0, 2.0, 8.0, 6.0, 0.0]]])
+    valid = torch.tensor([[True] * 5 + [False], [True] * 6])  # slot 5 of seq 0 is padding
+    sel = topk_selection(scores, valid, torch.tensor([3, 2]))
+    assert selected(sel) == [[[1, 2, 3]], [[0, 3]]]  # ascending slots, invalid 9.0 never chosen
+
+
+def test_collect_scores_matches_bruteforce_and_respects_mask():
+    torch.manual_seed(0)
+    B, H, KVH, m, L, D = 2, 6, 2, 2, 7, 4
+    q, k = torch.randn(B, H, m, D), torch.randn(B, KVH, L, D)
+    allowed = torch.ones(B, m, L, dtype=torch.bool)
+    allowed[0, 0, 5:] = False
+    got = collect_scores(q, k, allowed, 0.5, groups=1)
+    kr = k.repeat_interleave(H // KVH, dim=1)
+    logits = (q @ kr.transpose(-1, -2)) * 0.5
+    want = (logits * allowed[:, None]).sum(dim=(1, 2))[:, None]
+    torch.testing.assert_close(got, want)
+    per_head = collect_scores(q, k, allowed, 0.5, groups=KVH)
+    torch.testing.assert_close(per_head.sum(1, keepdim=True), want)
+    weights = collect_scores(q, k, allowed, 0.5, groups=1, score_mode="weight")
+    assert torch.allclose(weights.sum(-1), torch.full((B, 1), float(H * m)))  # softmax rows sum to 1
+
+
+def test_score_rows():
+    cfg = VegasConfig()
+    assert AggregatedSelector(cfg).score_rows(5) == [0, 1, 2, 3, 4]
+    assert Collect2Selector(cfg).score_rows(5) == [0, 4]
+    assert Collect2Selector(cfg).score_rows(1) == [0]
+    assert LastTokenSelector(cfg).score_rows(5) == [0]
+
+
+def test_recent_window_is_kept_inside_budget():
+    scores = torch.tensor([[[9.0, 8.0, 7.0, 0.0, 1.0, 0.5]]])
+    inputs = SelectionInput(0, scores, torch.ones(1, 6, dtype=torch.bool), torch.tensor([3]), torch.zeros(1, 1, 6, 2))
+    assert selected(AggregatedSelector(VegasConfig(recent_window=0)).select(inputs)) == [[[0, 1, 2]]]
+    assert selected(AggregatedSelector(VegasConfig(recent_window=2)).select(inputs)) == [[[0, 4, 5]]]
+
+
+def test_sliding_window_indices_sinks_and_window():
+    valid = torch.tensor([[False, False] + [True] * 10, [True] * 12])  # seq 0 left-padded
+    valid[1, 7] = False  # a rolled-back slot
+    inputs = SelectionInput(0, None, valid, torch.tensor([5, 5]), torch.zeros(2, 1, 12, 2))
+    sel = SlidingWindowSelector(VegasConfig(num_sinks=2)).select(inputs)
+    assert selected(sel) == [[[2, 3, 9, 10, 11]], [[0, 1, 9, 10, 11]]]
+    sel = SlidingWindowSelector(VegasConfig(num_sinks=1, window=2)).select(inputs)
+    assert selected(sel) == [[[2, 10, 11]], [[0, 10, 11]]]
+
+
+def test_selection_from_keep():
+    keep = torch.tensor([[[True, False, True, True]], [[False, True, False, False]]])
+    sel = selection_from_keep(keep)
+    assert selected(sel) == [[[0, 2, 3]], [[1]]]
+
+
+def test_quest_bound_is_an_upper_bound_of_every_key_score():
+    torch.manual_seed(1)
+    B, H, KVH, L, D, P = 2, 6, 2, 37, 8, 4
+    keys, query = torch.randn(B, KVH, L, D), torch.randn(B, H, 1, D)
+    valid = torch.ones(B, L, dtype=torch.bool)
+    kmin, kmax, page_valid, _ = page_bounds(keys, valid, P)
+    bound = page_scores(query, kmin, kmax, groups=KVH)  # [B, KVH, pages]
+    true = (query.view(B, KVH, H // KVH, 1, D) @ keys[:, :, None].transpose(-1, -2)).squeeze(3)  # [B,KVH,g,L]
+    true = true.sum(2)  # summed over the group's heads, like the bound
+    for p in range(page_bounds(keys, valid, P)[0].shape[2]):
+        page_true = true[..., p * P : (p + 1) * P]
+        assert (bound[..., p : p + 1] >= page_true - 1e-5).all()
+
+
+def test_quest_selects_the_page_of_a_planted_key():
+    B, KVH, H, L, D, P = 1, 1, 1, 64, 4, 8
+    keys = torch.zeros(B, KVH, L, D)
+    keys[0, 0, 42] = torch.tensor([10.0, 0, 0, 0])
+    cfg = VegasConfig(page_size=P, kv_budget=P, recent_window=0)
+    quest = QuestSelector(cfg)
+    quest.select(SelectionInput(0, None, torch.ones(B, L, dtype=torch.bool), torch.tensor([P]), keys))
+    sel = quest.select_for_query(0, torch.tensor([[[[1.0, 0, 0, 0]]]]), None)
+    assert selected(sel) == [[list(range(40, 48))]]
