@@ -92,7 +92,9 @@ def build_llm(method: str, args, max_len: int, vegas_cfg: dict | None = None):
         kw["load_format"] = args.load_format
     if args.eager:
         kw["enforce_eager"] = True
-    sizes = sorted({1, 2, 4, 8, 16, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512, 640})
+    limit = max(args.batches) * (args.gamma + 1)
+    sizes = sorted(x for x in {1, 2, 4, 8, 16, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384,
+                               512, 640} if x <= max(limit, 8))
     cc: dict = {"cudagraph_capture_sizes": sizes}
     if method == "ngram":
         kw["speculative_config"] = {
@@ -138,6 +140,7 @@ def run_engine(method: str, args, prompts_by_ctx, results, exact_ref):
 
     max_ctx = max(prompts_by_ctx)
     llm = build_llm(method, args, max_ctx + args.new_tokens + 64, vegas_cfg(args, args.selectors[0]))
+    HOLD["llm"] = llm
     selectors = args.selectors if method == "vegas" else [None]
 
     def set_selector(sel):
@@ -183,20 +186,37 @@ def run_engine(method: str, args, prompts_by_ctx, results, exact_ref):
                     temperature=args.temperature, top_p=1.0, max_tokens=args.new_tokens,
                     ignore_eos=True, detokenize=False,
                 )
+                generate(llm, prompts[:bsz], SamplingParams(
+                    temperature=args.temperature, max_tokens=8, ignore_eos=True, detokenize=False))  # warm-up
+                sp1 = SamplingParams(temperature=args.temperature, max_tokens=1, detokenize=False)
+                t = time.time()
+                generate(llm, prompts[:bsz], sp1)
+                t_first = time.time() - t
                 m0 = metric_counts(llm)
                 if method == "vegas":
                     llm.collective_rpc(configure, args=(None, True))
                 t = time.time()
                 outs = generate(llm, prompts[:bsz], sp)
                 wall = time.time() - t
+                decode_s = max(wall - t_first, 1e-6)
                 ntok = sum(len(o.outputs[0].token_ids) for o in outs)
                 row = {"ctx": ctx, "batch": bsz, "method": name, "tokens": ntok, "wall_s": wall,
-                       "tok_per_s": ntok / wall, "ms_per_token_step": wall * 1e3 / (ntok / bsz)}
+                       "first_token_s": t_first, "decode_s": decode_s,
+                       "tok_per_s": (ntok - bsz) / decode_s,
+                       "ms_per_token_step": decode_s * 1e3 / max(ntok / bsz - 1, 1)}
                 if method == "vegas":
                     st = llm.collective_rpc(get_stats)[0]
                     row["acceptance_length"] = st.get("acceptance_length")
                     row["selection_overhead"] = (st.get("select_ms", 0) + st.get("table_ms", 0)) / (wall * 1e3)
                     row["draft_share"] = st.get("draft_ms", 0) / (wall * 1e3)
+                    steps = max(st.get("proposals", 0), 1)
+                    row["per_iteration_ms"] = {
+                        "wall": wall * 1e3 / steps,
+                        "draft_phase": st.get("draft_ms", 0) / steps,
+                        "verify_forward": st.get("verify_fwd_ms", 0) / steps,
+                        "selection": st.get("select_ms", 0) / steps,
+                        "tables": st.get("table_ms", 0) / steps,
+                    }
                     row["stats"] = st
                 elif method == "ngram":
                     m1 = metric_counts(llm)
@@ -208,6 +228,93 @@ def run_engine(method: str, args, prompts_by_ctx, results, exact_ref):
                 log(json.dumps({k: v for k, v in row.items() if k != "stats"}))
                 save(results, args)
     return llm
+
+
+HOLD: dict = {}
+
+QWEN3_8B = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
+    "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0, "max_position_embeddings": 135168, "tie_word_embeddings": False,
+    "attention_bias": False, "hidden_act": "silu", "torch_dtype": "bfloat16", "bos_token_id": 0,
+    "eos_token_id": 1,
+}
+
+
+def latency_8b(args, prompts_long: list[list[int]], results) -> None:
+    """Step latencies with dummy Qwen3-8B weights: plain decode step vs vegas draft/verify/selection."""
+    from vllm import SamplingParams
+
+    from vegas.vllm_plugin import configure, get_stats
+
+    d = Path("/tmp/qwen3-8b-dummy")
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps(QWEN3_8B))
+    ctxs = [int(x) for x in args.latency_contexts.split(",")]
+    bszs = [int(x) for x in args.latency_batches.split(",")]
+    sub = argparse.Namespace(**vars(args))
+    sub.model, sub.load_format, sub.batches, sub.gpu_mem = str(d), "dummy", bszs, args.latency_gpu_mem
+    n_new = 33
+    for method in ("plain", "vegas"):
+        if time.time() - T_START > args.time_budget:
+            log("time budget reached; 8B latency skipped")
+            return
+        try:
+            llm = build_llm(method, sub, max(ctxs) + n_new + 64, vegas_cfg(args, "collect2"))
+            HOLD["llm"] = llm
+            for ctx in ctxs:
+                for bsz in bszs:
+                    if ctx * bsz > args.latency_max_tokens or time.time() - T_START > args.time_budget:
+                        continue
+                    prompts = [p[:ctx] for p in prompts_long[:bsz]]
+                    t = time.time()
+                    generate(llm, prompts, SamplingParams(max_tokens=1, detokenize=False))
+                    t_pref = time.time() - t
+                    sp = SamplingParams(temperature=args.temperature, max_tokens=n_new, ignore_eos=True,
+                                        detokenize=False)
+                    generate(llm, prompts, SamplingParams(temperature=args.temperature, max_tokens=4,
+                                                          ignore_eos=True, detokenize=False))
+                    t = time.time()
+                    generate(llm, prompts, SamplingParams(max_tokens=1, detokenize=False))
+                    t1 = time.time() - t
+                    if method == "vegas":
+                        llm.collective_rpc(configure, args=(None, True))
+                    t = time.time()
+                    outs = generate(llm, prompts, sp)
+                    wall = time.time() - t
+                    ntok = sum(len(o.outputs[0].token_ids) for o in outs)
+                    dec = wall - t1
+                    row = {"model": "qwen3-8b-dummy", "ctx": ctx, "batch": bsz, "method": method,
+                           "prefill_s": t_pref, "decode_s": dec,
+                           "ms_per_token_step": dec * 1e3 / (ntok / bsz - 1)}
+                    if method == "vegas":
+                        st = llm.collective_rpc(get_stats)[0]
+                        steps = max(st.get("proposals", 1), 1)
+                        row.update({
+                            "acceptance_length": st.get("acceptance_length"),
+                            "draft_step_ms": st.get("draft_ms", 0) / max(st.get("draft_steps", 1), 1),
+                            "verify_forward_ms": st.get("verify_fwd_ms", 0) / steps,
+                            "selection_ms": st.get("select_ms", 0) / steps,
+                            "tables_ms": st.get("table_ms", 0) / steps,
+                            "iteration_ms": wall * 1e3 / steps,
+                            "stats": st,
+                        })
+                    results["latency_8b"].append(row)
+                    log(json.dumps({k: v for k, v in row.items() if k != "stats"}))
+                    save(results, args)
+            shutdown(llm)
+            del llm
+        except Exception as e:
+            import traceback
+
+            traceback.print_exc()
+            results["errors"][f"8b-{method}"] = repr(e)
+            log(f"8B {method} FAILED: {e!r}")
+            if HOLD.get("llm") is not None:
+                shutdown(HOLD["llm"])
+        HOLD["llm"] = None
+        gc.collect()
 
 
 def compare(toks, ref) -> dict:
@@ -283,6 +390,11 @@ def main() -> int:
     ap.add_argument("--gpu-mem", type=float, default=0.5)
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--time-budget", type=float, default=1e9, help="seconds; later runs are skipped")
+    ap.add_argument("--latency-8b", action="store_true", help="also the dummy Qwen3-8B latency table")
+    ap.add_argument("--latency-contexts", default="32768,131072")
+    ap.add_argument("--latency-batches", default="1,4")
+    ap.add_argument("--latency-max-tokens", type=int, default=524288, help="skip ctx*batch above this")
+    ap.add_argument("--latency-gpu-mem", type=float, default=0.85)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     args.contexts = [int(x) for x in args.contexts.split(",")]
@@ -296,9 +408,12 @@ def main() -> int:
     longest = load_prompts(args.model, max(args.batches + [args.exact_prompts]), max(args.contexts), Path(args.data))
     prompts_by_ctx = {c: [p[:c] for p in longest] for c in args.contexts}
     log(f"prompts: {len(longest)} x {max(args.contexts)} tokens ({time.time()-t:.1f}s)")
-    results = {"args": vars(args), "rows": [], "exactness": {}, "errors": {}}
+    results = {"args": vars(args), "rows": [], "exactness": {}, "errors": {}, "latency_8b": []}
     exact_ref: dict = {}
-    for method in methods:
+    i = 0
+    while i < len(methods):
+        method = methods[i]
+        i += 1
         if time.time() - T_START > args.time_budget:
             break
         try:
@@ -311,6 +426,12 @@ def main() -> int:
             traceback.print_exc()
             results["errors"][method] = repr(e)
             log(f"ENGINE {method} FAILED: {e!r}")
+            if HOLD.get("llm") is not None:
+                shutdown(HOLD["llm"])
+            if method == "vegas" and os.environ.get("VEGAS_DRAFT_CUDA_GRAPHS", "1") != "0":
+                log("retrying vegas with eager drafting (VEGAS_DRAFT_CUDA_GRAPHS=0)")
+                os.environ["VEGAS_DRAFT_CUDA_GRAPHS"] = "0"
+                methods.insert(methods.index(method) + 1, "vegas")
         gc.collect()
         try:
             import torch
@@ -318,12 +439,29 @@ def main() -> int:
             torch.cuda.empty_cache()
         except Exception:
             pass
+        HOLD["llm"] = None
         save(results, args)
+    if args.latency_8b:
+        try:
+            need = max(int(x) for x in args.latency_contexts.split(","))
+            nb = max(int(x) for x in args.latency_batches.split(","))
+            longp = load_prompts(args.model, nb, need, Path(args.data))
+            latency_8b(args, longp, results)
+        except Exception as e:
+            results["errors"]["8b"] = repr(e)
+            log(f"8B latency FAILED: {e!r}")
     if "plain" in exact_ref:
         for name, toks in exact_ref.items():
             if name not in ("plain", "plain_logprobs"):
                 results["exactness"][name] = compare(toks, exact_ref)
     print(table(results), flush=True)
+    for r in results["rows"]:
+        if "per_iteration_ms" in r:
+            print(f"{r['ctx']} b{r['batch']} {r['method']} per-iteration ms:",
+                  {k: round(v, 2) for k, v in r["per_iteration_ms"].items()}, flush=True)
+    for r in results["latency_8b"]:
+        print("8B", json.dumps({k: (round(v, 3) if isinstance(v, float) else v)
+                                for k, v in r.items() if k != "stats"}), flush=True)
     for k, v in results["exactness"].items():
         print(f"exactness {k}: {v['identical']}/{v['total']} identical; diffs: {v['diffs']}", flush=True)
     if results["errors"]:

@@ -16,7 +16,7 @@ import triton.language as tl
 __all__ = ["collect_scores_triton"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_len", "stride_qs", "stride_bt", "stride_out"])
 def _score_kernel(
     qsum_ptr,  # [num_seqs, num_kv_heads, head_dim] float32
     k_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]

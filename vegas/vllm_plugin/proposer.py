@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -45,6 +46,7 @@ class ProposerStats:
     select_ms: float = 0.0  # score collection + top-k inside verification (CUDA events)
     table_ms: float = 0.0  # draft table building (CUDA events)
     draft_ms: float = 0.0  # γ draft forwards incl. sampling (CUDA events)
+    verify_fwd_ms: float = 0.0  # layer 0 .. last layer of full-attention forwards (CUDA events)
     propose_wall_ms: float = 0.0  # host wall time inside propose()
 
     @property
@@ -136,7 +138,12 @@ class VegasProposer:
         self._layer_pos: dict[int, int] = {}
         self._drafted: set[str] = set()
         self._pending: list = []  # (kind, start_event, end_event) resolved next call
-        self._slot_buf: torch.Tensor | None = None
+        self._vocab: int | None = None
+        self._graphs: dict = {}
+        self._graph_pool = None
+        self._graph_failed = False
+        self.use_cuda_graphs = os.environ.get("VEGAS_DRAFT_CUDA_GRAPHS", "1") != "0"
+        self.max_graph_rows = int(os.environ.get("VEGAS_DRAFT_GRAPH_MAX_ROWS", "256"))
         logger.info("vegas proposer: gamma=%d config=%s", self.gamma, STATE.config)
 
     # ---- vLLM hooks -------------------------------------------------------------------------
@@ -186,6 +193,9 @@ class VegasProposer:
         for start, end in STATE.events:
             self.stats.select_ms += start.elapsed_time(end)
         STATE.events.clear()
+        for start, end in STATE.fwd_events:
+            self.stats.verify_fwd_ms += start.elapsed_time(end)
+        STATE.fwd_events.clear()
 
     def _event(self):
         ev = torch.cuda.Event(enable_timing=True)
@@ -242,7 +252,6 @@ class VegasProposer:
         nblocks_np = bt_obj.num_blocks_per_row[:num_reqs].astype(np.int64)
         host = torch.from_numpy(np.stack([active_np, bonus_np, pos_np, nblocks_np]))
         active_d, bonus_d, pos_d, nblocks_d = host.to(dev, non_blocking=True).unbind(0)
-        active_b = active_d.bool()
 
         ev0 = self._event()
         bt = bt_obj.get_device_tensor(num_reqs)
@@ -254,73 +263,41 @@ class VegasProposer:
             sel = torch.stack([STATE.slots[idx] for _, idx in self._layers])
             layer_rows = self._layer_pos
         recent_cap = 2 * gamma + 2
-        last_pos = pos_d + gamma - 1
         ctx_sel = torch.minimum(plan.ctx_sel, pos_d)
         tables = build_draft_tables(
-            sel, plan.budgets, ctx_sel, last_pos, bt, bs, page_stride, recent_cap
+            sel, plan.budgets, ctx_sel, pos_d + gamma - 1, bt, bs, page_stride, recent_cap
         )
-        width = tables.shape[-1]
         base_used = plan.budgets + (pos_d - ctx_sel + 1)
+        sm = ib.sampling_metadata
+        sampling = not (sm.all_greedy or sm.temperature is None)
+        if sampling:
+            temp = sm.temperature[:num_reqs].float()
+            greedy = temp < 1e-5
+            temp = torch.where(greedy, torch.ones_like(temp), temp)
+        else:
+            temp = greedy = None
+        inputs = dict(tables=tables, base_used=base_used, tok0=bonus_d, pos0=pos_d,
+                      active=active_d.bool(), nblocks=nblocks_d, temp=temp, greedy=greedy)
         ev1 = self._event()
 
-        from vllm.forward_context import set_forward_context
-
-        from .attention import DraftMetadata
-
-        mode, desc = runner.cudagraph_dispatcher.dispatch(num_tokens=num_reqs, uniform_decode=False)
-        n_pad = desc.num_tokens if desc is not None and desc.num_tokens else num_reqs
-        if self._slot_buf is None or self._slot_buf.shape[0] < n_pad:
-            self._slot_buf = torch.full((max(n_pad, 1024),), -1, dtype=torch.int64, device=dev)
-        slot_buf = self._slot_buf
-        cu_q = torch.arange(num_reqs + 1, dtype=torch.int32, device=dev)
-        input_ids = runner.input_ids.gpu
-        positions = runner.positions
-        tokens = bonus_d
-        drafts, probs_list = [], []
-        model = runner.model
-        for j in range(gamma):
-            pos = pos_d + j
-            blk_idx = pos // bs
-            valid = active_b & (blk_idx < nblocks_d)
-            blk = torch.gather(bt.long(), 1, torch.clamp(blk_idx, max=bt.shape[1] - 1)[:, None])[:, 0]
-            slot = torch.where(valid, blk * bs + pos % bs, torch.full_like(pos, -1))
-            slot_buf[:num_reqs] = slot
-            slot_buf[num_reqs:n_pad] = -1
-            input_ids[:num_reqs] = tokens.to(torch.int32)
-            input_ids[num_reqs:n_pad] = 0
-            positions[:num_reqs] = torch.where(active_b, pos, torch.zeros_like(pos))
-            positions[num_reqs:n_pad] = 0
-            used = torch.clamp(base_used + j, max=width)
-            seqused = torch.where(active_b, used, torch.ones_like(used)).to(torch.int32)
-            attn_md = {
-                name: DraftMetadata(tables[layer_rows[idx]], seqused, cu_q, width, num_reqs)
-                for name, idx in self._layers
-            }
-            slot_map = {name: slot_buf[:n_pad] for name, _ in self._layers}
-            with set_forward_context(
-                attn_md,
-                self.vllm_config,
-                num_tokens=n_pad,
-                cudagraph_runtime_mode=mode,
-                batch_descriptor=desc,
-                slot_mapping=slot_map,
-            ):
-                hidden = model(
-                    input_ids=input_ids[:n_pad],
-                    positions=positions[:n_pad],
-                    intermediate_tensors=None,
-                    inputs_embeds=None,
-                )
-            if isinstance(hidden, tuple):
-                hidden = hidden[0]
-            logits = model.compute_logits(hidden[:num_reqs])
-            tokens, probs = self._sample(logits, num_reqs)
-            drafts.append(tokens)
-            if probs is not None:
-                probs_list.append(probs)
-        draft_ids = torch.stack(drafts, dim=1)  # [num_reqs, γ]
-        if probs_list:
-            runner._draft_probs = torch.stack(probs_list, dim=1)  # [num_reqs, γ, vocab]
+        out_tok = out_probs = None
+        if self.use_cuda_graphs and not self._graph_failed:
+            try:
+                out_tok, out_probs = self._draft_with_graph(num_reqs, layer_rows, sampling, inputs)
+            except Exception as e:  # fall back to eager drafting for good
+                logger.warning("vegas: CUDA-graph drafting failed (%r); drafting eagerly from now on", e)
+                self._graph_failed = True
+                out_tok = None
+        if out_tok is None:
+            bufs = self._make_bufs(num_reqs, tables.shape[0], tables.shape[-1], sampling, dev)
+            self._fill_bufs(bufs, num_reqs, inputs)
+            mode, desc = runner.cudagraph_dispatcher.dispatch(num_tokens=num_reqs, uniform_decode=False)
+            n_in = desc.num_tokens if desc is not None and desc.num_tokens else num_reqs
+            self._draft_steps(bufs, num_reqs, n_in, tables.shape[-1], layer_rows, sampling, mode, desc)
+            out_tok, out_probs = bufs["out_tok"], bufs["out_probs"]
+        draft_ids = out_tok[:num_reqs].clone()  # [num_reqs, γ]
+        if sampling:
+            runner._draft_probs = out_probs[:num_reqs]  # [num_reqs, γ, vocab]
             runner._draft_prob_req_ids = list(req_ids)
         ev2 = self._event()
         self._pending.append(("table_ms", ev0, ev1))
@@ -330,3 +307,130 @@ class VegasProposer:
         self.stats.draft_steps += gamma
         self.stats.propose_wall_ms += (time.perf_counter() - t0) * 1e3
         return draft_ids
+
+    # ---- drafting: one body, run eagerly (piecewise graphs) or captured as one CUDA graph ----
+    def _make_bufs(self, rows: int, num_tables: int, width: int, sampling: bool, dev) -> dict:
+        vocab = self._vocab_size()
+        g = self.gamma
+        return {
+            "tables": torch.zeros((num_tables, rows, width), dtype=torch.int32, device=dev),
+            "seqused": torch.ones(rows, dtype=torch.int32, device=dev),
+            "cu_q": torch.arange(rows + 1, dtype=torch.int32, device=dev),
+            "slot": torch.full((max(rows, 1024),), -1, dtype=torch.int64, device=dev),
+            "tok0": torch.zeros(rows, dtype=torch.int64, device=dev),
+            "pos0": torch.zeros(rows, dtype=torch.int64, device=dev),
+            "active": torch.zeros(rows, dtype=torch.bool, device=dev),
+            "nblocks": torch.zeros(rows, dtype=torch.int64, device=dev),
+            "base_used": torch.ones(rows, dtype=torch.int64, device=dev),
+            "temp": torch.ones(rows, dtype=torch.float32, device=dev),
+            "greedy": torch.ones(rows, dtype=torch.bool, device=dev),
+            "out_tok": torch.zeros((rows, g), dtype=torch.int64, device=dev),
+            "out_probs": torch.zeros((rows, g, vocab), dtype=torch.float32, device=dev) if sampling else None,
+        }
+
+    def _vocab_size(self) -> int:
+        if self._vocab is None:
+            self._vocab = int(self.vllm_config.model_config.get_vocab_size())
+        return self._vocab
+
+    @staticmethod
+    def _fill_bufs(b: dict, n: int, inputs: dict) -> None:
+        t = inputs["tables"]
+        b["tables"][:, :n, : t.shape[-1]].copy_(t)
+        for key in ("base_used", "tok0", "pos0", "active", "nblocks"):
+            b[key][:n].copy_(inputs[key])
+        b["active"][n:] = False
+        if inputs["temp"] is not None:
+            b["temp"][:n].copy_(inputs["temp"])
+            b["greedy"][:n].copy_(inputs["greedy"])
+
+    def _draft_steps(self, b, rows, n_in, width, layer_rows, sampling, mode, desc) -> None:
+        """γ draft forwards over ``rows`` requests (``n_in`` >= rows padded tokens); all state in ``b``."""
+        from vllm.forward_context import set_forward_context
+
+        from .attention import DraftMetadata
+
+        runner = self.runner
+        model = runner.model
+        bs = STATE.block_size
+        bt = runner.input_batch.block_table[0].block_table.gpu[:rows]
+        max_blk = bt.shape[1] - 1
+        input_ids, positions = runner.input_ids.gpu, runner.positions
+        slot = b["slot"]
+        slot[rows:n_in] = -1
+        tokens = b["tok0"]
+        for j in range(self.gamma):
+            pos = b["pos0"] + j
+            blk_idx = pos // bs
+            valid = b["active"] & (blk_idx < b["nblocks"])
+            blk = torch.gather(bt, 1, torch.clamp(blk_idx, max=max_blk)[:, None])[:, 0].long()
+            slot[:rows].copy_(torch.where(valid, blk * bs + pos % bs, -1))
+            input_ids[:rows].copy_(tokens)
+            positions[:rows].copy_(torch.where(b["active"], pos, 0))
+            if n_in > rows:
+                input_ids[rows:n_in] = 0
+                positions[rows:n_in] = 0
+            b["seqused"].copy_(torch.where(b["active"], torch.clamp(b["base_used"] + j, max=width), 1))
+            attn_md = {
+                name: DraftMetadata(b["tables"][layer_rows[idx]], b["seqused"], b["cu_q"], width, rows)
+                for name, idx in self._layers
+            }
+            slot_map = {name: slot[:n_in] for name, _ in self._layers}
+            with set_forward_context(
+                attn_md,
+                self.vllm_config,
+                num_tokens=n_in,
+                cudagraph_runtime_mode=mode,
+                batch_descriptor=desc,
+                slot_mapping=slot_map,
+            ):
+                hidden = model(
+                    input_ids=input_ids[:n_in],
+                    positions=positions[:n_in],
+                    intermediate_tensors=None,
+                    inputs_embeds=None,
+                )
+            if isinstance(hidden, tuple):
+                hidden = hidden[0]
+            logits = model.compute_logits(hidden[:rows]).float()
+            tokens = logits.argmax(dim=-1)
+            if sampling:
+                probs = torch.softmax(logits / b["temp"][:, None], dim=-1)
+                drawn = (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
+                tokens = torch.where(b["greedy"], tokens, drawn)
+                b["out_probs"][:, j].copy_(probs)
+            b["out_tok"][:, j].copy_(tokens)
+
+    def _draft_with_graph(self, num_reqs, layer_rows, sampling, inputs):
+        from vllm.config import CUDAGraphMode
+        from vllm.forward_context import BatchDescriptor
+
+        max_rows = self.runner.input_batch.block_table[0].block_table.gpu.shape[0]
+        rows = min(1 << max(num_reqs - 1, 0).bit_length(), max_rows)  # next power of two
+        if rows > self.max_graph_rows:
+            return None, None
+        width = inputs["tables"].shape[-1]
+        wcap = -(-width // 256) * 256
+        num_tables = inputs["tables"].shape[0]
+        key = (rows, wcap, num_tables, sampling)
+        entry = self._graphs.get(key)
+        dev = self.runner.device
+        if entry is None:
+            b = self._make_bufs(rows, num_tables, wcap, sampling, dev)
+            desc = BatchDescriptor(num_tokens=rows)
+            mode = CUDAGraphMode.NONE
+            # warm-up: writes nothing (no active row -> every slot is -1)
+            self._draft_steps(b, rows, rows, wcap, layer_rows, sampling, mode, desc)
+            torch.cuda.synchronize()
+            if self._graph_pool is None:
+                self._graph_pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
+                self._draft_steps(b, rows, rows, wcap, layer_rows, sampling, mode, desc)
+            entry = self._graphs[key] = (graph, b)
+            logger.info("vegas: captured draft graph rows=%d width=%d tables=%d sampling=%s",
+                        rows, wcap, num_tables, sampling)
+        graph, b = entry
+        self._fill_bufs(b, num_reqs, inputs)
+        graph.replay()
+        return b["out_tok"], b["out_probs"]

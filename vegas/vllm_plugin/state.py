@@ -272,17 +272,21 @@ class SelectionState:
     page_stride: int = 0
     #: (start, end) CUDA events around each forward's selection work, resolved by the proposer
     events: list = field(default_factory=list)
+    fwd_events: list = field(default_factory=list)
     time_events: bool = True
-    _start: object = None
+    _fwd_start: object = None
 
     def on_layer(self, layer_idx: int, query, kv_cache, attn_metadata, scale: float) -> None:
-        """Called after the full attention of ``layer_idx`` in a runner forward."""
+        """Called after the full attention of ``layer_idx`` in a runner forward.
+
+        With ``time_events``, CUDA events bracket (a) the selection work of each layer
+        (``events``: summed into the proposer's ``select_ms``) and (b) layer 0 .. last layer of
+        the forward (``fwd_events``: ``verify_fwd_ms``).
+        """
         cfg = self.config
+        timing = self.time_events and query.is_cuda
+        start = _record() if timing else None
         if layer_idx == self.first_layer:
-            start = None
-            if self.time_events and query.is_cuda:
-                start = torch.cuda.Event(enable_timing=True)
-                start.record()
             self.plan = make_plan(
                 attn_metadata.query_start_loc,
                 attn_metadata.seq_lens,
@@ -294,25 +298,31 @@ class SelectionState:
             self.block_table = attn_metadata.block_table
             self.block_size = kv_cache.shape[2]
             self.page_stride = kv_cache.stride(0) // kv_cache.stride(2)
-            self._start = start
+            self._fwd_start = start
         plan = self.plan
-        if plan is None or plan.k_max == 0:
-            return
-        if cfg.selector == "sliding_window":
-            if layer_idx == self.first_layer:
-                self.slots[-1] = sliding_window_slots(
-                    plan, cfg.num_sinks, attn_metadata.block_table, self.block_size
+        if plan is not None and plan.k_max > 0:
+            if cfg.selector == "sliding_window":
+                if layer_idx == self.first_layer:
+                    self.slots[-1] = sliding_window_slots(
+                        plan, cfg.num_sinks, attn_metadata.block_table, self.block_size
+                    )
+            else:
+                key_cache = kv_cache.unbind(1)[0]
+                self.slots[layer_idx] = collect_layer_slots(
+                    plan, query, key_cache, attn_metadata.block_table, scale
                 )
-        else:
-            key_cache = kv_cache.unbind(1)[0]
-            self.slots[layer_idx] = collect_layer_slots(
-                plan, query, key_cache, attn_metadata.block_table, scale
-            )
-        if layer_idx == self.last_layer and self._start is not None:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.events.append((self._start, end))
-            self._start = None
+        if timing:
+            end = _record()
+            self.events.append((start, end))
+            if layer_idx == self.last_layer and self._fwd_start is not None:
+                self.fwd_events.append((self._fwd_start, end))
+                self._fwd_start = None
+
+
+def _record():
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    return ev
 
 
 #: the process-wide state (one model runner per worker process)
