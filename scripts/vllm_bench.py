@@ -402,7 +402,7 @@ def main() -> int:
     args.selectors = args.selectors.split(",")
     if args.greedy:
         args.temperature = 0.0
-    methods = args.methods.split(",")
+    methods = [m for m in args.methods.split(",") if m]
 
     t = time.time()
     longest = load_prompts(args.model, max(args.batches + [args.exact_prompts]), max(args.contexts), Path(args.data))
