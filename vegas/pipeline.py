@@ -72,9 +72,13 @@ class Pipeline:
         return self.backend.tokenizer
 
     def encode(self, prompts: str | Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
-        """Token ids of ``prompts`` (texts are tokenised, token-id lists kept)."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
+        """Token ids of ``prompts`` (texts are tokenised, token-id lists kept).
+
+        Raises:
+            VegasConfigError: no prompt, or an empty one.
+        """
+        if isinstance(prompts, str) or (prompts and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]  # one text, or one list of token ids
         if len(prompts) == 0:
             raise VegasConfigError("prompts must hold at least one prompt, got an empty list")
         ids = [
