@@ -131,3 +131,27 @@ def test_triton_bandwidth_report(capsys):
     gbytes = 8 * 32768 * 8 * 128 * 2 / 1e9
     with capsys.disabled():
         print(f"\n[score kernel] 8 seqs x 32K ctx, 8 kv heads x 128: {ms*1e3:.1f} us, {gbytes/ms*1e3:.0f} GB/s of keys")
+
+
+@cuda
+@pytest.mark.parametrize("nq,hq,hkv,d", [(2, 6, 2, 64), (5, 32, 8, 128)])
+def test_triton_all_layers_matches_reference_gpu(nq, hq, hkv, d):
+    triton_score = pytest.importorskip("vegas.kernels.triton_score")
+    from vegas.kernels import collect_scores_layers_reference
+
+    ctx_lens = [3000, 17, 1200]
+    layers = []
+    for seed in range(3):
+        _, kv, bt, ctx = _paged_case(3, ctx_lens, hq, hkv, d, 16, nq, "cuda", torch.bfloat16)
+        layers.append(kv * (seed + 1))
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q = torch.randn(3, 3, nq, hq, d, device="cuda", generator=g).to(torch.bfloat16)
+    w = torch.ones(3, nq, device="cuda")
+    w[1, -1] = 0.0
+    kcs = [kv.unbind(1)[0] for kv in layers]
+    out = triton_score.collect_scores_layers_triton(q, w, kcs, bt, ctx, 3100, scale=d**-0.5)
+    ref = collect_scores_layers_reference(q.double(), w.double(), [k.double() for k in kcs], bt, ctx, 3100, d**-0.5)
+    finite = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(out), finite)
+    err = (out[finite].double() - ref[finite]).norm() / ref[finite].norm()
+    assert err < 1e-4, err

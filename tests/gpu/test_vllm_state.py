@@ -101,3 +101,29 @@ def test_draft_tables_cover_selection_plus_recent():
             got = sorted(_page_to_slot(p) for p in pages)
             want_pos = sel_pos[i] + list(range(int(ctx_sel[i]), int(pos0[i]) + j + 1))
             assert got == sorted(_slot(bt, i, p) for p in want_pos)
+
+
+def test_on_layer_batched_selection_matches_per_layer():
+    """The state's all-layers selection (stash queries, select at the last layer) equals a
+    per-layer selection done layer by layer."""
+    from types import SimpleNamespace
+
+    from vegas.vllm_plugin.state import SelectionState
+
+    lens = [70, 40]
+    bt, nb = _block_table(lens, 5)
+    qsl = torch.tensor([0, 5, 10], dtype=torch.int32)
+    md = SimpleNamespace(query_start_loc=qsl, seq_lens=torch.tensor(lens, dtype=torch.int32),
+                         max_seq_len=70, block_table=bt)
+    cfg = VllmVegasConfig(selector="collect2", kv_budget=7)
+    st = SelectionState(config=cfg, gamma=4, enabled=True, first_layer=0, last_layer=2)
+    kvs = [torch.randn(nb, 2, BS, 2, 8) for _ in range(3)]
+    queries = [torch.randn(10, 4, 8) for _ in range(3)]
+    for layer in range(3):
+        st.on_layer(layer, queries[layer], kvs[layer], md, 0.5)
+    plan = make_plan(qsl, md.seq_lens, 70, 4, cfg)
+    for layer in range(3):
+        want = collect_layer_slots(plan, queries[layer], kvs[layer].unbind(1)[0], bt, 0.5)
+        got = st.all_slots[layer]
+        for i in range(2):
+            assert sorted(got[i].tolist()) == sorted(want[i].tolist())

@@ -13,9 +13,22 @@ from __future__ import annotations
 
 import torch
 
-from .reference import collect_scores_reference, select_topk, slots_to_fa_pages
+from .reference import (
+    collect_scores_layers_reference,
+    collect_scores_reference,
+    select_topk,
+    select_topk_layers,
+    slots_to_fa_pages,
+)
 
-__all__ = ["collect_scores", "collect_scores_reference", "select_topk", "slots_to_fa_pages"]
+__all__ = [
+    "collect_scores",
+    "collect_scores_layers_reference",
+    "collect_scores_reference",
+    "select_topk",
+    "select_topk_layers",
+    "slots_to_fa_pages",
+]
 
 
 def collect_scores(

@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["collect_scores_reference", "select_topk", "slots_to_fa_pages"]
+__all__ = [
+    "collect_scores_layers_reference",
+    "collect_scores_reference",
+    "select_topk",
+    "select_topk_layers",
+    "slots_to_fa_pages",
+]
 
 
 def collect_scores_reference(
@@ -85,3 +91,44 @@ def slots_to_fa_pages(slots: torch.Tensor, block_size: int, block_stride_tokens:
     ``block_stride_tokens = 2 * block_size`` (and its value ``block_size`` pages later).
     """
     return slots + (slots // block_size) * (block_stride_tokens - block_size)
+
+
+def collect_scores_layers_reference(
+    queries: torch.Tensor,
+    weights: torch.Tensor,
+    key_caches: list[torch.Tensor],
+    block_table: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    max_len: int,
+    scale: float = 1.0,
+) -> torch.Tensor:
+    """Reference of the all-layers kernel: ``queries`` ``(L, num_seqs, NQ, H, D)`` weighted by
+    ``weights`` ``(num_seqs, NQ)``; returns ``(L, num_seqs, max_len)`` float32."""
+    w = weights.to(torch.float32)[:, :, None, None]
+    return torch.stack(
+        [
+            collect_scores_reference(queries[l].float() * w, key_caches[l], block_table, ctx_lens, max_len, scale)
+            for l in range(queries.shape[0])
+        ]
+    )
+
+
+def select_topk_layers(
+    scores: torch.Tensor,
+    budgets: torch.Tensor,
+    k_max: int,
+    block_table: torch.Tensor,
+    block_size: int,
+) -> torch.Tensor:
+    """:func:`select_topk` for ``scores`` ``(L, num_seqs, max_len)`` in one ``torch.topk``;
+    returns ``(L, num_seqs, k_max)`` int32 slot ids (-1 beyond each budget)."""
+    num_layers, num_seqs, _ = scores.shape
+    if k_max == 0:
+        return torch.empty((num_layers, num_seqs, 0), dtype=torch.int32, device=scores.device)
+    pos = torch.topk(scores, k_max, dim=2, sorted=False).indices  # [L, num_seqs, k_max]
+    bt = block_table[:num_seqs].long().unsqueeze(0).expand(num_layers, -1, -1)
+    blocks = torch.gather(bt, 2, pos // block_size)
+    slots = (blocks * block_size + pos % block_size).to(torch.int32)
+    col = torch.arange(k_max, device=scores.device)
+    keep = col[None, None, :] < budgets[None, :, None]
+    return torch.where(keep, slots, torch.full_like(slots, -1))

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["collect_scores_triton"]
+__all__ = ["collect_scores_layers_triton", "collect_scores_triton"]
 
 
 @triton.jit(do_not_specialize=["max_len", "stride_qs", "stride_bt", "stride_out"])
@@ -113,5 +113,107 @@ def collect_scores_triton(
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=block_n,
+    )
+    return out
+
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit(do_not_specialize=["num_seqs", "max_len", "stride_ql", "stride_qs", "stride_bt", "stride_ol", "stride_os"])
+def _score_layers_kernel(
+    q_ptr,  # [L, num_seqs, NQ, H, D] collect queries of every layer
+    w_ptr,  # [num_seqs, NQ] float32 weights (0 masks a repeated query)
+    kptrs_ptr,  # [L] int64 data pointers of each layer's key cache (same shape and strides)
+    bt_ptr,  # [num_seqs, max_blocks] int32
+    ctx_ptr,  # [num_seqs] int32
+    out_ptr,  # [L, num_seqs, max_len] float32
+    num_seqs,
+    max_len,
+    stride_ql,
+    stride_qs,
+    stride_qq,
+    stride_qh,
+    stride_kb,
+    stride_ko,
+    stride_kh,
+    stride_bt,
+    stride_ol,
+    stride_os,
+    scale,
+    KDTYPE: tl.constexpr,
+    NQ: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tile = tl.program_id(1)
+    layer = pid // num_seqs
+    s = pid % num_seqs
+    k_ptr = tl.load(kptrs_ptr + layer).to(tl.pointer_type(KDTYPE))
+    ctx = tl.load(ctx_ptr + s)
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    valid = offs_n < ctx
+    blk = tl.load(bt_ptr + s * stride_bt + offs_n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    base = blk * stride_kb + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_ko
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < HEAD_DIM
+    q_base = q_ptr + layer.to(tl.int64) * stride_ql + s.to(tl.int64) * stride_qs
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for g in tl.static_range(NUM_KV_HEADS):
+        qg = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for t in tl.static_range(NQ):
+            w = tl.load(w_ptr + s * NQ + t)
+            for h in tl.static_range(GROUP):
+                qv = tl.load(q_base + t * stride_qq + (g * GROUP + h) * stride_qh + offs_d, mask=dmask, other=0.0)
+                qg += w * qv.to(tl.float32)
+        k = tl.load(
+            k_ptr + base[:, None] + g * stride_kh + offs_d[None, :],
+            mask=valid[:, None] & dmask[None, :],
+            other=0.0,
+        )
+        acc += tl.sum(k.to(tl.float32) * qg[None, :], axis=1)
+    res = tl.where(valid, acc * scale, float("-inf"))
+    tl.store(out_ptr + layer.to(tl.int64) * stride_ol + s * stride_os + offs_n, res, mask=offs_n < max_len)
+
+
+def collect_scores_layers_triton(
+    queries: torch.Tensor,
+    weights: torch.Tensor,
+    key_caches: list[torch.Tensor],
+    block_table: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    max_len: int,
+    scale: float = 1.0,
+    key_ptrs: torch.Tensor | None = None,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """All layers in one launch: ``queries`` ``(L, num_seqs, NQ, H, D)``, ``weights``
+    ``(num_seqs, NQ)``, one key cache per layer (same shape/strides); returns
+    ``(L, num_seqs, max_len)`` float32 (see :func:`vegas.kernels.collect_scores`)."""
+    num_layers, num_seqs, nq, num_q_heads, head_dim = queries.shape
+    k0 = key_caches[0]
+    _, block_size, num_kv_heads, _ = k0.shape
+    assert queries.stride(-1) == 1 and k0.stride(-1) == 1
+    if key_ptrs is None:
+        key_ptrs = torch.tensor([k.data_ptr() for k in key_caches], dtype=torch.int64, device=k0.device)
+    out = torch.empty((num_layers, num_seqs, max_len), dtype=torch.float32, device=k0.device)
+    if num_seqs == 0 or max_len == 0:
+        return out
+    grid = (num_layers * num_seqs, triton.cdiv(max_len, block_n))
+    _score_layers_kernel[grid](
+        queries, weights.float().contiguous(), key_ptrs, block_table, ctx_lens.to(torch.int32), out,
+        num_seqs, max_len,
+        queries.stride(0), queries.stride(1), queries.stride(2), queries.stride(3),
+        k0.stride(0), k0.stride(1), k0.stride(2),
+        block_table.stride(0), out.stride(0), out.stride(1),
+        float(scale),
+        KDTYPE=_TL_DTYPES[k0.dtype], NQ=nq, GROUP=num_q_heads // num_kv_heads,
+        BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=block_n,
     )
     return out

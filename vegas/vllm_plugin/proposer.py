@@ -260,7 +260,7 @@ class VegasProposer:
             sel = STATE.slots[-1][None]
             layer_rows = {idx: 0 for _, idx in self._layers}
         else:
-            sel = torch.stack([STATE.slots[idx] for _, idx in self._layers])
+            sel = STATE.all_slots  # [L, num_reqs, k_max], rows in layer order
             layer_rows = self._layer_pos
         recent_cap = 2 * gamma + 2
         ctx_sel = torch.minimum(plan.ctx_sel, pos_d)

@@ -26,7 +26,13 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..kernels import collect_scores, select_topk, slots_to_fa_pages
+from ..kernels import (
+    collect_scores,
+    collect_scores_layers_reference,
+    select_topk,
+    select_topk_layers,
+    slots_to_fa_pages,
+)
 
 __all__ = [
     "SELECTORS",
@@ -274,19 +280,31 @@ class SelectionState:
     events: list = field(default_factory=list)
     fwd_events: list = field(default_factory=list)
     time_events: bool = True
+    #: (L, num_seqs, k_max) slot ids of all layers (collect2 / aggregated)
+    all_slots: torch.Tensor | None = None
     _fwd_start: object = None
+    _qbuf: torch.Tensor | None = None
+    _qview: torch.Tensor | None = None
+    _kcaches: list = field(default_factory=list)
+    _kptrs: torch.Tensor | None = None
+    _kptrs_key: tuple = ()
 
     def on_layer(self, layer_idx: int, query, kv_cache, attn_metadata, scale: float) -> None:
         """Called after the full attention of ``layer_idx`` in a runner forward.
 
-        With ``time_events``, CUDA events bracket (a) the selection work of each layer
-        (``events``: summed into the proposer's ``select_ms``) and (b) layer 0 .. last layer of
-        the forward (``fwd_events``: ``verify_fwd_ms``).
+        Layer 0 builds the plan; every layer stashes its collect queries (one ``index_select``
+        into a persistent buffer); the last layer scores all layers in one kernel launch and
+        runs one ``torch.topk`` over all layers and requests. With ``time_events``, CUDA events
+        bracket the plan and the batched selection (summed into the proposer's ``select_ms``)
+        and layer 0 .. last layer of the forward (``verify_fwd_ms``).
         """
         cfg = self.config
         timing = self.time_events and query.is_cuda
-        start = _record() if timing else None
-        if layer_idx == self.first_layer:
+        first = layer_idx == self.first_layer
+        last = layer_idx == self.last_layer
+        if first:
+            start = _record() if timing else None
+            self._fwd_start = start
             self.plan = make_plan(
                 attn_metadata.query_start_loc,
                 attn_metadata.seq_lens,
@@ -298,23 +316,57 @@ class SelectionState:
             self.block_table = attn_metadata.block_table
             self.block_size = kv_cache.shape[2]
             self.page_stride = kv_cache.stride(0) // kv_cache.stride(2)
-            self._fwd_start = start
-        plan = self.plan
-        if plan is not None and plan.k_max > 0:
-            if cfg.selector == "sliding_window":
-                if layer_idx == self.first_layer:
-                    self.slots[-1] = sliding_window_slots(
-                        plan, cfg.num_sinks, attn_metadata.block_table, self.block_size
-                    )
-            else:
-                key_cache = kv_cache.unbind(1)[0]
-                self.slots[layer_idx] = collect_layer_slots(
-                    plan, query, key_cache, attn_metadata.block_table, scale
+            plan = self.plan
+            if cfg.selector == "sliding_window" and plan.k_max > 0:
+                self.slots[-1] = sliding_window_slots(
+                    plan, cfg.num_sinks, attn_metadata.block_table, self.block_size
                 )
+            if timing:
+                self.events.append((start, _record()))
+        plan = self.plan
+        if plan is None or plan.k_max == 0 or cfg.selector == "sliding_window":
+            if last and timing and self._fwd_start is not None:
+                self.fwd_events.append((self._fwd_start, _record()))
+            return
+        # stash this layer's collect queries
+        num_layers = self.last_layer - self.first_layer + 1
+        nq = plan.q_idx.shape[1]
+        shape = (num_layers, plan.num_seqs, nq) + tuple(query.shape[1:])
+        if first:
+            if self._qbuf is None or self._qbuf.numel() < math.prod(shape) or self._qbuf.dtype != query.dtype:
+                self._qbuf = torch.empty(math.prod(shape), dtype=query.dtype, device=query.device)
+            self._qview = self._qbuf[: math.prod(shape)].view(shape)
+            self._kcaches = [None] * num_layers
+        row = layer_idx - self.first_layer
+        torch.index_select(
+            query, 0, plan.q_idx.reshape(-1), out=self._qview[row].view(-1, *query.shape[1:])
+        )
+        self._kcaches[row] = kv_cache.unbind(1)[0]
+        if not last:
+            return
+        start = _record() if timing else None
+        bt = attn_metadata.block_table[: plan.num_seqs]
+        if query.is_cuda:
+            from ..kernels.triton_score import collect_scores_layers_triton
+
+            key = tuple(k.data_ptr() for k in self._kcaches)
+            if self._kptrs_key != key:
+                self._kptrs = torch.tensor(key, dtype=torch.int64, device=query.device)
+                self._kptrs_key = key
+            scores = collect_scores_layers_triton(
+                self._qview, plan.q_weight, self._kcaches, bt, plan.ctx_sel, plan.max_len, scale,
+                key_ptrs=self._kptrs,
+            )
+        else:
+            scores = collect_scores_layers_reference(
+                self._qview, plan.q_weight, self._kcaches, bt, plan.ctx_sel, plan.max_len, scale
+            )
+        self.all_slots = select_topk_layers(scores, plan.budgets, plan.k_max, bt, self.block_size)
+        self.slots[self.last_layer] = self.all_slots  # marks the selection complete
         if timing:
             end = _record()
             self.events.append((start, end))
-            if layer_idx == self.last_layer and self._fwd_start is not None:
+            if self._fwd_start is not None:
                 self.fwd_events.append((self._fwd_start, end))
                 self._fwd_start = None
 
