@@ -171,18 +171,6 @@ def make_plan(
     return CollectPlan(num_seqs, q_idx, q_weight, ctx_sel, config.budgets(ctx_sel), k_max, max_len)
 
 
-def fold_collect_queries(
-    query: torch.Tensor, plan: CollectPlan, num_kv_heads: int
-) -> torch.Tensor:
-    """``query`` ``(num_tokens, H, D)`` -> ``(num_seqs, num_kv_heads, D)`` float32 sums of the
-    plan's collect queries over queries and each KV head's group of query heads."""
-    assert plan.q_idx is not None and plan.q_weight is not None
-    q = query[plan.q_idx.reshape(-1)].float()  # [num_seqs * Q, H, D]
-    num_q_heads, head_dim = q.shape[1], q.shape[2]
-    q = q.view(plan.num_seqs, -1, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-    return (q * plan.q_weight[:, :, None, None, None]).sum(dim=(1, 3))
-
-
 def collect_layer_slots(
     plan: CollectPlan,
     query: torch.Tensor,
@@ -191,20 +179,12 @@ def collect_layer_slots(
     scale: float,
 ) -> torch.Tensor:
     """One layer's selection: ``(num_seqs, k_max)`` int32 slot ids (-1 beyond each budget)."""
-    num_kv_heads = key_cache.shape[2]
-    qsum = fold_collect_queries(query, plan, num_kv_heads)
-    if key_cache.is_cuda:
-        from ..kernels.triton_score import collect_scores_triton
-
-        scores = collect_scores_triton(
-            None, key_cache, block_table[: plan.num_seqs], plan.ctx_sel, plan.max_len, scale, qsum=qsum
-        )
-    else:
-        # [num_seqs, 1, num_kv_heads, D] queries against GQA group size 1 == the folded sums
-        q = qsum[:, None]
-        keys = key_cache
-        scores = collect_scores(q, keys, block_table[: plan.num_seqs], plan.ctx_sel, plan.max_len, scale)
-    slots, _ = select_topk(scores, plan.budgets, plan.k_max, block_table[: plan.num_seqs], key_cache.shape[1])
+    assert plan.q_idx is not None and plan.q_weight is not None
+    q = query[plan.q_idx.reshape(-1)].view(plan.num_seqs, plan.q_idx.shape[1], *query.shape[1:])
+    q = q * plan.q_weight[:, :, None, None].to(q.dtype)
+    bt = block_table[: plan.num_seqs]
+    scores = collect_scores(q, key_cache, bt, plan.ctx_sel, plan.max_len, scale)
+    slots, _ = select_topk(scores, plan.budgets, plan.k_max, bt, key_cache.shape[1])
     return slots
 
 
