@@ -116,7 +116,10 @@ def test_on_layer_batched_selection_matches_per_layer():
     md = SimpleNamespace(query_start_loc=qsl, seq_lens=torch.tensor(lens, dtype=torch.int32),
                          max_seq_len=70, block_table=bt)
     cfg = VllmVegasConfig(selector="collect2", kv_budget=7)
-    st = SelectionState(config=cfg, gamma=4, enabled=True, first_layer=0, last_layer=2)
+    st = SelectionState(config=cfg, gamma=4, enabled=True)
+    st.on_layer(1, torch.randn(10, 4, 8), torch.randn(nb, 2, BS, 2, 8), md, 0.5)
+    assert st.plan is None  # layers unknown yet (first prefill before the proposer learned them)
+    st.first_layer, st.last_layer, st.layers_ready = 0, 2, True
     kvs = [torch.randn(nb, 2, BS, 2, 8) for _ in range(3)]
     queries = [torch.randn(10, 4, 8) for _ in range(3)]
     for layer in range(3):

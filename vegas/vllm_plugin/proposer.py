@@ -155,6 +155,9 @@ class VegasProposer:
         if self.runner is None:
             raise RuntimeError("vegas: could not find vLLM's GPU model runner (V1 runner required; "
                                "set VLLM_USE_V2_MODEL_RUNNER=0)")
+        # the layers are registered once the model is built: learn them before the first
+        # forward (the prefill), whose last queries give the first selection
+        self._init_layers()
 
     # ---- helpers ----------------------------------------------------------------------------
     def _init_layers(self) -> None:
@@ -177,8 +180,12 @@ class VegasProposer:
         layers.sort(key=lambda x: x[1])
         self._layers = layers
         self._layer_pos = {idx: i for i, (_, idx) in enumerate(layers)}
+        if [idx for _, idx in layers] != list(range(layers[0][1], layers[-1][1] + 1)):
+            raise ValueError("vegas: attention layer indices must be contiguous, got "
+                             f"{[idx for _, idx in layers]}")
         STATE.first_layer = layers[0][1]
         STATE.last_layer = layers[-1][1]
+        STATE.layers_ready = True
 
     def reset_stats(self) -> None:
         self._resolve_events()

@@ -260,6 +260,8 @@ class SelectionState:
     events: list = field(default_factory=list)
     fwd_events: list = field(default_factory=list)
     time_events: bool = True
+    #: set once first_layer/last_layer hold the model's attention layers
+    layers_ready: bool = False
     #: (L, num_seqs, k_max) slot ids of all layers (collect2 / aggregated)
     all_slots: torch.Tensor | None = None
     _fwd_start: object = None
@@ -278,6 +280,8 @@ class SelectionState:
         bracket the plan and the batched selection (summed into the proposer's ``select_ms``)
         and layer 0 .. last layer of the forward (``verify_fwd_ms``).
         """
+        if not self.layers_ready:  # the proposer has not told us the model's layers yet
+            return
         cfg = self.config
         timing = self.time_events and query.is_cuda
         first = layer_idx == self.first_layer
