@@ -90,3 +90,19 @@ def test_quest_selects_the_page_of_a_planted_key():
     quest.select(SelectionInput(0, None, torch.ones(B, L, dtype=torch.bool), torch.tensor([P]), keys))
     sel = quest.select_for_query(0, torch.tensor([[[[1.0, 0, 0, 0]]]]), None)
     assert selected(sel) == [[list(range(40, 48))]]
+
+
+def test_quest_incremental_bounds_equal_a_full_recompute():
+    torch.manual_seed(2)
+    B, KVH, D, P = 2, 2, 4, 4
+    keys = torch.randn(B, KVH, 30, D)
+    valid = torch.rand(B, 30) > 0.2
+    cfg = VegasConfig(page_size=P, kv_budget=8)
+    incremental = QuestSelector(cfg)
+    for length in (9, 14, 22, 30):  # the cache grows between selections
+        inputs = SelectionInput(0, None, valid[:, :length], torch.tensor([8, 8]), keys[:, :, :length])
+        incremental.select(inputs)
+    full = QuestSelector(cfg)
+    full.select(inputs)
+    for got, want in zip(incremental._pages[0], full._pages[0]):
+        torch.testing.assert_close(got, want)

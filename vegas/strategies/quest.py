@@ -72,15 +72,32 @@ class QuestSelector(Selector):
         self._pages: dict[int, tuple] = {}
 
     def select(self, inputs: SelectionInput) -> Selection:
+        """Update the page bounds of one layer; the pages are chosen per draft query.
+
+        Committed slots never change and new slots are appended, so the pages wholly
+        before the previous selection's length are reused and only the tail is recomputed:
+        O((γ + 1 + P) · head_dim) per layer and iteration instead of O(context · head_dim).
+        """
         size = self.config.page_size
-        key_min, key_max, page_valid, slot_valid = page_bounds(inputs.keys, inputs.valid, size)
+        num_slots = inputs.valid.shape[1]
+        cached = self._pages.get(inputs.layer_idx)
+        start = 0 if cached is None else min(cached[-1], num_slots) // size
+        key_min, key_max, page_valid, slot_valid = page_bounds(
+            inputs.keys[:, :, start * size :], inputs.valid[:, start * size :], size
+        )
+        if start:  # reuse the pages that lie wholly before the previous selection's length
+            old_min, old_max, old_page_valid, old_slot_valid = cached[:4]
+            key_min = torch.cat([old_min[:, :, :start], key_min], dim=2)
+            key_max = torch.cat([old_max[:, :, :start], key_max], dim=2)
+            page_valid = torch.cat([old_page_valid[:, :start], page_valid], dim=1)
+            slot_valid = torch.cat([old_slot_valid[:, : start * size], slot_valid], dim=1)
         num_pages = (inputs.budget // size).clamp(min=1).minimum(page_valid.sum(dim=1))
-        self._pages[inputs.layer_idx] = (key_min, key_max, page_valid, slot_valid, num_pages)
+        self._pages[inputs.layer_idx] = (key_min, key_max, page_valid, slot_valid, num_pages, num_slots)
         empty = inputs.budget.new_zeros(inputs.budget.shape[0], 1, 0)
         return Selection(indices=empty, mask=empty.bool())
 
     def select_for_query(self, layer_idx: int, query: torch.Tensor, selection: Selection) -> Selection:
-        key_min, key_max, page_valid, slot_valid, num_pages = self._pages[layer_idx]
+        key_min, key_max, page_valid, slot_valid, num_pages, _ = self._pages[layer_idx]
         groups = 1 if self.config.granularity == "layer" else key_min.shape[1]
         pages = topk_selection(page_scores(query, key_min, key_max, groups), page_valid, num_pages)
         size = self.config.page_size
