@@ -67,10 +67,14 @@ def configure(worker, config_json: str | None = None, reset_stats: bool = True) 
     return STATE.config.to_json()
 
 
-def get_stats(worker) -> dict:
-    """``LLM.collective_rpc(get_stats)``: the proposer's counters (see ``ProposerStats``)."""
+def get_stats(worker, per_request: bool = False) -> dict:
+    """``LLM.collective_rpc(get_stats)``: the proposer's counters (see ``ProposerStats``);
+    with ``per_request``, also ``{"requests": {request_id: [iterations, drafted, accepted]}}``."""
     drafter = _drafter(worker)
     if drafter is None or not hasattr(drafter, "stats"):
         return {}
     drafter._resolve_events()
-    return drafter.stats.as_dict()
+    out = drafter.stats.as_dict()
+    if per_request:
+        out["requests"] = {k: list(v) for k, v in drafter.req_stats.items()}
+    return out

@@ -134,6 +134,8 @@ class VegasProposer:
         attention.install()
         patch_scheduler_lookahead()
         self.stats = ProposerStats()
+        #: request id -> [iterations, drafted, accepted] since the last reset
+        self.req_stats: dict[str, list[int]] = {}
         self._layers: list[tuple[str, int]] | None = None
         self._layer_pos: dict[int, int] = {}
         self._drafted: set[str] = set()
@@ -190,6 +192,7 @@ class VegasProposer:
     def reset_stats(self) -> None:
         self._resolve_events()
         self.stats = ProposerStats()
+        self.req_stats = {}
         STATE.events.clear()
 
     def _resolve_events(self) -> None:
@@ -236,10 +239,16 @@ class VegasProposer:
 
         # acceptance bookkeeping (requests that had drafts in the previous step)
         req_ids = ib.req_ids[:num_reqs]
+        gamma_now = self.gamma
         for i, rid in enumerate(req_ids):
             if rid in self._drafted and i < len(sampled_token_ids) and sampled_token_ids[i]:
+                n = len(sampled_token_ids[i])
                 self.stats.iterations += 1
-                self.stats.emitted += len(sampled_token_ids[i])
+                self.stats.emitted += n
+                per = self.req_stats.setdefault(rid, [0, 0, 0])  # iterations, drafted, accepted
+                per[0] += 1
+                per[1] += gamma_now
+                per[2] += n - 1
         plan = STATE.plan
         if plan is None or plan.num_seqs != num_reqs or not STATE.slots:
             self._drafted = set()

@@ -1,0 +1,64 @@
+"""vLLM backend: configuration checks on CPU (no vLLM needed); a greedy smoke run on CUDA + vLLM."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vegas.backends.vllm import VLLMBackend, _raise_if_unsupported, proposer_config, vllm_engine_kwargs
+from vegas.config import VegasConfig, VegasConfigError
+from vegas.vllm_plugin import CLASS_PATH, VllmVegasConfig
+
+
+def test_engine_kwargs_switch_vegas_on():
+    plain = vllm_engine_kwargs("m")
+    assert "speculative_config" not in plain and plain["attention_backend"] == "FLASH_ATTN"
+    kw = vllm_engine_kwargs("m", num_draft_tokens=3, gpu_memory_utilization=0.4)
+    assert kw["speculative_config"] == {
+        "method": "custom_class", "model": CLASS_PATH, "num_speculative_tokens": 3,
+    }
+    assert kw["compilation_config"]["cudagraph_mode"] == "PIECEWISE"
+    assert kw["gpu_memory_utilization"] == 0.4
+
+
+def test_proposer_config_round_trips_into_the_proposer_settings():
+    cfg = VegasConfig(num_draft_tokens=4, sparsity_ratio=0.1, min_kv_budget=32)
+    settings = VllmVegasConfig(**proposer_config("aggregated", cfg))
+    assert settings.selector == "aggregated" and settings.sparsity_ratio == 0.1
+    assert settings.budget(1000) == 100 and settings.budget(10) == 10
+
+
+@pytest.mark.parametrize(
+    "selector,config,match",
+    [
+        ("quest", VegasConfig(), "not available on the vllm backend"),
+        ("collect2", VegasConfig(granularity="kv_head"), "granularity"),
+        ("collect2", VegasConfig(score_mode="weight"), "score_mode"),
+    ],
+)
+def test_unsupported_settings_are_named(selector, config, match):
+    with pytest.raises(VegasConfigError, match=match):
+        _raise_if_unsupported(selector, config)
+
+
+def test_bad_dtype_and_device():
+    with pytest.raises(VegasConfigError, match="CUDA"):
+        VLLMBackend("m", device="cpu")
+    with pytest.raises(VegasConfigError, match="dtype"):
+        VLLMBackend("m", dtype="int8")
+    assert VLLMBackend("m", dtype="float32").dtype == "bfloat16"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_vllm_pipeline_greedy_smoke():
+    pytest.importorskip("vllm")
+    from vegas import Pipeline
+    from vegas.prompts import cut_contexts, package_source
+
+    pipe = Pipeline(selector="collect2", backend="vllm", dtype="bfloat16", num_draft_tokens=4)
+    ids = pipe.tokenizer(package_source(), add_special_tokens=False).input_ids
+    prompts = cut_contexts(ids, 4096, 2)
+    out = pipe.generate(prompts, max_new_tokens=32)
+    assert all(len(o.token_ids) == 32 for o in out)
+    assert all(o.stats.iterations > 0 and o.stats.acceptance_length >= 1 for o in out)
+    pipe.backend.close()

@@ -1,0 +1,235 @@
+"""vLLM backend: stock vLLM 0.24 (V1 runner, FlashAttention-3) with Vegas as its proposer.
+
+``Pipeline(model=..., selector="collect2", backend="vllm")`` builds a vLLM ``LLM`` whose
+speculative proposer is :class:`vegas.vllm_plugin.proposer.VegasProposer`: the target model
+drafts γ tokens itself with sparse attention over its own paged KV cache (no second copy of
+weights or cache), inside the proposer (one CUDA graph per draft phase, not scheduled steps),
+then vLLM verifies them with full attention and its rejection sampler. The verification pass
+collects the selection scores (Triton kernel, :mod:`vegas.kernels`). Plain decoding
+(``selector=None``) is a plain vLLM ``LLM`` of the same model and dtype.
+
+One engine is alive at a time (plain, or Vegas with a given γ); switching the selector or
+budget keeps the Vegas engine (``collective_rpc``), switching γ or plain/Vegas rebuilds it.
+
+Selectors here: ``collect2``, ``aggregated``, ``sliding_window``. Not here: ``quest`` (page
+min/max metadata would need a second cache-shaped buffer kept up to date by every KV write),
+``last_token``, ``granularity="kv_head"`` and ``score_mode="weight"`` (the kernel sums logits).
+
+``import vegas.backends.vllm`` works without vLLM installed; vLLM is imported when an engine is
+built. Engine options can be set with ``$VEGAS_VLLM_ENGINE_ARGS`` (JSON, passed to ``LLM``), e.g.
+``{"gpu_memory_utilization": 0.5, "max_model_len": 32768}``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+from ..config import VegasConfig, VegasConfigError
+from ..sampling import SamplingParams
+from .base import Backend, RequestOutput, RequestStats
+
+__all__ = ["VLLMBackend", "vllm_engine_kwargs"]
+
+log = logging.getLogger(__name__)
+
+#: selectors the vLLM backend implements (the proposer's names)
+VLLM_SELECTORS = ("collect2", "aggregated", "sliding_window")
+
+
+def _raise_if_unsupported(selector: str | None, config: VegasConfig) -> None:
+    if selector is None:
+        return
+    if selector not in VLLM_SELECTORS:
+        raise VegasConfigError(
+            f"selector {selector!r} is not available on the vllm backend; use one of "
+            f"{', '.join(VLLM_SELECTORS)} (or backend='hf' for every selector)"
+        )
+    if config.granularity != "layer":
+        raise VegasConfigError("the vllm backend selects per layer only; use granularity='layer'")
+    if config.score_mode != "logit":
+        raise VegasConfigError("the vllm backend ranks by summed logits only; use score_mode='logit'")
+
+
+def proposer_config(selector: str, config: VegasConfig) -> dict[str, Any]:
+    """The proposer's settings (``VllmVegasConfig`` fields) for a selector and a VegasConfig."""
+    return {
+        "selector": selector,
+        "sparsity_ratio": config.sparsity_ratio,
+        "kv_budget": config.kv_budget,
+        "min_kv_budget": config.min_kv_budget,
+        "num_sinks": config.num_sinks,
+        "window": config.window,
+    }
+
+
+def vllm_engine_kwargs(
+    model: str,
+    *,
+    dtype: str = "bfloat16",
+    num_draft_tokens: int | None = None,
+    trust_remote_code: bool = False,
+    **overrides: Any,
+) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.LLM`` for plain decoding (``num_draft_tokens=None``) or for
+    Vegas with γ = ``num_draft_tokens``: what a vLLM user passes to switch Vegas on."""
+    kw: dict[str, Any] = dict(
+        model=model,
+        dtype=dtype,
+        trust_remote_code=trust_remote_code,
+        attention_backend="FLASH_ATTN",
+        enable_prefix_caching=True,
+        disable_log_stats=False,
+    )
+    if num_draft_tokens is not None:
+        from ..vllm_plugin import CLASS_PATH
+
+        kw["speculative_config"] = {
+            "method": "custom_class",
+            "model": CLASS_PATH,
+            "num_speculative_tokens": num_draft_tokens,
+        }
+        kw["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}
+    kw.update(overrides)
+    return kw
+
+
+class VLLMBackend(Backend):
+    """vLLM engine backend (CUDA only, bfloat16/float16).
+
+    Args:
+        model: model directory or hub id (as vLLM takes it).
+        dtype: ``"bfloat16"`` or ``"float16"``; ``"float32"`` (the Pipeline default) runs in
+            bfloat16 with a warning, since FlashAttention-3 has no float32 path.
+        device: must be None or CUDA (vLLM picks the GPU).
+
+    Raises:
+        VegasConfigError: an unsupported dtype or device.
+    """
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        dtype: str = "bfloat16",
+        device: str | None = None,
+        trust_remote_code: bool = False,
+    ) -> None:
+        if dtype == "float32":
+            log.warning("vllm backend: FlashAttention-3 has no float32 path; running in bfloat16")
+            dtype = "bfloat16"
+        if dtype not in ("bfloat16", "float16"):
+            raise VegasConfigError(f"vllm backend dtype must be 'bfloat16' or 'float16', got {dtype!r}")
+        if device is not None and not str(device).startswith("cuda"):
+            raise VegasConfigError(f"the vllm backend runs on CUDA GPUs only, got device={device!r}")
+        self.model = str(model)
+        self.dtype = dtype
+        self.trust_remote_code = trust_remote_code
+        self._llm = None
+        self._key: tuple | None = None
+        self._tokenizer = None
+        self._max_context: int | None = None
+
+    # ---- engine -----------------------------------------------------------------------------
+    def _engine(self, key: tuple, selector: str | None, config: VegasConfig):
+        if self._llm is not None and self._key == key:
+            return self._llm
+        self.close()
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(fn)
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        if selector is not None:
+            os.environ["VEGAS_VLLM_CONFIG"] = json.dumps(proposer_config(selector, config))
+        from vllm import LLM
+
+        overrides = json.loads(os.environ.get("VEGAS_VLLM_ENGINE_ARGS", "") or "{}")
+        kw = vllm_engine_kwargs(
+            self.model,
+            dtype=self.dtype,
+            num_draft_tokens=key[1] if key[0] == "vegas" else None,
+            trust_remote_code=self.trust_remote_code,
+            **overrides,
+        )
+        self._llm = LLM(**kw)
+        self._key = key
+        self._max_context = int(self._llm.llm_engine.model_config.max_model_len)
+        return self._llm
+
+    def close(self) -> None:
+        """Shut the engine down (frees the GPU)."""
+        if self._llm is not None:
+            try:
+                self._llm.llm_engine.engine_core.shutdown()
+            except Exception as e:  # best effort
+                log.debug("vllm backend: shutdown: %r", e)
+            self._llm = None
+            self._key = None
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model, trust_remote_code=self.trust_remote_code)
+        return self._tokenizer
+
+    @property
+    def max_context(self) -> int:
+        if self._max_context is None:
+            from transformers import AutoConfig
+
+            cfg = AutoConfig.from_pretrained(self.model, trust_remote_code=self.trust_remote_code)
+            self._max_context = int(getattr(cfg, "max_position_embeddings", 0) or 0)
+        return self._max_context
+
+    # ---- generation -------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        max_new_tokens: int,
+        sampling: SamplingParams,
+        selector: str | None,
+        config: VegasConfig,
+    ) -> list[RequestOutput]:
+        _raise_if_unsupported(selector, config)
+        from vllm import SamplingParams as VllmSamplingParams
+
+        from ..vllm_plugin import configure, get_stats
+
+        key = ("plain", 0) if selector is None else ("vegas", config.num_draft_tokens)
+        llm = self._engine(key, selector, config)
+        if selector is not None:
+            llm.collective_rpc(configure, args=(json.dumps(proposer_config(selector, config)), True))
+        sp = VllmSamplingParams(
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            max_tokens=max_new_tokens,
+        )
+        outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)
+        per_req: dict[str, list[int]] = {}
+        batch: dict[str, Any] = {}
+        if selector is not None:
+            batch = llm.collective_rpc(get_stats, args=(True,))[0]
+            for rid, counts in batch.get("requests", {}).items():
+                per_req[rid.rsplit("-", 1)[0]] = counts
+        results = []
+        n = max(len(outs), 1)
+        for o in outs:
+            comp = o.outputs[0]
+            m = getattr(o, "metrics", None)
+            stats = RequestStats(num_generated=len(comp.token_ids))
+            if m is not None and getattr(m, "first_token_ts", 0) > 0:
+                stats.decode_seconds = max(m.last_token_ts - m.first_token_ts, 0.0)
+                stats.prefill_seconds = max(m.first_token_ts - m.scheduled_ts, 0.0)
+            counts = per_req.get(o.request_id)
+            if counts is not None:
+                stats.iterations, stats.num_drafted, stats.num_accepted = counts
+                stats.selection_seconds = (batch.get("select_ms", 0.0) + batch.get("table_ms", 0.0)) / 1e3 / n
+            elif selector is None:
+                stats.iterations = max(stats.num_generated - 1, 0)
+            results.append(RequestOutput(token_ids=list(comp.token_ids), text=comp.text, stats=stats))
+        return results
