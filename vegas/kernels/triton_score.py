@@ -34,20 +34,15 @@ def collect_scores_triton(
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
-@triton.jit(do_not_specialize=["num_seqs", "max_len", "stride_ql", "stride_qs", "stride_bt", "stride_ol", "stride_os"])
+@triton.jit(do_not_specialize=["num_seqs", "max_len", "stride_bt", "stride_ol", "stride_os"])
 def _score_layers_kernel(
-    q_ptr,  # [L, num_seqs, NQ, H, D] collect queries of every layer
-    w_ptr,  # [num_seqs, NQ] float32 weights (0 masks a repeated query)
+    qsum_ptr,  # [L, num_seqs, NUM_KV_HEADS, HEAD_DIM] float32, contiguous: folded collect queries
     kptrs_ptr,  # [L] int64 data pointers of each layer's key cache (same shape and strides)
     bt_ptr,  # [num_seqs, max_blocks] int32
     ctx_ptr,  # [num_seqs] int32
     out_ptr,  # [L, num_seqs, max_len] float32
     num_seqs,
     max_len,
-    stride_ql,
-    stride_qs,
-    stride_qq,
-    stride_qh,
     stride_kb,
     stride_ko,
     stride_kh,
@@ -56,8 +51,6 @@ def _score_layers_kernel(
     stride_os,
     scale,
     KDTYPE: tl.constexpr,
-    NQ: tl.constexpr,
-    GROUP: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -76,15 +69,10 @@ def _score_layers_kernel(
     base = blk * stride_kb + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_ko
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < HEAD_DIM
-    q_base = q_ptr + layer.to(tl.int64) * stride_ql + s.to(tl.int64) * stride_qs
+    q_base = qsum_ptr + pid.to(tl.int64) * (NUM_KV_HEADS * HEAD_DIM)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for g in tl.static_range(NUM_KV_HEADS):
-        qg = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for t in tl.static_range(NQ):
-            w = tl.load(w_ptr + s * NQ + t)
-            for h in tl.static_range(GROUP):
-                qv = tl.load(q_base + t * stride_qq + (g * GROUP + h) * stride_qh + offs_d, mask=dmask, other=0.0)
-                qg += w * qv.to(tl.float32)
+        qg = tl.load(q_base + g * HEAD_DIM + offs_d, mask=dmask, other=0.0)
         k = tl.load(
             k_ptr + base[:, None] + g * stride_kh + offs_d[None, :],
             mask=valid[:, None] & dmask[None, :],
@@ -112,22 +100,25 @@ def collect_scores_layers_triton(
     num_layers, num_seqs, nq, num_q_heads, head_dim = queries.shape
     k0 = key_caches[0]
     _, block_size, num_kv_heads, _ = k0.shape
-    assert queries.stride(-1) == 1 and k0.stride(-1) == 1
+    assert k0.stride(-1) == 1, "key caches need a unit stride on head_dim"
     if key_ptrs is None:
         key_ptrs = torch.tensor([k.data_ptr() for k in key_caches], dtype=torch.int64, device=k0.device)
     out = torch.empty((num_layers, num_seqs, max_len), dtype=torch.float32, device=k0.device)
     if num_seqs == 0 or max_len == 0:
         return out
+    # logits are linear in q: fold the collect queries (weighted) and each KV head's group first
+    group = num_q_heads // num_kv_heads
+    w = weights.to(torch.float32)[None, :, :, None, None, None]
+    qsum = (queries.float().reshape(num_layers, num_seqs, nq, num_kv_heads, group, head_dim) * w).sum(dim=(2, 4))
+    qsum = qsum.contiguous()  # [L, num_seqs, num_kv_heads, head_dim]
     grid = (num_layers * num_seqs, triton.cdiv(max_len, block_n))
     _score_layers_kernel[grid](
-        queries, weights.float().contiguous(), key_ptrs, block_table, ctx_lens.to(torch.int32), out,
+        qsum, key_ptrs, block_table, ctx_lens.to(torch.int32), out,
         num_seqs, max_len,
-        queries.stride(0), queries.stride(1), queries.stride(2), queries.stride(3),
         k0.stride(0), k0.stride(1), k0.stride(2),
         block_table.stride(0), out.stride(0), out.stride(1),
         float(scale),
-        KDTYPE=_TL_DTYPES[k0.dtype], NQ=nq, GROUP=num_q_heads // num_kv_heads,
-        BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        KDTYPE=_TL_DTYPES[k0.dtype], BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=block_n,
     )
     return out
