@@ -7,6 +7,9 @@
 #   run(command="bash .device/vllm/pN/unpack.sh", carry=[".device/vllm/pN"])   for N = 0..6
 # then:
 #   run(command="bash scripts/device_check.sh")            (BENCH_ARGS / BENCH_S / PHASES to adjust)
+# The dummy Qwen3-8B latency table (plain step vs sparse draft step, verify step, selection):
+#   PHASES=bench BENCH_S=250 BENCH_ARGS="--methods= --exact-prompts 0 --batches 4 --contexts 8192 \
+#     --latency-8b --latency-contexts 32768,131072 --latency-batches 1,4" bash scripts/device_check.sh
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
@@ -14,7 +17,7 @@ export VLLM_ALLOW_INSECURE_SERIALIZATION=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/vegas_out}; mkdir -p "$OUT"
 PHASES=${PHASES:-"env kernels cuda bench"}
 BENCH_S=${BENCH_S:-420}
-BENCH_ARGS=${BENCH_ARGS:-"--methods vegas,plain,ngram --contexts 16384 --batches 1,8,32,128 --new-tokens 128"}
+BENCH_ARGS=${BENCH_ARGS:-"--methods vegas,plain,ngram --contexts 16384,8192 --batches 1,8,32,128 --new-tokens 128"}
 T0=$(date +%s)
 say() { echo "=== [$(( $(date +%s) - T0 ))s] $*"; }
 
