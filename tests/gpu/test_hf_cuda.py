@@ -1,4 +1,10 @@
-"""HF backend on CUDA: greedy Vegas equals plain greedy of the same dtype (skipped without a GPU)."""
+"""HF backend on CUDA: greedy Vegas equals plain greedy of the same dtype (skipped without a GPU).
+
+float32: token-identical. bfloat16: verification runs γ+1 queries through other kernels than
+a one-query decode step, so rounding differs and near-ties can flip (design notes §5); there
+the test requires every first divergence to be a bf16 near-tie: the plain model's top-2 logit
+gap at that position is at most ``BF16_TIE`` (two bf16 steps at logit magnitudes up to 32).
+"""
 
 import pytest
 import torch
@@ -12,10 +18,19 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
+BF16_TIE = 0.25
+
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
 def cuda_pipe(request):
     return Pipeline(selector=None, dtype=request.param, device="cuda")
+
+
+def top2_gap(model, ids: list[int]) -> float:
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids], device=model.device)).logits[0, -1].float()
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
 
 
 @pytest.mark.parametrize("selector", ["collect2", "aggregated", "sliding_window", "quest"])
@@ -27,5 +42,13 @@ def test_hf_cuda_greedy_exact(cuda_pipe, selector):
     greedy = SamplingParams()
     ref = cuda_pipe.backend.generate(prompts, max_new_tokens=32, sampling=greedy, selector=None, config=config)
     out = cuda_pipe.backend.generate(prompts, max_new_tokens=32, sampling=greedy, selector=selector, config=config)
-    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
     assert sum(o.stats.num_accepted for o in out) > 0
+    dtype = cuda_pipe.backend.model.dtype
+    for prompt, o, r in zip(prompts, out, ref):
+        if dtype == torch.float32 or o.token_ids == r.token_ids:
+            assert o.token_ids == r.token_ids
+            continue
+        i = next(i for i, (a, b) in enumerate(zip(o.token_ids, r.token_ids)) if a != b)
+        gap = top2_gap(cuda_pipe.backend.model, prompt + r.token_ids[:i])
+        print(f"{selector}: bf16 divergence at token {i}, plain top-2 logit gap {gap:.4f}")
+        assert gap <= BF16_TIE, f"divergence at token {i} is not a near-tie (gap {gap})"
