@@ -1,6 +1,7 @@
 """Each bad input named in DEVELOPERS.md gets a clear error naming the parameter."""
 
 import pytest
+import torch
 
 from vegas import Pipeline, VegasConfigError
 
@@ -54,12 +55,72 @@ def test_unknown_selector_in_generate(pipe):
         pipe.generate(["x = 1"], max_new_tokens=2, selector="nope")
 
 
-def test_single_token_prompt_and_zero_budget_work(pipe):
-    out = pipe.generate([[42], [7, 8, 9]], max_new_tokens=5, selector="collect2")
-    ref = pipe.generate([[42], [7, 8, 9]], max_new_tokens=5, selector=None)
+@pytest.mark.parametrize("selector", ["collect2", "aggregated", "sliding_window", "quest", "last_token"])
+@pytest.mark.parametrize("prompts", [[[42]], [[42], [7, 8, 9]], ["   "]], ids=["one", "batch", "whitespace"])
+def test_single_token_prompts_work(pipe, selector, prompts):
+    out = pipe.generate(prompts, max_new_tokens=6, selector=selector)
+    ref = pipe.generate(prompts, max_new_tokens=6, selector=None)
     assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+
+
+def test_zero_budget_works(pipe):
     zero = Pipeline(selector="aggregated", kv_budget=0, recent_window=0)
     assert zero.generate(["def f(x):"], max_new_tokens=3)[0].stats.num_generated == 3
+
+
+@pytest.mark.parametrize(
+    "prompts, match",
+    [
+        (None, "prompts must be a text"),
+        (5, "prompts must be a text"),
+        ([[1, 2], "x", 3.5], "prompt 2 must be a text or a list of int token ids"),
+        ([[-5, 3]], r"token id -5, outside the vocabulary \[0, 8192\)"),
+        ([[10**9]], "outside the vocabulary"),
+    ],
+)
+def test_bad_prompt_types_and_token_ids(pipe, prompts, match):
+    with pytest.raises(VegasConfigError, match=match):
+        pipe.generate(prompts, max_new_tokens=2)
+
+
+def test_max_new_tokens_larger_than_context_names_it(pipe):
+    with pytest.raises(VegasConfigError, match="max_new_tokens=1000000 plus num_draft_tokens"):
+        pipe.generate(["x = 1"], max_new_tokens=10**6)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"temperature": float("nan")}, "temperature must be a finite number"),
+        ({"temperature": float("inf")}, "temperature must be a finite number"),
+        ({"top_p": float("nan"), "temperature": 1.0}, "top_p"),
+        ({"seed": "x"}, "seed must be an integer"),
+    ],
+)
+def test_bad_sampling_values(pipe, kwargs, match):
+    with pytest.raises(VegasConfigError, match=match):
+        pipe.generate(["x = 1"], max_new_tokens=2, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"device": "tpu"}, "device must be 'cpu', 'cuda' or 'cuda:N'"),
+        ({"dtype": "int8"}, "dtype must be one of"),
+        ({"model": "/nonexistent/model"}, "is neither a local transformers model directory"),
+    ],
+)
+def test_bad_backend_arguments(kwargs, match):
+    with pytest.raises(VegasConfigError, match=match):
+        Pipeline(selector=None, **kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")
+def test_cuda_without_gpu_and_vllm_without_vllm():
+    with pytest.raises(VegasConfigError, match="no CUDA GPU"):
+        Pipeline(selector=None, device="cuda")
+    with pytest.raises(VegasConfigError, match="backend 'vllm' needs"):
+        Pipeline(selector="collect2", backend="vllm")
 
 
 def test_remote_code_is_off_by_default(pipe):

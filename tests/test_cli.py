@@ -35,3 +35,18 @@ def test_generate_prints_text_and_stats(tmp_path):
     result = CliRunner().invoke(main, ["generate", f"@{prompt}", "--max-new-tokens", "6", "--temperature", "0"])
     assert result.exit_code == 0, result.output
     assert "τ=" in result.output
+
+
+def test_bench_names_bad_options(tmp_path):
+    cases = [
+        (["--batch-size", "0"], "batch_size (--batch-size)"),
+        (["--check-tokens", "0"], "check_tokens (--check-tokens)"),
+        (["--context", "40000"], "context (--context) must be in"),
+    ]
+    for args, match in cases:
+        result = CliRunner().invoke(main, ["bench", *args])
+        assert result.exit_code == 2 and match in result.output, result.output
+    binary = tmp_path / "blob.bin"
+    binary.write_bytes(b"\x7fELF\0\0\1binary")
+    result = CliRunner().invoke(main, ["bench", "--prompts", str(binary), "--context", "64"])
+    assert result.exit_code == 2 and "binary file" in result.output

@@ -93,3 +93,14 @@ def test_broken_entry_point_is_reported(tmp_path):
     code = f"import sys; sys.path.insert(0, {str(tmp_path)!r}); {LIST}; print(plugins.plugin_errors)"
     out = _run(code).stdout
     assert "collect2" in out and "'broken'" in out and "ModuleNotFoundError" in out
+
+
+def test_unknown_name_in_vegas_plugins_is_reported():
+    out = _run("import logging; logging.basicConfig(); " + LIST, VEGAS_PLUGINS="doesnotexist")
+    assert "VEGAS_PLUGINS names ['doesnotexist']" in out.stderr
+
+
+def test_unknown_selector_hints_at_disabled_autoload(monkeypatch):
+    monkeypatch.setenv("VEGAS_DISABLE_PLUGIN_AUTOLOAD", "1")
+    with pytest.raises(VegasConfigError, match="VEGAS_DISABLE_PLUGIN_AUTOLOAD is set"):
+        plugins.create_selector("h2o", VegasConfig())

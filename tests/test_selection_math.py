@@ -48,7 +48,9 @@ def test_recent_window_is_kept_inside_budget():
     scores = torch.tensor([[[9.0, 8.0, 7.0, 0.0, 1.0, 0.5]]])
     inputs = SelectionInput(0, scores, torch.ones(1, 6, dtype=torch.bool), torch.tensor([3]), torch.zeros(1, 1, 6, 2))
     assert selected(AggregatedSelector(VegasConfig(recent_window=0)).select(inputs)) == [[[0, 1, 2]]]
-    assert selected(AggregatedSelector(VegasConfig(recent_window=2)).select(inputs)) == [[[0, 4, 5]]]
+    inputs.budget = torch.tensor([4])  # the recent window takes at most half the budget
+    assert selected(AggregatedSelector(VegasConfig(recent_window=2)).select(inputs)) == [[[0, 1, 4, 5]]]
+    assert selected(AggregatedSelector(VegasConfig(recent_window=64)).select(inputs)) == [[[0, 1, 4, 5]]]
 
 
 def test_sliding_window_indices_sinks_and_window():
@@ -106,3 +108,19 @@ def test_quest_incremental_bounds_equal_a_full_recompute():
     full.select(inputs)
     for got, want in zip(incremental._pages[0], full._pages[0]):
         torch.testing.assert_close(got, want)
+
+
+def test_quest_respects_the_budget_at_both_ends():
+    L, P = 37, 8
+    keys, valid = torch.randn(1, 1, L, 4), torch.ones(1, L, dtype=torch.bool)
+    query = torch.randn(1, 1, 1, 4)
+
+    def chosen(budget):
+        quest = QuestSelector(VegasConfig(page_size=P))
+        quest.select(SelectionInput(0, None, valid, torch.tensor([budget]), keys))
+        return selected(quest.select_for_query(0, query, None))[0][0]
+
+    assert chosen(P - 1) == []  # no whole page fits: drafting sees only the recent slots
+    two = chosen(2 * P + 3)
+    assert len({slot // P for slot in two}) == 2 and len(two) <= 2 * P + 3  # two whole pages
+    assert chosen(L) == list(range(L))  # a budget covering the context takes every slot

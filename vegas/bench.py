@@ -18,7 +18,8 @@ from rich.table import Table
 
 from .backends.base import RequestOutput
 from .pipeline import Pipeline
-from .plugins import create_selector
+from .config import VegasConfigError, kv_budget_for
+from .plugins import create_selector, selector_names
 from .prompts import cut_contexts, package_source, read_text_source
 
 __all__ = ["BenchOptions", "run_bench", "summarize"]
@@ -30,7 +31,7 @@ class BenchOptions:
 
     model: str | None = None
     backend: str = "hf"
-    selectors: list[str] = field(default_factory=lambda: ["collect2", "aggregated", "sliding_window", "quest"])
+    selectors: list[str] | None = None  # None: every registered selector (plugins included)
     context: int = 4096
     new_tokens: int = 64
     batch_size: int = 2
@@ -71,8 +72,22 @@ def summarize(outputs: list[RequestOutput]) -> dict:
 
 def _prompts(pipe: Pipeline, opts: BenchOptions) -> list[list[int]]:
     text = read_text_source(opts.prompts) if opts.prompts else package_source("click")
-    ids = pipe.tokenizer(text, add_special_tokens=False).input_ids
+    ids = pipe.tokenizer(text, add_special_tokens=False, verbose=False).input_ids
     return cut_contexts(ids, opts.context, opts.batch_size)
+
+
+def _raise_if_bad_options(opts: BenchOptions, pipe: Pipeline) -> None:
+    for name in ("batch_size", "new_tokens", "check_tokens"):
+        value = getattr(opts, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise VegasConfigError(f"{name} (--{name.replace('_', '-')}) must be an integer >= 1, got {value!r}")
+    room = pipe.backend.max_context - max(opts.new_tokens, opts.check_tokens) - opts.num_draft_tokens - 1
+    if not 2 <= opts.context <= room:
+        raise VegasConfigError(
+            f"context (--context) must be in [2, {room}] tokens: the model context is "
+            f"{pipe.backend.max_context} and new tokens plus γ + 1 verification slots need the rest; "
+            f"got {opts.context}"
+        )
 
 
 def run_bench(opts: BenchOptions, console: Console | None = None) -> dict:
@@ -88,29 +103,38 @@ def run_bench(opts: BenchOptions, console: Console | None = None) -> dict:
     pipe = Pipeline(
         opts.model, selector=None, backend=opts.backend, dtype=opts.dtype, device=opts.device, **config
     )
+    _raise_if_bad_options(opts, pipe)
+    if opts.selectors is None:
+        opts.selectors = selector_names()
     for name in opts.selectors:  # fail on an unknown name before any work
         create_selector(name, pipe.config)
     prompts = _prompts(pipe, opts)
     sampled = dict(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)
-    results: dict = {"options": asdict(opts), "config": asdict(pipe.config), "selectors": {}}
+    results: dict = {
+        "options": asdict(opts),
+        "config": asdict(pipe.config),
+        "kv_budget": kv_budget_for(pipe.config, opts.context),
+        "selectors": {},
+    }
 
     runs = [None, *opts.selectors]
     with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("vegas bench", total=2 * len(runs))
+        task = progress.add_task("vegas bench", total=2 * len(runs) + 1)
         progress.update(task, description="plain greedy (reference)")
         reference = pipe.generate(prompts, max_new_tokens=opts.check_tokens, selector=None)
         progress.advance(task)
         for name in runs:
             label = name or "plain"
+            if name is not None:  # the check also warms the selector up before it is timed
+                progress.update(task, description=f"{label}: greedy exactness check")
+                greedy = pipe.generate(prompts, max_new_tokens=opts.check_tokens, selector=name)
+            progress.advance(task)
             progress.update(task, description=f"{label}: sampling")
             row = summarize(pipe.generate(prompts, max_new_tokens=opts.new_tokens, selector=name, **sampled))
             progress.advance(task)
             if name is None:
                 results["plain"] = row
                 continue
-            progress.update(task, description=f"{label}: greedy exactness check")
-            greedy = pipe.generate(prompts, max_new_tokens=opts.check_tokens, selector=name)
-            progress.advance(task)
             row["greedy_acceptance_length"] = summarize(greedy)["acceptance_length"]
             row["lossless"] = all(g.token_ids == r.token_ids for g, r in zip(greedy, reference))
             row["speedup"] = row["tokens_per_second"] / results["plain"]["tokens_per_second"]
@@ -123,10 +147,13 @@ def render(results: dict) -> Table:
     o = results["options"]
     table = Table(
         title=f"vegas bench: {o['backend']} backend, context {o['context']}, batch {o['batch_size']}, "
-        f"γ={o['num_draft_tokens']}, sparsity {o['sparsity_ratio']}, T={o['temperature']}"
+        f"γ={o['num_draft_tokens']}, KV budget {results['kv_budget']} "
+        f"(sparsity {o['sparsity_ratio']}, min {results['config']['min_kv_budget']}), T={o['temperature']}, "
+        f"{o['new_tokens']} new tokens; exactness: {o['check_tokens']} greedy tokens"
     )
-    for col in ("method", "τ (sampled)", "τ (greedy)", "tok/s", "speedup", "selection", "lossless"):
-        table.add_column(col, justify="right" if col != "method" else "left")
+    table.add_column("method", no_wrap=True)
+    for col in ("τ sampled", "τ greedy", "tok/s", "speedup", "selection", "lossless"):
+        table.add_column(col, justify="right", no_wrap=True)
     plain = results["plain"]
     table.add_row("plain", "1.00", "1.00", f"{plain['tokens_per_second']:.1f}", "1.00×", "-", "ref")
     for name, r in results["selectors"].items():

@@ -38,8 +38,8 @@ def main(verbose: bool) -> None:
 
 @main.command()
 @_config_options
-@click.option("--selectors", default="collect2,aggregated,sliding_window,quest", show_default=True,
-              help="Comma-separated selector names.")
+@click.option("--selectors", default="all", show_default=True,
+              help="Comma-separated selector names; 'all' = every registered selector, plugins included.")
 @click.option("--context", default=4096, show_default=True, type=int, help="Prompt length in tokens.")
 @click.option("--new-tokens", default=64, show_default=True, type=int, help="Tokens generated per prompt.")
 @click.option("--batch-size", default=2, show_default=True, type=int, help="Prompts decoded together.")
@@ -54,7 +54,8 @@ def bench(json_path, selectors, **kwargs) -> None:
 
     console = Console()
     try:
-        opts = BenchOptions(selectors=[s.strip() for s in selectors.split(",") if s.strip()], **kwargs)
+        names = None if selectors == "all" else [s.strip() for s in selectors.split(",") if s.strip()]
+        opts = BenchOptions(selectors=names, **kwargs)
         results = run_bench(opts, Console(stderr=True))
     except VegasConfigError as exc:
         raise click.UsageError(str(exc)) from exc

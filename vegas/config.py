@@ -40,7 +40,8 @@ class VegasConfig:
             ``budget - num_sinks`` so that baselines compare at equal budget.
         page_size: Quest page size P (tokens).
         recent_window: the last committed positions every score-based selector keeps inside
-            its budget (tokens), on top of the top-k of the rest; 0 = pure top-k. Default 64
+            its budget (tokens, at most half the budget), on top of the top-k of the rest;
+            0 = pure top-k. Default 64
             (the reference keeps the recent tokens; at 4K context, γ=4, budget 256 it raised
             collect2 τ from 3.62 to 4.27 greedy and 2.74 to 3.37 sampled).
         granularity: ``"layer"`` (one index set per layer shared by its heads, the seed's

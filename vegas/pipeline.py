@@ -77,16 +77,28 @@ class Pipeline:
         Raises:
             VegasConfigError: no prompt, or an empty one.
         """
-        if isinstance(prompts, str) or (prompts and all(isinstance(t, int) for t in prompts)):
+        kinds = "a text, a list of texts, or a list of token-id lists"
+        if isinstance(prompts, str) or (
+            isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts)
+        ):
             prompts = [prompts]  # one text, or one list of token ids
+        if not isinstance(prompts, (list, tuple)):
+            raise VegasConfigError(f"prompts must be {kinds}, got {type(prompts).__name__}")
         if len(prompts) == 0:
             raise VegasConfigError("prompts must hold at least one prompt, got an empty list")
-        ids = [
-            self.tokenizer(p, add_special_tokens=False).input_ids if isinstance(p, str) else [int(t) for t in p]
-            for p in prompts
-        ]
-        for i, p in enumerate(ids):
-            if not p:
+        vocab = self.backend.vocab_size
+        ids = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                ids.append(self.tokenizer(p, add_special_tokens=False).input_ids)
+            elif isinstance(p, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                bad = [t for t in p if not 0 <= t < vocab]
+                if bad:
+                    raise VegasConfigError(f"prompt {i} holds token id {bad[0]}, outside the vocabulary [0, {vocab})")
+                ids.append(list(p))
+            else:
+                raise VegasConfigError(f"prompt {i} must be a text or a list of int token ids, got {type(p).__name__}")
+            if not ids[-1]:
                 raise VegasConfigError(f"prompt {i} is empty; every prompt needs at least one token")
         return ids
 
@@ -117,9 +129,9 @@ class Pipeline:
             and selection seconds).
 
         Raises:
-            VegasConfigError: empty prompt list or prompt, ``max_new_tokens`` < 1, bad
-                sampling parameters, or a prompt that with ``max_new_tokens`` and γ + 1
-                verification slots exceeds the model's context.
+            VegasConfigError: empty prompt list or prompt, a token id outside the
+                vocabulary, ``max_new_tokens`` < 1, bad sampling parameters, or a prompt that
+                with ``max_new_tokens`` and γ + 1 verification slots exceeds the model's context.
         """
         selector = self.selector if selector is ... else selector
         if selector is not None:
@@ -129,6 +141,12 @@ class Pipeline:
         sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
         ids = self.encode(prompts)
         limit = self.backend.max_context - max_new_tokens - self.config.num_draft_tokens - 1
+        if limit < 1:
+            raise VegasConfigError(
+                f"max_new_tokens={max_new_tokens} plus num_draft_tokens + 1 = "
+                f"{self.config.num_draft_tokens + 1} verification slots leave no room for a prompt in "
+                f"the model context of {self.backend.max_context} tokens"
+            )
         for i, p in enumerate(ids):
             if len(p) > limit:
                 raise VegasConfigError(

@@ -55,7 +55,14 @@ def _load_entry_points(pm: pluggy.PluginManager) -> None:
     if os.environ.get("VEGAS_DISABLE_PLUGIN_AUTOLOAD", "").lower() in ("1", "true", "yes"):
         return
     only = {n.strip() for n in os.environ.get("VEGAS_PLUGINS", "").split(",") if n.strip()}
-    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+    entry_points = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+    missing = only - {ep.name for ep in entry_points}
+    if missing:
+        log.warning(
+            "VEGAS_PLUGINS names %s, but no installed plugin has that name (installed: %s)",
+            sorted(missing), sorted(ep.name for ep in entry_points) or "none",
+        )
+    for ep in entry_points:
         if only and ep.name not in only:
             continue
         try:
@@ -138,6 +145,14 @@ def backend_names() -> list[str]:
     return sorted(registry()["backends"])
 
 
+def _autoload_hint() -> str:
+    if os.environ.get("VEGAS_DISABLE_PLUGIN_AUTOLOAD", "").lower() in ("1", "true", "yes"):
+        return " (third-party plugins are not loaded: VEGAS_DISABLE_PLUGIN_AUTOLOAD is set)"
+    if os.environ.get("VEGAS_PLUGINS"):
+        return f" (only the plugins in VEGAS_PLUGINS={os.environ['VEGAS_PLUGINS']!r} are loaded)"
+    return ""
+
+
 def create_selector(name: str, config: VegasConfig):
     """Build the selector registered as ``name``.
 
@@ -146,7 +161,7 @@ def create_selector(name: str, config: VegasConfig):
     """
     selectors = registry()["selectors"]
     if name not in selectors:
-        raise VegasConfigError(f"selector must be one of {sorted(selectors)}, got {name!r}")
+        raise VegasConfigError(f"selector must be one of {sorted(selectors)}, got {name!r}{_autoload_hint()}")
     return selectors[name](config)
 
 
@@ -160,7 +175,7 @@ def get_backend_class(name: str):
 
     backends = registry()["backends"]
     if name not in backends:
-        raise VegasConfigError(f"backend must be one of {sorted(backends)}, got {name!r}")
+        raise VegasConfigError(f"backend must be one of {sorted(backends)}, got {name!r}{_autoload_hint()}")
     cls = backends[name]
     if not (isinstance(cls, type) and issubclass(cls, Backend)):
         cls = cls()  # lazy factory

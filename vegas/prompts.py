@@ -32,16 +32,26 @@ def read_text_source(path: str | Path) -> str:
     """Text of a file, or of every text file under a directory (sorted), concatenated.
 
     Raises:
-        VegasConfigError: the path does not exist or holds no text file.
+        VegasConfigError: the path does not exist, is a binary file, or holds no text file.
     """
     path = Path(path)
     if path.is_file():
+        if _is_binary(path):
+            raise VegasConfigError(f"prompts path {str(path)!r} is a binary file, not text")
         return path.read_text(encoding="utf-8", errors="replace")
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+        files = sorted(
+            p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES and not _is_binary(p)
+        )
         if files:
             return _concatenate(files, path)
     raise VegasConfigError(f"prompts path {str(path)!r} is not a file or a directory with text files")
+
+
+def _is_binary(path: Path) -> bool:
+    """A NUL byte in the first 8 KiB: the test git and grep use."""
+    with path.open("rb") as f:
+        return b"\0" in f.read(8192)
 
 
 def _concatenate(files: list[Path], root: Path) -> str:

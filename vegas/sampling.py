@@ -6,6 +6,7 @@ the target distribution is exactly the one ``model.generate`` would sample from.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -30,7 +31,8 @@ class SamplingParams:
         seed: seed of the ``torch.Generator`` used for sampling and acceptance draws.
 
     Raises:
-        VegasConfigError: temperature < 0 or top_p outside (0, 1].
+        VegasConfigError: temperature negative or not finite, top_p outside (0, 1], or a
+            seed that is not an integer.
     """
 
     temperature: float = 0.0
@@ -38,10 +40,13 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise VegasConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not (0 < self.top_p <= 1):
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise VegasConfigError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not (0 < self.top_p <= 1):
             raise VegasConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise VegasConfigError(f"seed must be an integer, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -46,7 +48,11 @@ def test_bad_dtype_and_device():
         VLLMBackend("m", device="cpu")
     with pytest.raises(VegasConfigError, match="dtype"):
         VLLMBackend("m", dtype="int8")
-    assert VLLMBackend("m", dtype="float32").dtype == "bfloat16"
+    if importlib.util.find_spec("vllm") is None or not torch.cuda.is_available():
+        with pytest.raises(VegasConfigError, match="backend 'vllm' needs"):
+            VLLMBackend("m")
+    else:
+        assert VLLMBackend("m", dtype="float32").dtype == "bfloat16"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

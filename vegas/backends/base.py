@@ -74,6 +74,11 @@ class Backend(ABC):
     def max_context(self) -> int:
         """Longest sequence (prompt + generated tokens) the model accepts, in tokens."""
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids must lie in ``[0, vocab_size)``."""
+        return len(self.tokenizer)
+
     @abstractmethod
     def generate(
         self,

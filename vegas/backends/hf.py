@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from ..config import VegasConfig, kv_budget_for
+from ..config import VegasConfig, VegasConfigError, kv_budget_for
 from ..interfaces import Drafter, Selection, SelectionInput, Selector, Verifier
 from ..loop import plain_decode, speculative_decode
 from ..sampling import SampleFn, SamplingParams
@@ -110,6 +110,11 @@ class HFSession(Drafter, Verifier):
     def _select(self, scores: dict[int, torch.Tensor]) -> None:
         start = self._tick()
         num_slots = self.valid.shape[1]
+        if num_slots == 0:  # one-token prompts only: nothing to select from yet
+            empty = torch.zeros(self.valid.shape[0], 1, 0, dtype=torch.long, device=self.device)
+            self.selections = [Selection(empty, empty.bool())] * self.num_layers
+            self.selection_len = 0
+            return
         counts = self.valid.sum(dim=1)  # [B]
         wanted = torch.tensor([kv_budget_for(self.config, int(c)) for c in counts], device=self.device)
         if not self._warned_full_budget and bool((wanted >= counts).any()):
@@ -133,7 +138,7 @@ class HFSession(Drafter, Verifier):
     def _full_context(self, chunk_len: int, num_new: int) -> AttentionContext:
         """Full-attention context collecting the selector's rows among the last ``chunk_len``."""
         rows = self.selector.score_rows(chunk_len) if self.selector is not None else []
-        rows = [num_new - chunk_len + r for r in rows if num_new - chunk_len + r >= 0]
+        rows = [num_new - chunk_len + r for r in rows]
         return AttentionContext(
             mode="full",
             score_rows=rows or None,
@@ -162,7 +167,8 @@ class HFSession(Drafter, Verifier):
         self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device)
         self.num_committed = torch.zeros(batch_size, dtype=torch.long, device=self.device)
         self.last_tokens = torch.tensor([p[-1] for p in prompts], device=self.device)
-        ctx = self._full_context(self.config.num_draft_tokens + 1, width)
+        # The last min(γ + 1, width) prompt positions stand in for a verified chunk.
+        ctx = self._full_context(min(self.config.num_draft_tokens + 1, width), width)
         if width:
             self._forward(input_ids, input_valid, ctx)
         self.num_committed = input_valid.sum(dim=1)
@@ -199,7 +205,7 @@ class HFSession(Drafter, Verifier):
             mode="draft",
             selections=self.selections,
             selection_len=self.selection_len,
-            selector=self.selector,
+            selector=self.selector if self.selection_len else None,
             sync=self.sync,
         )
         tokens, probs = [], []
@@ -215,12 +221,31 @@ class HFSession(Drafter, Verifier):
         return torch.stack(tokens, dim=1), draft_probs
 
 
+def _checked_device(device: str | None) -> torch.device:
+    """``device`` as a ``torch.device``; None picks CUDA when available.
+
+    Raises:
+        VegasConfigError: not a device name, or CUDA asked for but not available.
+    """
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise VegasConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from exc
+    if parsed.type not in ("cpu", "cuda"):
+        raise VegasConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise VegasConfigError(f"device={device!r} but no CUDA GPU is available to this torch build; use 'cpu'")
+    return parsed
+
+
 class HFBackend(Backend):
     """transformers eager backend (CPU and CUDA; float32, bfloat16, float16).
 
     Raises:
-        ValueError: unknown ``dtype``.
-        OSError: the model or tokenizer cannot be loaded from ``model``.
+        VegasConfigError: unknown ``dtype`` or ``device``, CUDA asked for but not available,
+            or ``model`` is neither a local model directory nor in the local HF cache.
     """
 
     name = "hf"
@@ -234,15 +259,22 @@ class HFBackend(Backend):
         trust_remote_code: bool = False,
     ) -> None:
         if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self._tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model,
-            dtype=DTYPES[dtype],
-            attn_implementation=ATTENTION_NAME,
-            trust_remote_code=trust_remote_code,
-        ).to(device).eval()
+            raise VegasConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        device = _checked_device(device)
+        try:
+            self._tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
+            self.model = AutoModelForCausalLM.from_pretrained(
+                model,
+                dtype=DTYPES[dtype],
+                attn_implementation=ATTENTION_NAME,
+                trust_remote_code=trust_remote_code,
+            )
+        except OSError as exc:
+            raise VegasConfigError(
+                f"model {model!r} is neither a local transformers model directory nor a model in "
+                f"the local Hugging Face cache ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+            ) from exc
+        self.model = self.model.to(device).eval()
 
     @property
     def tokenizer(self):
@@ -251,6 +283,10 @@ class HFBackend(Backend):
     @property
     def max_context(self) -> int:
         return int(self.model.config.max_position_embeddings)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
 
     @torch.inference_mode()
     def generate(self, prompts, *, max_new_tokens, sampling: SamplingParams, selector, config):

@@ -53,6 +53,20 @@ def _raise_if_unsupported(selector: str | None, config: VegasConfig) -> None:
         raise VegasConfigError("the vllm backend ranks by summed logits only; use score_mode='logit'")
 
 
+def _raise_if_unavailable() -> None:
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("vllm") is None:
+        raise VegasConfigError(
+            "backend 'vllm' needs vLLM 0.24.0 and a CUDA GPU: vllm is not installed "
+            "(pip install 'vegas[vllm]'), or use backend='hf'"
+        )
+    if not torch.cuda.is_available():
+        raise VegasConfigError("backend 'vllm' needs a CUDA GPU and none is visible; use backend='hf'")
+
+
 def proposer_config(selector: str, config: VegasConfig) -> dict[str, Any]:
     """The proposer's settings (``VllmVegasConfig`` fields) for a selector and a VegasConfig."""
     return {
@@ -126,6 +140,7 @@ class VLLMBackend(Backend):
             raise VegasConfigError(f"vllm backend dtype must be 'bfloat16' or 'float16', got {dtype!r}")
         if device is not None and not str(device).startswith("cuda"):
             raise VegasConfigError(f"the vllm backend runs on CUDA GPUs only, got device={device!r}")
+        _raise_if_unavailable()
         self.model = str(model)
         self.dtype = dtype
         self.trust_remote_code = trust_remote_code

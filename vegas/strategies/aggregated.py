@@ -26,7 +26,8 @@ class AggregatedSelector(Selector):
         scores = inputs.scores
         if self.config.recent_window:
             none = torch.zeros_like(inputs.budget)
-            window = inputs.budget.clamp(max=self.config.recent_window)
+            # at most half the budget, so that small budgets still compare the scores
+            window = (inputs.budget // 2).clamp(max=self.config.recent_window)
             recent = sliding_window_keep(inputs.valid, none, window)  # [B, num_slots]
             scores = scores.masked_fill(recent[:, None, :], float("inf"))
         return topk_selection(scores, inputs.valid, inputs.budget)

@@ -91,7 +91,10 @@ class QuestSelector(Selector):
             key_max = torch.cat([old_max[:, :, :start], key_max], dim=2)
             page_valid = torch.cat([old_page_valid[:, :start], page_valid], dim=1)
             slot_valid = torch.cat([old_slot_valid[:, : start * size], slot_valid], dim=1)
-        num_pages = (inputs.budget // size).clamp(min=1).minimum(page_valid.sum(dim=1))
+        # Whole pages within the budget; a budget that covers every valid slot takes every page.
+        all_pages = page_valid.sum(dim=1)
+        covers_all = inputs.budget >= inputs.valid.sum(dim=1)
+        num_pages = torch.where(covers_all, all_pages, (inputs.budget // size).minimum(all_pages))
         self._pages[inputs.layer_idx] = (key_min, key_max, page_valid, slot_valid, num_pages, num_slots)
         empty = inputs.budget.new_zeros(inputs.budget.shape[0], 1, 0)
         return Selection(indices=empty, mask=empty.bool())

@@ -39,7 +39,7 @@ class H2OSelector(vegas.Selector):
         recent = sliding_window_keep(
             inputs.valid,
             torch.zeros_like(inputs.budget),
-            inputs.budget.clamp(max=self.config.recent_window),
+            (inputs.budget // 2).clamp(max=self.config.recent_window),
         )
         return topk_selection(scores.masked_fill(recent[:, None, :], float("inf")), inputs.valid, inputs.budget)
 
