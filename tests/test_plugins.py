@@ -104,3 +104,25 @@ def test_unknown_selector_hints_at_disabled_autoload(monkeypatch):
     monkeypatch.setenv("VEGAS_DISABLE_PLUGIN_AUTOLOAD", "1")
     with pytest.raises(VegasConfigError, match="VEGAS_DISABLE_PLUGIN_AUTOLOAD is set"):
         plugins.create_selector("h2o", VegasConfig())
+
+
+def test_example_plugin_selector_runs_through_pipeline_and_bench(pipe, code_prompts, registered, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    import vegas_h2o
+    from vegas.cli import main
+
+    registered(vegas_h2o, "h2o")
+    prompts = [p[:500] for p in code_prompts]
+    out = pipe.generate(prompts, max_new_tokens=12, selector="h2o")
+    ref = pipe.generate(prompts, max_new_tokens=12, selector=None)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+    path = tmp_path / "h2o.json"
+    result = CliRunner().invoke(main, [
+        "bench", "--selectors", "h2o", "--context", "256", "--new-tokens", "6", "--check-tokens", "6",
+        "--json", str(path),
+    ])
+    assert result.exit_code == 0, result.output
+    assert json.loads(path.read_text())["selectors"]["h2o"]["lossless"] is True

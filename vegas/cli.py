@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 import click
 from rich.console import Console
@@ -52,7 +53,7 @@ def bench(json_path, selectors, **kwargs) -> None:
     """Plain decoding vs each selector on the same long prompts: τ, tok/s, speedup, exactness."""
     from .bench import BenchOptions, render, run_bench, write_json
 
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 120)  # the table's 7 columns fit
     try:
         names = None if selectors == "all" else [s.strip() for s in selectors.split(",") if s.strip()]
         opts = BenchOptions(selectors=names, **kwargs)
