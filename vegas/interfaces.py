@@ -20,6 +20,7 @@ from typing import ClassVar
 import torch
 
 from .config import VegasConfig
+from .sampling import SampleFn
 
 __all__ = ["Selection", "SelectionInput", "Selector", "Drafter", "Verifier"]
 
@@ -115,7 +116,7 @@ class Drafter(ABC):
 
     @abstractmethod
     def draft(
-        self, num_draft_tokens: int, sample: "SampleFn"
+        self, num_draft_tokens: int, sample: SampleFn
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft γ tokens after each sequence's ``x_last`` (its last committed token).
 
@@ -132,6 +133,9 @@ class Drafter(ABC):
 
 class Verifier(ABC):
     """Runs the target model with full attention: prefill, verification and rollback."""
+
+    #: seconds spent so far in score collection, top-k and index building (selection overhead)
+    selection_seconds: float = 0.0
 
     @abstractmethod
     def prefill(self, prompts: list[list[int]]) -> None:
@@ -165,5 +169,3 @@ class Verifier(ABC):
                 token, the new ``x_last``.
         """
 
-
-from .sampling import SampleFn  # noqa: E402  (type used in annotations only)
