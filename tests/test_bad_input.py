@@ -76,6 +76,7 @@ def test_zero_budget_works(pipe):
         ([[1, 2], "x", 3.5], "prompt 2 must be a text or a list of int token ids"),
         ([[-5, 3]], r"token id -5, outside the vocabulary \[0, 8192\)"),
         ([[10**9]], "outside the vocabulary"),
+        ([[1.0, 2.0]], "it holds a float"),
     ],
 )
 def test_bad_prompt_types_and_token_ids(pipe, prompts, match):
@@ -95,6 +96,7 @@ def test_max_new_tokens_larger_than_context_names_it(pipe):
         ({"temperature": float("inf")}, "temperature must be a finite number"),
         ({"top_p": float("nan"), "temperature": 1.0}, "top_p"),
         ({"seed": "x"}, "seed must be an integer"),
+        ({"seed": 2**64}, "seed must be an integer in"),
     ],
 )
 def test_bad_sampling_values(pipe, kwargs, match):
@@ -125,3 +127,21 @@ def test_cuda_without_gpu_and_vllm_without_vllm():
 
 def test_remote_code_is_off_by_default(pipe):
     assert pipe.backend.model.config.__class__.__module__.startswith("transformers.")
+
+
+def test_integer_temperature_and_numpy_token_ids_work(pipe):
+    import numpy as np
+
+    out = pipe.generate([np.array([5, 7, 9]).tolist(), [np.int64(5), np.int64(7)]], max_new_tokens=3,
+                        temperature=1, selector="collect2")
+    assert all(o.stats.num_generated == 3 for o in out)
+
+
+def test_acceptance_length_counts_emitted_tokens(pipe, code_prompts):
+    out = pipe.generate([code_prompts[0][:200]], max_new_tokens=1, selector="collect2")[0]
+    assert out.stats.num_generated == 1 and out.stats.acceptance_length == 1.0
+
+
+def test_selector_of_wrong_type():
+    with pytest.raises(VegasConfigError, match="selector must be one of"):
+        Pipeline(selector=["collect2"])

@@ -42,6 +42,8 @@ def test_bench_names_bad_options(tmp_path):
         (["--batch-size", "0"], "batch_size (--batch-size)"),
         (["--check-tokens", "0"], "check_tokens (--check-tokens)"),
         (["--context", "40000"], "context (--context) must be in"),
+        (["--selectors", ","], "must name at least one selector"),
+        (["--json", str(tmp_path)], "must be a file path in an existing directory"),
     ]
     for args, match in cases:
         result = CliRunner().invoke(main, ["bench", *args])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 import sys
 
 import click
@@ -56,6 +57,10 @@ def bench(json_path, selectors, **kwargs) -> None:
     console = Console(width=None if sys.stdout.isatty() else 120)  # the table's 7 columns fit
     try:
         names = None if selectors == "all" else [s.strip() for s in selectors.split(",") if s.strip()]
+        if names == []:
+            raise VegasConfigError("selectors (--selectors) must name at least one selector, or 'all'")
+        if json_path and (Path(json_path).is_dir() or not Path(json_path).resolve().parent.is_dir()):
+            raise VegasConfigError(f"--json {json_path!r} must be a file path in an existing directory")
         opts = BenchOptions(selectors=names, **kwargs)
         results = run_bench(opts, Console(stderr=True))
     except VegasConfigError as exc:

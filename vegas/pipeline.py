@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from pathlib import Path
 from typing import Sequence
 
@@ -60,7 +61,7 @@ class Pipeline:
             )
         self.config = VegasConfig(**config)
         if selector is not None:
-            create_selector(selector, self.config)  # fail fast on an unknown name
+            create_selector(selector, self.config)  # fail fast on an unknown name or type
         self.selector = selector
         backend_cls = get_backend_class(backend)
         self.backend: Backend = backend_cls(
@@ -79,7 +80,7 @@ class Pipeline:
         """
         kinds = "a text, a list of texts, or a list of token-id lists"
         if isinstance(prompts, str) or (
-            isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts)
+            isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, numbers.Integral) for t in prompts)
         ):
             prompts = [prompts]  # one text, or one list of token ids
         if not isinstance(prompts, (list, tuple)):
@@ -91,11 +92,16 @@ class Pipeline:
         for i, p in enumerate(prompts):
             if isinstance(p, str):
                 ids.append(self.tokenizer(p, add_special_tokens=False).input_ids)
-            elif isinstance(p, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            elif isinstance(p, (list, tuple)):
+                odd = [t for t in p if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+                if odd:
+                    raise VegasConfigError(
+                        f"prompt {i} must be a text or a list of int token ids; it holds a {type(odd[0]).__name__}"
+                    )
                 bad = [t for t in p if not 0 <= t < vocab]
                 if bad:
                     raise VegasConfigError(f"prompt {i} holds token id {bad[0]}, outside the vocabulary [0, {vocab})")
-                ids.append(list(p))
+                ids.append([int(t) for t in p])
             else:
                 raise VegasConfigError(f"prompt {i} must be a text or a list of int token ids, got {type(p).__name__}")
             if not ids[-1]:

@@ -160,7 +160,7 @@ def create_selector(name: str, config: VegasConfig):
         VegasConfigError: no selector of that name (the message lists the known ones).
     """
     selectors = registry()["selectors"]
-    if name not in selectors:
+    if not isinstance(name, str) or name not in selectors:
         raise VegasConfigError(f"selector must be one of {sorted(selectors)}, got {name!r}{_autoload_hint()}")
     return selectors[name](config)
 
@@ -174,7 +174,7 @@ def get_backend_class(name: str):
     from .backends.base import Backend
 
     backends = registry()["backends"]
-    if name not in backends:
+    if not isinstance(name, str) or name not in backends:
         raise VegasConfigError(f"backend must be one of {sorted(backends)}, got {name!r}{_autoload_hint()}")
     cls = backends[name]
     if not (isinstance(cls, type) and issubclass(cls, Backend)):

@@ -45,8 +45,8 @@ class SamplingParams:
             raise VegasConfigError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not (0 < self.top_p <= 1):
             raise VegasConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise VegasConfigError(f"seed must be an integer, got {self.seed!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64:
+            raise VegasConfigError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
@@ -56,7 +56,7 @@ class SamplingParams:
         """Sampling distribution ``(..., vocab)`` float32 of ``logits`` ``(..., vocab)``."""
         shape = logits.shape
         scores = logits.reshape(-1, shape[-1]).float()
-        scores = TemperatureLogitsWarper(self.temperature)(None, scores)
+        scores = TemperatureLogitsWarper(float(self.temperature))(None, scores)
         if self.top_p < 1:
             scores = TopPLogitsWarper(self.top_p)(None, scores)
         return torch.softmax(scores, dim=-1).reshape(shape)

@@ -36,8 +36,12 @@ class RequestStats:
 
     @property
     def acceptance_length(self) -> float:
-        """τ: tokens emitted per iteration (accepted drafts + the bonus/correction token)."""
-        return (self.num_accepted + self.iterations) / self.iterations if self.iterations else 0.0
+        """τ: tokens emitted per iteration (accepted drafts + the bonus/correction token).
+
+        Counts emitted tokens, so an iteration cut short by ``max_new_tokens`` or EOS counts
+        what it emitted; ``num_accepted`` counts every draft the verification accepted.
+        """
+        return self.num_generated / self.iterations if self.iterations else 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {**self.__dict__, "acceptance_length": self.acceptance_length}

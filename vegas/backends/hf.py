@@ -269,7 +269,7 @@ class HFBackend(Backend):
                 attn_implementation=ATTENTION_NAME,
                 trust_remote_code=trust_remote_code,
             )
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             raise VegasConfigError(
                 f"model {model!r} is neither a local transformers model directory nor a model in "
                 f"the local Hugging Face cache ({type(exc).__name__}: {str(exc).splitlines()[0]})"
