@@ -84,7 +84,7 @@ def test_quest_bound_is_an_upper_bound_of_every_key_score():
 
 
 def test_quest_selects_the_page_of_a_planted_key():
-    B, KVH, H, L, D, P = 1, 1, 1, 64, 4, 8
+    B, KVH, L, D, P = 1, 1, 64, 4, 8
     keys = torch.zeros(B, KVH, L, D)
     keys[0, 0, 42] = torch.tensor([10.0, 0, 0, 0])
     cfg = VegasConfig(page_size=P, kv_budget=P, recent_window=0)

@@ -9,7 +9,7 @@ selector must equal plain greedy decoding on the same prompts, token for token.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rich.console import Console

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import time
 from typing import Any
 
 import torch
@@ -26,7 +25,7 @@ from ..interfaces import Drafter, Selection, SelectionInput, Selector, Verifier
 from ..loop import plain_decode, speculative_decode
 from ..sampling import SampleFn, SamplingParams
 from .base import Backend, RequestOutput
-from .hf_attention import ATTENTION_NAME, AttentionContext, vegas_attention
+from .hf_attention import ATTENTION_NAME, AttentionContext, clock, vegas_attention
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +67,7 @@ class HFSession(Drafter, Verifier):
 
     # -- helpers ---------------------------------------------------------------------------
     def _tick(self) -> float:
-        if self.sync:
-            torch.cuda.synchronize()
-        return time.perf_counter()
+        return clock(self.sync)
 
     def _forward(
         self, input_ids: torch.Tensor, input_valid: torch.Tensor, ctx: AttentionContext

@@ -28,6 +28,13 @@ from ..selection import collect_scores
 ATTENTION_NAME = "vegas"
 
 
+def clock(sync: bool) -> float:
+    """Seconds from ``time.perf_counter``, after the CUDA queue drains when ``sync``."""
+    if sync:
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 @dataclass
 class AttentionContext:
     """Per-forward instructions and outputs of :func:`vegas_attention`.
@@ -58,9 +65,7 @@ class AttentionContext:
     sync: bool = False
 
     def _tick(self) -> float:
-        if self.sync:
-            torch.cuda.synchronize()
-        return time.perf_counter()
+        return clock(self.sync)
 
 
 def _gather_slots(x: torch.Tensor, sel: Selection) -> torch.Tensor:
