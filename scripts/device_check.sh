@@ -39,6 +39,19 @@ for phase in $PHASES; do
       timeout 150 python3 -m pytest tests -x -q -k "cuda or gpu" --ignore=tests/gpu -p no:cacheprovider 2>&1 \
         | tee "$OUT/cuda_tests.log" | tail -15
       ;;
+    kbench)
+      say "kernel timings (scripts/kernel_bench.py)"
+      timeout 200 python3 scripts/kernel_bench.py 2>&1 | tee "$OUT/kernel_bench.log" | grep -E "^\[kernel\]|Error|error" | tail -12
+      ;;
+    profile)
+      for spec in ${PROFILE_RUNS:-"vegas:collect2:128 plain:none:128"}; do
+        IFS=: read -r m sel b <<< "$spec"
+        say "profile $m $sel batch $b (scripts/vllm_profile.py)"
+        timeout 300 python3 scripts/vllm_profile.py --method "$m" --selector "$sel" --batch "$b" \
+          ${PROFILE_ARGS:-} > "$OUT/profile_${m}_${sel}_b$b.log" 2>&1
+        echo "profile rc=$?"; grep -E "^\[plain wall\]|Error" "$OUT/profile_${m}_${sel}_b$b.log" | tail -3
+      done
+      ;;
     bench)
       left=$(( BENCH_S ))
       say "vllm_bench.py $BENCH_ARGS (time budget ${left}s)"

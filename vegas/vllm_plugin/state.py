@@ -268,8 +268,8 @@ class SelectionState:
     _qbuf: torch.Tensor | None = None
     _qview: torch.Tensor | None = None
     _kcaches: list = field(default_factory=list)
-    _kptrs: torch.Tensor | None = None
-    _kptrs_key: tuple = ()
+    _koffs: tuple | None = None
+    _koffs_key: tuple = ()
 
     def on_layer(self, layer_idx: int, query, kv_cache, attn_metadata, scale: float) -> None:
         """Called after the full attention of ``layer_idx`` in a runner forward.
@@ -331,15 +331,15 @@ class SelectionState:
         start = _record() if timing else None
         bt = attn_metadata.block_table[: plan.num_seqs]
         if query.is_cuda:
-            from ..kernels.triton_score import collect_scores_layers_triton
+            from ..kernels.triton_score import collect_scores_layers_triton, layer_offsets
 
             key = tuple(k.data_ptr() for k in self._kcaches)
-            if self._kptrs_key != key:
-                self._kptrs = torch.tensor(key, dtype=torch.int64, device=query.device)
-                self._kptrs_key = key
+            if self._koffs_key != key:
+                self._koffs = layer_offsets(self._kcaches)
+                self._koffs_key = key
             scores = collect_scores_layers_triton(
                 self._qview, plan.q_weight, self._kcaches, bt, plan.ctx_sel, plan.max_len, scale,
-                key_ptrs=self._kptrs,
+                key_offsets=self._koffs,
             )
         else:
             scores = collect_scores_layers_reference(
