@@ -17,6 +17,12 @@ Decode throughput = generated tokens / wall time. Acceptance length τ = tokens 
 verification (vegas: the proposer's counters; ngram: vLLM's spec-decode metrics).
 Selection overhead = GPU time of score collection + top-k + draft-table building (CUDA events)
 / wall time. Speedup = throughput / plain vLLM throughput at the same context and batch.
+ms/iter = decode window / batch steps (a batch step verifies every running request once);
+GPU ms/iter = CUDA-event time of draft phase + verification forward (selection included) +
+draft tables; floor ms/iter = bytes the step must read / 4.3 TB/s (:func:`byte_floor_ms`);
+byte bound = τ x plain floor / vegas floor, the speedup if both ran at the byte floor.
+Method ``plain-sync`` is plain vLLM on the host path Vegas runs on (V1 runner, synchronous
+scheduling, piecewise CUDA graphs), to separate engine overhead from Vegas' own cost.
 
 Greedy exactness: ``--exact-prompts`` prompts at the first context, greedy, compared token by
 token with plain vLLM greedy; at the first differing token the plain run's top-2 logprob gap
@@ -29,6 +35,7 @@ import argparse
 import gc
 import json
 import lzma
+import math
 import os
 import sys
 import time
@@ -96,6 +103,9 @@ def build_llm(method: str, args, max_len: int, vegas_cfg: dict | None = None):
     sizes = sorted(x for x in {1, 2, 4, 8, 16, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384,
                                512, 640} if x <= max(limit, 8))
     cc: dict = {"cudagraph_capture_sizes": sizes}
+    if method == "plain-sync":  # plain vLLM on the host path Vegas runs on: V1 runner, sync scheduling
+        kw["async_scheduling"] = False
+        cc["cudagraph_mode"] = "PIECEWISE"
     if method == "ngram":
         kw["speculative_config"] = {
             "method": "ngram",
@@ -112,11 +122,21 @@ def build_llm(method: str, args, max_len: int, vegas_cfg: dict | None = None):
             "model": CLASS_PATH,
             "num_speculative_tokens": args.gamma,
         }
-        cc["cudagraph_mode"] = "PIECEWISE"
+        if getattr(args, "verify_graphs", "piecewise") == "piecewise":
+            cc["cudagraph_mode"] = "PIECEWISE"
     if not args.eager:
         kw["compilation_config"] = cc
     t = time.time()
-    llm = LLM(**kw)
+    saved = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    if method in ("plain-sync", "vegas"):
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    try:
+        llm = LLM(**kw)
+    finally:
+        if saved is None:
+            os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+        else:
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = saved
     log(f"engine {method} ready in {time.time() - t:.1f}s")
     return llm
 
@@ -159,7 +179,7 @@ def run_engine(method: str, args, prompts_by_ctx, results, exact_ref):
             )
             t = time.time()
             outs = generate(llm, eprompts, sp)
-            name = method if sel is None else f"vegas-{sel}"
+            name = method if sel is None else f"vegas-{sel}{args.name_suffix}"
             toks = [list(o.outputs[0].token_ids) for o in outs]
             exact_ref[name] = toks
             if method == "plain":
@@ -181,7 +201,7 @@ def run_engine(method: str, args, prompts_by_ctx, results, exact_ref):
                     log("time budget reached; skipping the rest")
                     return llm
                 set_selector(sel)
-                name = method if sel is None else f"vegas-{sel}"
+                name = method if sel is None else f"vegas-{sel}{args.name_suffix}"
                 sp = SamplingParams(
                     temperature=args.temperature, top_p=1.0, max_tokens=args.new_tokens,
                     ignore_eos=True, detokenize=False,
@@ -206,10 +226,16 @@ def run_engine(method: str, args, prompts_by_ctx, results, exact_ref):
                        "timing": "engine timestamps" if window else "wall - first-token run",
                        "tok_per_s": (ntok - bsz) / decode_s,
                        "ms_per_token_step": decode_s * 1e3 / max(ntok / bsz - 1, 1)}
+                row["floor_ms"] = byte_floor_ms(args, method, sel, ctx, bsz)
                 if method == "vegas":
                     st = llm.collective_rpc(get_stats)[0]
                     row["acceptance_length"] = st.get("acceptance_length")
-                    row["selection_overhead"] = (st.get("select_ms", 0) + st.get("table_ms", 0)) / (wall * 1e3)
+                    row["batch_steps"] = st.get("proposals", 0)
+                    row["mean_request_iterations"] = st.get("iterations", 0) / bsz
+                    row["full_cuda_graphs"] = st.get("full_cuda_graphs")
+                    # under full graphs the selection runs inside the replayed graph, untimed
+                    row["selection_overhead"] = None if st.get("full_cuda_graphs") else (
+                        (st.get("select_ms", 0) + st.get("table_ms", 0)) / (wall * 1e3))
                     row["draft_share"] = st.get("draft_ms", 0) / (wall * 1e3)
                     steps = max(st.get("proposals", 0), 1)
                     row["per_iteration_ms"] = {
@@ -219,6 +245,8 @@ def run_engine(method: str, args, prompts_by_ctx, results, exact_ref):
                         "selection": st.get("select_ms", 0) / steps,
                         "tables": st.get("table_ms", 0) / steps,
                     }
+                    row["gpu_ms_per_iteration"] = (
+                        st.get("draft_ms", 0) + st.get("verify_fwd_ms", 0) + st.get("table_ms", 0)) / steps
                     row["stats"] = st
                 elif method == "ngram":
                     m1 = metric_counts(llm)
@@ -247,6 +275,39 @@ def decode_window(outs) -> float | None:
         return None
     return max(lasts) - min(firsts)
 
+HBM_BYTES_PER_S = 4.3e12  # H200 peak
+
+
+def model_bytes(cfg: dict) -> tuple[int, int]:
+    """(weight bytes one forward reads, KV-cache bytes per token) of a Qwen3 config in bf16."""
+    h, d = cfg["hidden_size"], cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    hq, hkv, layers = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]
+    per_layer = h * (hq + 2 * hkv) * d + hq * d * h + 3 * h * cfg["intermediate_size"]
+    weights = 2 * (layers * per_layer + cfg["vocab_size"] * h)  # layers + lm_head
+    return weights, 2 * layers * 2 * hkv * d
+
+
+def byte_floor_ms(args, method: str, sel: str | None, ctx: int, batch: int) -> float:
+    """Time to read the bytes of one decode step (plain) or one Vegas iteration at 4.3 TB/s (ms).
+
+    Plain: weights + the whole KV cache. Vegas: the verification (weights + whole KV cache),
+    score collection (the keys again, collect2/aggregated), and γ draft steps (weights + the KV
+    budget plus the recent and draft positions). Activations and logits are left out.
+    """
+    cfg = json.loads((Path(args.model) / "config.json").read_text())
+    w, kv = model_bytes(cfg)
+    full = w + batch * ctx * kv
+    if not method.startswith("vegas") and method != "ngram":
+        return full / HBM_BYTES_PER_S * 1e3
+    total = full
+    if method == "vegas":
+        budget = max(math.ceil(ctx * args.sparsity), args.min_kv_budget) if not args.kv_budget else args.kv_budget
+        if sel in ("collect2", "aggregated"):
+            total += batch * ctx * kv / 2
+        total += args.gamma * (w + batch * (min(budget, ctx) + args.gamma + 1) * kv)
+    return total / HBM_BYTES_PER_S * 1e3
+
+
 QWEN3_8B = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
     "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
@@ -270,6 +331,9 @@ def latency_8b(args, prompts_long: list[list[int]], results) -> None:
     bszs = [int(x) for x in args.latency_batches.split(",")]
     sub = argparse.Namespace(**vars(args))
     sub.model, sub.load_format, sub.batches, sub.gpu_mem = str(d), "dummy", bszs, args.latency_gpu_mem
+    # piecewise verification graphs: selection runs eagerly, so its CUDA events time it per step
+    sub.verify_graphs = "piecewise"
+    os.environ["VEGAS_VERIFY_CUDA_GRAPHS"] = "piecewise"
     n_new = 33
     for method in ("plain", "vegas"):
         if time.time() - T_START > args.time_budget:
@@ -300,9 +364,13 @@ def latency_8b(args, prompts_long: list[list[int]], results) -> None:
                     wall = time.time() - t
                     ntok = sum(len(o.outputs[0].token_ids) for o in outs)
                     dec = decode_window(outs) or (wall - t1)
+                    w, kv = model_bytes(QWEN3_8B)
+                    budget = max(math.ceil(ctx * args.sparsity), args.min_kv_budget)
                     row = {"model": "qwen3-8b-dummy", "ctx": ctx, "batch": bsz, "method": method,
                            "prefill_s": t_pref, "decode_s": dec,
-                           "ms_per_token_step": dec * 1e3 / (ntok / bsz - 1)}
+                           "ms_per_token_step": dec * 1e3 / (ntok / bsz - 1),
+                           "plain_step_floor_ms": (w + bsz * ctx * kv) / HBM_BYTES_PER_S * 1e3,
+                           "draft_step_floor_ms": (w + bsz * (budget + args.gamma + 1) * kv) / HBM_BYTES_PER_S * 1e3}
                     if method == "vegas":
                         st = llm.collective_rpc(get_stats)[0]
                         steps = max(st.get("proposals", 1), 1)
@@ -370,18 +438,69 @@ def shutdown(llm) -> None:
 def table(results) -> str:
     rows = results["rows"]
     plain = {(r["ctx"], r["batch"]): r["tok_per_s"] for r in rows if r["method"] == "plain"}
-    lines = ["| ctx | batch | method | tok/s | ms/step | τ | sel. overhead | speedup |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|"]
+    floor = {(r["ctx"], r["batch"]): r.get("floor_ms") for r in rows if r["method"] == "plain"}
+    lines = ["| ctx | batch | method | tok/s | ms/iter | GPU ms/iter | floor ms/iter | τ | sel. overhead | speedup"
+             " | byte bound |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        base = plain.get((r["ctx"], r["batch"]))
+        key = (r["ctx"], r["batch"])
+        base = plain.get(key)
         tau = r.get("acceptance_length")
         so = r.get("selection_overhead")
+        it = r.get("per_iteration_ms", {}).get("wall", r["ms_per_token_step"])
+        bound = None
+        if r["method"].startswith("vegas") and tau and floor.get(key) and r.get("floor_ms"):
+            bound = tau * floor[key] / r["floor_ms"]
         lines.append(
-            f"| {r['ctx']} | {r['batch']} | {r['method']} | {r['tok_per_s']:.0f} | {r['ms_per_token_step']:.2f} | "
+            f"| {r['ctx']} | {r['batch']} | {r['method']} | {r['tok_per_s']:.0f} | {it:.2f} | "
+            f"{_fmt(r.get('gpu_ms_per_iteration'), '{:.2f}')} | {_fmt(r.get('floor_ms'), '{:.2f}')} | "
             f"{_fmt(tau, '{:.2f}')} | {_fmt(so and 100 * so, '{:.1f}%')} | "
-            f"{_fmt(base and r['tok_per_s'] / base, '{:.2f}x')} |"
+            f"{_fmt(base and r['tok_per_s'] / base, '{:.2f}x')} | {_fmt(bound, '{:.2f}x')} |"
         )
     return "\n".join(lines)
+
+
+def engine_jobs(args, methods: list[str]) -> list[tuple[str, argparse.Namespace]]:
+    """One entry per engine to build: (method, args). Vegas with full verification graphs needs
+    one engine per selector (the selection is captured into the graphs); with piecewise graphs
+    one engine serves every selector (switched through ``collective_rpc``)."""
+    jobs = []
+
+    def sub(**kw):
+        ns = argparse.Namespace(**vars(args))
+        for k, v in kw.items():
+            setattr(ns, k, v)
+        return ns
+
+    modes = ["full", "piecewise"] if args.verify_graphs == "both" else [args.verify_graphs]
+    for method in methods:
+        if method != "vegas":
+            jobs.append((method, sub()))
+            continue
+        for mode in modes:
+            suffix = "-pw" if (mode == "piecewise" and len(modes) > 1) else ""
+            if mode == "full":
+                jobs += [("vegas", sub(selectors=[s], verify_graphs=mode, name_suffix=suffix)) for s in args.selectors]
+            else:
+                jobs.append(("vegas", sub(verify_graphs=mode, name_suffix=suffix)))
+    for g in [int(x) for x in args.extra_gammas.split(",") if x]:
+        for s in args.extra_gamma_selectors.split(","):
+            jobs.append(("vegas", sub(gamma=g, exact_prompts=0, selectors=[s], name_suffix=f"-g{g}",
+                                      verify_graphs=modes[0])))
+    return jobs
+
+
+def run_job(method: str, args, prompts_by_ctx, results, exact_ref) -> None:
+    os.environ["VEGAS_VERIFY_CUDA_GRAPHS"] = args.verify_graphs
+    llm = run_engine(method, args, prompts_by_ctx, results, exact_ref)
+    shutdown(llm)
+    del llm
+    try:
+        import torch
+
+        torch.cuda.empty_cache()
+    except Exception:
+        pass
 
 
 def main() -> int:
@@ -395,6 +514,10 @@ def main() -> int:
     ap.add_argument("--selectors", default="collect2,aggregated,sliding_window")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--extra-gammas", default="", help="e.g. 8: one more vegas engine per γ (rows 'vegas-SEL-gγ')")
+    ap.add_argument("--extra-gamma-selectors", default="collect2")
+    ap.add_argument("--verify-graphs", default="full", choices=["full", "piecewise", "both"],
+                    help="CUDA graphs of Vegas verification (VEGAS_VERIFY_CUDA_GRAPHS); both: rows '-pw' too")
     ap.add_argument("--sparsity", type=float, default=0.05)
     ap.add_argument("--min-kv-budget", type=int, default=256)
     ap.add_argument("--kv-budget", type=int, default=0)
@@ -417,6 +540,7 @@ def main() -> int:
     args.selectors = args.selectors.split(",")
     if args.greedy:
         args.temperature = 0.0
+    args.name_suffix = ""
     methods = [m for m in args.methods.split(",") if m]
 
     t = time.time()
@@ -425,36 +549,32 @@ def main() -> int:
     log(f"prompts: {len(longest)} x {max(args.contexts)} tokens ({time.time()-t:.1f}s)")
     results = {"args": vars(args), "rows": [], "exactness": {}, "errors": {}, "latency_8b": []}
     exact_ref: dict = {}
-    i = 0
-    while i < len(methods):
-        method = methods[i]
-        i += 1
+    for method, sub in engine_jobs(args, methods):
         if time.time() - T_START > args.time_budget:
             break
+        label = method + sub.name_suffix
         try:
-            llm = run_engine(method, args, prompts_by_ctx, results, exact_ref)
-            shutdown(llm)
-            del llm
+            run_job(method, sub, prompts_by_ctx, results, exact_ref)
         except Exception as e:  # keep going: one failing engine must not hide the others
             import traceback
 
             traceback.print_exc()
-            results["errors"][method] = repr(e)
-            log(f"ENGINE {method} FAILED: {e!r}")
+            results["errors"][label] = repr(e)
+            log(f"ENGINE {label} FAILED: {e!r}")
             if HOLD.get("llm") is not None:
                 shutdown(HOLD["llm"])
-            if method == "vegas" and os.environ.get("VEGAS_DRAFT_CUDA_GRAPHS", "1") != "0":
-                log("retrying vegas with eager drafting (VEGAS_DRAFT_CUDA_GRAPHS=0)")
-                os.environ["VEGAS_DRAFT_CUDA_GRAPHS"] = "0"
-                methods.insert(methods.index(method) + 1, "vegas")
-        gc.collect()
-        try:
-            import torch
-
-            torch.cuda.empty_cache()
-        except Exception:
-            pass
+            if method == "vegas" and sub.verify_graphs == "full":
+                log(f"retrying {label} with piecewise verification graphs")
+                sub.verify_graphs, sub.name_suffix = "piecewise", sub.name_suffix + "-pw"
+                try:
+                    run_job(method, sub, prompts_by_ctx, results, exact_ref)
+                except Exception as e2:
+                    results["errors"][label + "-pw"] = repr(e2)
+                    log(f"ENGINE {label}-pw FAILED: {e2!r}")
+                    if HOLD.get("llm") is not None:
+                        shutdown(HOLD["llm"])
         HOLD["llm"] = None
+        gc.collect()
         save(results, args)
     if args.latency_8b:
         try:
@@ -473,7 +593,9 @@ def main() -> int:
     for r in results["rows"]:
         if "per_iteration_ms" in r:
             print(f"{r['ctx']} b{r['batch']} {r['method']} per-iteration ms:",
-                  {k: round(v, 2) for k, v in r["per_iteration_ms"].items()}, flush=True)
+                  {k: round(v, 2) for k, v in r["per_iteration_ms"].items()},
+                  f"batch steps {r.get('batch_steps')}, mean iterations per request "
+                  f"{r.get('mean_request_iterations', 0):.1f}", flush=True)
     for r in results["latency_8b"]:
         print("8B", json.dumps({k: (round(v, 3) if isinstance(v, float) else v)
                                 for k, v in r.items() if k != "stats"}), flush=True)

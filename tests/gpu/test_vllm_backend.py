@@ -19,8 +19,32 @@ def test_engine_kwargs_switch_vegas_on():
     assert kw["speculative_config"] == {
         "method": "custom_class", "model": CLASS_PATH, "num_speculative_tokens": 3,
     }
-    assert kw["compilation_config"]["cudagraph_mode"] == "PIECEWISE"
+    assert "compilation_config" not in kw  # vLLM's full CUDA graphs stay on for verification
     assert kw["gpu_memory_utilization"] == 0.4
+
+
+def test_piecewise_verification_graphs_on_request(monkeypatch):
+    from vegas.vllm_plugin.proposer import verify_graph_mode
+
+    monkeypatch.setenv("VEGAS_VERIFY_CUDA_GRAPHS", "piecewise")
+    kw = vllm_engine_kwargs("m", num_draft_tokens=3)
+    assert kw["compilation_config"]["cudagraph_mode"] == "PIECEWISE"
+    monkeypatch.setenv("VEGAS_VERIFY_CUDA_GRAPHS", "fast")
+    with pytest.raises(ValueError, match="VEGAS_VERIFY_CUDA_GRAPHS must be 'full' or 'piecewise'"):
+        verify_graph_mode()
+
+
+def test_configure_refuses_a_new_selector_under_full_graphs(monkeypatch):
+    from vegas.vllm_plugin import configure
+    from vegas.vllm_plugin.state import STATE
+
+    monkeypatch.setattr(STATE, "config", VllmVegasConfig(selector="collect2"))
+    monkeypatch.setattr(STATE, "frozen", True)
+    same = VllmVegasConfig(selector="collect2").to_json()
+    assert configure(object(), same, reset_stats=False) == same
+    with pytest.raises(ValueError, match="full CUDA graphs"):
+        configure(object(), VllmVegasConfig(selector="sliding_window").to_json(), reset_stats=False)
+    assert STATE.config.selector == "collect2"
 
 
 def test_proposer_config_round_trips_into_the_proposer_settings():

@@ -125,8 +125,80 @@ def test_on_layer_batched_selection_matches_per_layer():
     for layer in range(3):
         st.on_layer(layer, queries[layer], kvs[layer], md, 0.5)
     plan = make_plan(qsl, md.seq_lens, 70, 4, cfg)
+    sel, ctx_sel, budgets = st.selection(2)
+    assert torch.equal(ctx_sel, plan.ctx_sel) and torch.equal(budgets, plan.budgets)
     for layer in range(3):
         want = collect_layer_slots(plan, queries[layer], kvs[layer].unbind(1)[0], bt, 0.5)
-        got = st.all_slots[layer]
         for i in range(2):
-            assert sorted(got[i].tolist()) == sorted(want[i].tolist())
+            assert sorted(sel[layer, i, :7].tolist()) == sorted(want[i].tolist())
+
+
+def test_selection_buffers_survive_a_smaller_batch_and_grow():
+    """Reserved buffers keep their size; a later, smaller forward writes its rows only, and a
+    larger budget than reserved grows them (outside CUDA-graph capture)."""
+    from types import SimpleNamespace
+
+    from vegas.vllm_plugin.state import SelectionState
+
+    cfg = VllmVegasConfig(selector="collect2", kv_budget=7)
+    st = SelectionState(config=cfg, gamma=4, enabled=True, first_layer=0, last_layer=1, layers_ready=True)
+    st.reserve(4, 7, 5 * 4 * 8, torch.float32, torch.device("cpu"))
+    assert st.sel_buf.shape == (2, 4, 7)
+
+    def forward(lens, budget_cfg):
+        st.config = budget_cfg
+        bt, nb = _block_table(lens, 5)
+        qsl = torch.arange(len(lens) + 1, dtype=torch.int32) * 5
+        md = SimpleNamespace(query_start_loc=qsl, seq_lens=torch.tensor(lens, dtype=torch.int32),
+                             max_seq_len=max(lens), block_table=bt)
+        for layer in range(2):
+            st.on_layer(layer, torch.randn(5 * len(lens), 4, 8), torch.randn(nb, 2, BS, 2, 8), md, 0.5)
+
+    forward([60, 50, 40], cfg)
+    sel, _, budgets = st.selection(3)
+    assert sel.shape == (2, 3, 7) and (sel >= 0).all() and budgets.tolist() == [7, 7, 7]
+    forward([30], cfg)
+    assert st.budget_buf[:3].tolist() == [7, 7, 7] and st.selection(1)[2].tolist() == [7]
+    forward([60, 50], VllmVegasConfig(selector="collect2", kv_budget=12))
+    sel, _, budgets = st.selection(2)
+    assert st.sel_buf.shape[2] == 12 and budgets.tolist() == [12, 12] and (sel >= 0).all()
+
+
+def test_sliding_window_selection_in_row_zero():
+    from types import SimpleNamespace
+
+    from vegas.vllm_plugin.state import SelectionState
+
+    cfg = VllmVegasConfig(selector="sliding_window", kv_budget=6, num_sinks=2)
+    st = SelectionState(config=cfg, gamma=4, enabled=True, first_layer=0, last_layer=1, layers_ready=True)
+    bt, nb = _block_table([40], 5)
+    md = SimpleNamespace(query_start_loc=torch.tensor([0, 5], dtype=torch.int32),
+                         seq_lens=torch.tensor([40], dtype=torch.int32), max_seq_len=40, block_table=bt)
+    for layer in range(2):
+        st.on_layer(layer, torch.randn(5, 4, 8), torch.randn(nb, 2, BS, 2, 8), md, 0.5)
+    sel, ctx_sel, budgets = st.selection(1)
+    assert sel.shape[0] == 1 and int(ctx_sel[0]) == 35 and int(budgets[0]) == 6
+    want = [_slot(bt, 0, p) for p in [0, 1, 31, 32, 33, 34]]
+    assert sorted(sel[0, 0, :6].tolist()) == sorted(want)
+
+
+def _loop_gather(probs, prob_req_ids, req_ids, num_draft_tokens):
+    """vLLM 0.24's GPUModelRunner._get_spec_decode_draft_probs, transcribed."""
+    row = {r: i for i, r in enumerate(prob_req_ids)}
+    rows = [probs[row[r], :k] for r, k in zip(req_ids, num_draft_tokens) if k]
+    return torch.cat(rows).contiguous()
+
+
+def test_stacked_draft_probs_equals_vllm_loop():
+    from vegas.vllm_plugin.proposer import stacked_draft_probs
+
+    probs = torch.rand(8, 3, 11)  # rows padded to 8 (graph bucket), γ = 3
+    ids = ["a", "b", "c", "d", "e"]
+    fast = stacked_draft_probs(probs, ids, ids, [3] * 5)
+    assert fast is not None and fast.shape == (15, 11)
+    assert torch.equal(fast, _loop_gather(probs, ids, ids, [3] * 5))
+    # the batch order changed, a request lost drafts, or the batch is larger: vLLM's loop decides
+    assert stacked_draft_probs(probs, ids, ["b", "a", "c", "d", "e"], [3] * 5) is None
+    assert stacked_draft_probs(probs, ids, ids, [3, 3, 0, 3, 3]) is None
+    assert stacked_draft_probs(probs, ids[:4], ids, [3] * 5) is None
+    assert stacked_draft_probs(probs, ids, ids, []) is None

@@ -8,8 +8,10 @@ then vLLM verifies them with full attention and its rejection sampler. The verif
 collects the selection scores (Triton kernel, :mod:`vegas.kernels`). Plain decoding
 (``selector=None``) is a plain vLLM ``LLM`` of the same model and dtype.
 
-One engine is alive at a time (plain, or Vegas with a given γ); switching the selector or
-budget keeps the Vegas engine (``collective_rpc``), switching γ or plain/Vegas rebuilds it.
+One engine is alive at a time (plain, or Vegas with a given γ and selector config). Vegas
+verification runs in vLLM's full CUDA graphs with the selection captured into them, so a new
+selector or budget rebuilds the engine; with ``VEGAS_VERIFY_CUDA_GRAPHS=piecewise`` the engine
+is kept and switched through ``collective_rpc`` (verification attention then runs eagerly).
 
 Selectors here: ``collect2``, ``aggregated``, ``sliding_window``. Not here: ``quest`` (page
 min/max metadata would need a second cache-shaped buffer kept up to date by every KV write),
@@ -105,7 +107,10 @@ def vllm_engine_kwargs(
             "model": CLASS_PATH,
             "num_speculative_tokens": num_draft_tokens,
         }
-        kw["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}
+        from ..vllm_plugin.proposer import verify_graph_mode
+
+        if verify_graph_mode() == "piecewise":
+            kw["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}
     kw.update(overrides)
     return kw
 
@@ -215,7 +220,14 @@ class VLLMBackend(Backend):
 
         from ..vllm_plugin import configure, get_stats
 
-        key = ("plain", 0) if selector is None else ("vegas", config.num_draft_tokens)
+        from ..vllm_plugin.proposer import verify_graph_mode
+
+        if selector is None:
+            key: tuple = ("plain", 0)
+        elif verify_graph_mode() == "full":  # the selector config is captured into the graphs
+            key = ("vegas", config.num_draft_tokens, json.dumps(proposer_config(selector, config)))
+        else:
+            key = ("vegas", config.num_draft_tokens)
         llm = self._engine(key, selector, config)
         if selector is not None:
             llm.collective_rpc(configure, args=(json.dumps(proposer_config(selector, config)), True))

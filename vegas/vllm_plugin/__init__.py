@@ -8,14 +8,15 @@ Switch it on in any vLLM program, no code changes beyond the engine arguments::
         speculative_config={"method": "custom_class",
                             "model": "vegas.vllm_plugin.proposer.VegasProposer",
                             "num_speculative_tokens": 4},
-        compilation_config={"cudagraph_mode": "PIECEWISE"},
         attention_backend="FLASH_ATTN",
     )
 
 or ``vllm serve MODEL --speculative-config '{"method": "custom_class", "model":
-"vegas.vllm_plugin.proposer.VegasProposer", "num_speculative_tokens": 4}' -cc.cudagraph_mode=PIECEWISE``,
+"vegas.vllm_plugin.proposer.VegasProposer", "num_speculative_tokens": 4}'``,
 with ``VLLM_USE_V2_MODEL_RUNNER=0`` (vLLM picks V1 for custom proposers anyway) and the selector
 in ``VEGAS_VLLM_CONFIG='{"selector": "collect2", "sparsity_ratio": 0.05}'``.
+Verification keeps vLLM's full CUDA graphs, with the selection captured into them; set
+``VEGAS_VERIFY_CUDA_GRAPHS=piecewise`` to change the selector at run time with :func:`configure`.
 
 The proposer installs what it needs in the worker process that builds it (single-GPU engines:
 the scheduler lives in that process too). For multi-process workers, installing vegas also
@@ -54,13 +55,24 @@ def configure(worker, config_json: str | None = None, reset_stats: bool = True) 
     """``LLM.collective_rpc(configure, args=(json,))``: change the selector/budget at run time.
 
     Returns the config now in force, as JSON.
+
+    Raises:
+        ValueError: if the config changes while the engine runs verification in full CUDA
+            graphs (``VEGAS_VERIFY_CUDA_GRAPHS=full``, the default), which hold the selection.
     """
     import json
 
     from .state import STATE
 
     if config_json:
-        STATE.config = VllmVegasConfig(**json.loads(config_json))
+        config = VllmVegasConfig(**json.loads(config_json))
+        if STATE.frozen and config != STATE.config:
+            raise ValueError(
+                "vegas: this engine captured the selection into full CUDA graphs, so the selector "
+                "and budget are fixed; build a new engine, or set VEGAS_VERIFY_CUDA_GRAPHS=piecewise "
+                f"to change them at run time (in force: {STATE.config.to_json()})"
+            )
+        STATE.config = config
     drafter = _drafter(worker)
     if reset_stats and drafter is not None and hasattr(drafter, "reset_stats"):
         drafter.reset_stats()
@@ -73,8 +85,11 @@ def get_stats(worker, per_request: bool = False) -> dict:
     drafter = _drafter(worker)
     if drafter is None or not hasattr(drafter, "stats"):
         return {}
+    from .state import STATE
+
     drafter._resolve_events()
     out = drafter.stats.as_dict()
+    out["full_cuda_graphs"] = STATE.frozen
     if per_request:
         out["requests"] = {k: list(v) for k, v in drafter.req_stats.items()}
     return out

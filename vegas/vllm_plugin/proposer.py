@@ -27,7 +27,7 @@ import torch
 
 from .state import STATE, VllmVegasConfig, build_draft_tables
 
-__all__ = ["VegasProposer", "ProposerStats"]
+__all__ = ["VegasProposer", "ProposerStats", "stacked_draft_probs"]
 
 logger = logging.getLogger("vegas.vllm")
 
@@ -44,6 +44,7 @@ class ProposerStats:
     iterations: int = 0  # verified iterations of requests that had drafts
     emitted: int = 0  # tokens emitted by those iterations (accepted + bonus)
     select_ms: float = 0.0  # score collection + top-k inside verification (CUDA events)
+    select_timed: int = 0  # forwards whose selection was timed (0 under full CUDA graphs)
     table_ms: float = 0.0  # draft table building (CUDA events)
     draft_ms: float = 0.0  # γ draft forwards incl. sampling (CUDA events)
     verify_fwd_ms: float = 0.0  # layer 0 .. last layer of full-attention forwards (CUDA events)
@@ -77,20 +78,35 @@ def _raise_if_unsupported(vllm_config) -> None:
         raise ValueError("vegas: quantized KV caches are not supported; use kv_cache_dtype='auto'")
 
 
-def _force_piecewise(vllm_config) -> None:
-    """Verification must run attention eagerly (piecewise graphs) so that score collection
-    sees each step's metadata; full CUDA graphs would freeze it at capture time."""
+#: ``full``: verification runs in vLLM's full CUDA graphs where vLLM uses them (uniform
+#: decode batches), with selection captured into them; ``piecewise``: attention (and selection)
+#: runs eagerly every step, so :func:`vegas.vllm_plugin.configure` can change the selector.
+GRAPH_ENV = "VEGAS_VERIFY_CUDA_GRAPHS"
+
+
+def verify_graph_mode() -> str:
+    """``$VEGAS_VERIFY_CUDA_GRAPHS`` (``full`` or ``piecewise``, default ``full``).
+
+    Raises:
+        ValueError: for any other value.
+    """
+    mode = os.environ.get(GRAPH_ENV, "full").strip().lower() or "full"
+    if mode not in ("full", "piecewise"):
+        raise ValueError(f"{GRAPH_ENV} must be 'full' or 'piecewise', got {mode!r}")
+    return mode
+
+
+def _apply_graph_mode(vllm_config) -> bool:
+    """Force piecewise CUDA graphs when asked; returns whether full graphs stay on."""
     from vllm.config import CUDAGraphMode
 
     cc = vllm_config.compilation_config
     mode = cc.cudagraph_mode
-    if mode is not None and mode.has_full_cudagraphs():
-        logger.warning(
-            "vegas: cudagraph_mode %s -> PIECEWISE (pass compilation_config="
-            "{'cudagraph_mode': 'PIECEWISE'} to silence this)",
-            mode,
-        )
+    if verify_graph_mode() == "piecewise" and mode is not None and mode.has_full_cudagraphs():
+        logger.info("vegas: %s=piecewise: cudagraph_mode %s -> PIECEWISE", GRAPH_ENV, mode)
         cc.cudagraph_mode = CUDAGraphMode.PIECEWISE
+    mode = cc.cudagraph_mode
+    return bool(mode is not None and mode.has_full_cudagraphs())
 
 
 def patch_scheduler_lookahead() -> None:
@@ -113,6 +129,55 @@ def patch_scheduler_lookahead() -> None:
     cls.__init__ = __init__
 
 
+def stacked_draft_probs(probs, prob_req_ids, req_ids, num_draft_tokens):
+    """vLLM's per-request gather of draft probabilities, without the per-request loop.
+
+    vLLM's ``GPUModelRunner._get_spec_decode_draft_probs`` slices ``probs[row, :num_draft]``
+    for every request with drafts and concatenates them (one indexing op per request: about
+    1 ms of host time per step at batch 128). When the batch holds the proposer's requests in
+    the proposer's order and every request carries all γ drafts, that concatenation is
+    ``probs[:n].reshape(n * γ, vocab)``, a view.
+
+    Args:
+        probs: ``(rows, γ, vocab)`` float32 draft probabilities, row ``i`` for ``prob_req_ids[i]``.
+        prob_req_ids: request ids of the proposal.
+        req_ids: request ids of the batch being verified, in batch order.
+        num_draft_tokens: drafts per request of that batch.
+
+    Returns:
+        ``(n * γ, vocab)`` float32, or None when the fast path does not apply (the caller
+        then runs vLLM's loop).
+    """
+    n = len(num_draft_tokens)
+    gamma = probs.shape[1]
+    if n == 0 or n > probs.shape[0] or len(prob_req_ids) < n or len(req_ids) < n:
+        return None
+    if any(k != gamma for k in num_draft_tokens) or list(req_ids[:n]) != list(prob_req_ids[:n]):
+        return None
+    return probs[:n].reshape(n * gamma, probs.shape[2])
+
+
+def patch_draft_probs_gather() -> None:
+    """Route ``GPUModelRunner._get_spec_decode_draft_probs`` through
+    :func:`stacked_draft_probs` (falls back to vLLM's loop). Idempotent."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    original = GPUModelRunner._get_spec_decode_draft_probs
+    if getattr(original, "_vegas", False):
+        return
+
+    def _get_spec_decode_draft_probs(self, spec_decode_metadata):
+        probs, ids = self._draft_probs, self._draft_prob_req_ids
+        if probs is not None and ids is not None and probs.dim() == 3:
+            fast = stacked_draft_probs(probs, ids, self.input_batch.req_ids, spec_decode_metadata.num_draft_tokens)
+            if fast is not None:
+                return fast
+        return original(self, spec_decode_metadata)
+
+    _get_spec_decode_draft_probs._vegas = True  # type: ignore[attr-defined]
+    GPUModelRunner._get_spec_decode_draft_probs = _get_spec_decode_draft_probs
+
+
 class VegasProposer:
     """vLLM custom-class proposer: self-speculative drafting with verification-guided sparse attention.
 
@@ -130,9 +195,10 @@ class VegasProposer:
         STATE.config = VllmVegasConfig.from_env()
         STATE.gamma = self.gamma
         STATE.enabled = True
-        _force_piecewise(vllm_config)
+        STATE.frozen = _apply_graph_mode(vllm_config)
         attention.install()
         patch_scheduler_lookahead()
+        patch_draft_probs_gather()
         self.stats = ProposerStats()
         #: request id -> [iterations, drafted, accepted] since the last reset
         self.req_stats: dict[str, list[int]] = {}
@@ -160,8 +226,36 @@ class VegasProposer:
         # the layers are registered once the model is built: learn them before the first
         # forward (the prefill), whose last queries give the first selection
         self._init_layers()
+        self._reserve_buffers()
+        self._time_verify_forward()
 
     # ---- helpers ----------------------------------------------------------------------------
+    def _reserve_buffers(self) -> None:
+        """Selection buffers at their largest (before vLLM captures CUDA graphs)."""
+        mc, pc = self.vllm_config.model_config, self.vllm_config.parallel_config
+        q_elems = (self.gamma + 1) * mc.get_num_attention_heads(pc) * mc.get_head_size()
+        max_seqs = self.vllm_config.scheduler_config.max_num_seqs
+        STATE.reserve(max_seqs, STATE.config.budget(mc.max_model_len), q_elems, mc.dtype, self.runner.device)
+
+    def _time_verify_forward(self) -> None:
+        """CUDA events around each runner forward (verification or prefill, selection included),
+        summed into ``verify_fwd_ms``; skipped while a CUDA graph is being captured."""
+        runner = self.runner
+        forward = runner._model_forward
+        if getattr(forward, "_vegas", False):
+            return
+
+        def _model_forward(*args, **kwargs):
+            if torch.cuda.is_current_stream_capturing():
+                return forward(*args, **kwargs)
+            start = self._event()
+            out = forward(*args, **kwargs)
+            STATE.fwd_events.append((start, self._event()))
+            return out
+
+        _model_forward._vegas = True  # type: ignore[attr-defined]
+        runner._model_forward = _model_forward
+
     def _init_layers(self) -> None:
         from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
 
@@ -202,6 +296,7 @@ class VegasProposer:
         self._pending.clear()
         for start, end in STATE.events:
             self.stats.select_ms += start.elapsed_time(end)
+            self.stats.select_timed += 1
         STATE.events.clear()
         for start, end in STATE.fwd_events:
             self.stats.verify_fwd_ms += start.elapsed_time(end)
@@ -249,8 +344,7 @@ class VegasProposer:
                 per[0] += 1
                 per[1] += gamma_now
                 per[2] += n - 1
-        plan = STATE.plan
-        if plan is None or plan.num_seqs != num_reqs or not STATE.slots:
+        if not STATE.has_selection or STATE.sel_buf is None or num_reqs > STATE.sel_buf.shape[1]:
             self._drafted = set()
             return [[] for _ in range(num_reqs)]
 
@@ -272,18 +366,15 @@ class VegasProposer:
         ev0 = self._event()
         bt = bt_obj.get_device_tensor(num_reqs)
         bs, page_stride = STATE.block_size, STATE.page_stride
+        sel, ctx_sel, budgets = STATE.selection(num_reqs)  # [L or 1, num_reqs, k_cap], rows in layer order
         if STATE.config.selector == "sliding_window":
-            sel = STATE.slots[-1][None]
             layer_rows = {idx: 0 for _, idx in self._layers}
         else:
-            sel = STATE.all_slots  # [L, num_reqs, k_max], rows in layer order
             layer_rows = self._layer_pos
         recent_cap = 2 * gamma + 2
-        ctx_sel = torch.minimum(plan.ctx_sel, pos_d)
-        tables = build_draft_tables(
-            sel, plan.budgets, ctx_sel, pos_d + gamma - 1, bt, bs, page_stride, recent_cap
-        )
-        base_used = plan.budgets + (pos_d - ctx_sel + 1)
+        ctx_sel = torch.minimum(ctx_sel, pos_d)
+        tables = build_draft_tables(sel, budgets, ctx_sel, pos_d + gamma - 1, bt, bs, page_stride, recent_cap)
+        base_used = budgets + (pos_d - ctx_sel + 1)
         sm = ib.sampling_metadata
         sampling = not (sm.all_greedy or sm.temperature is None)
         if sampling:

@@ -243,84 +243,138 @@ def build_draft_tables(
 
 @dataclass
 class SelectionState:
-    """Per-process selection state written by the attention override, read by the proposer."""
+    """Per-process selection state written by the attention override, read by the proposer.
+
+    Every full-attention forward of the runner (prefill or verification) writes its selection
+    into persistent buffers (:meth:`reserve`): ``sel_buf`` rows ``[0, num_seqs)`` hold each
+    request's selected slot ids per layer, ``ctx_sel_buf`` / ``budget_buf`` its selectable prefix
+    and KV budget. Because the buffers outlive every forward, the same code works eagerly
+    (piecewise CUDA graphs: this Python runs every step) and captured into vLLM's full CUDA
+    graphs (it runs once at capture; each replay rewrites the buffers).
+    """
 
     config: VllmVegasConfig = field(default_factory=VllmVegasConfig)
     gamma: int = 0
     enabled: bool = False
     first_layer: int = 0
     last_layer: int = 0
+    #: plan of the last forward whose Python ran (eager or capture); not valid after a replay
     plan: CollectPlan | None = None
-    #: layer index -> (num_seqs, k_max) int32 slot ids of the last full-attention forward
-    slots: dict[int, torch.Tensor] = field(default_factory=dict)
-    block_table: torch.Tensor | None = None
     block_size: int = 0
     page_stride: int = 0
-    #: (start, end) CUDA events around each forward's selection work, resolved by the proposer
+    #: (start, end) CUDA events around each eager forward's selection work, resolved by the proposer
     events: list = field(default_factory=list)
     fwd_events: list = field(default_factory=list)
     time_events: bool = True
     #: set once first_layer/last_layer hold the model's attention layers
     layers_ready: bool = False
-    #: (L, num_seqs, k_max) slot ids of all layers (collect2 / aggregated)
-    all_slots: torch.Tensor | None = None
-    _fwd_start: object = None
+    #: set by the first forward that wrote a selection
+    has_selection: bool = False
+    #: the config is captured into full CUDA graphs and cannot change at run time
+    frozen: bool = False
+    #: (L, max_seqs, k_cap) int32 slot ids (sliding_window: row 0 only), -1 beyond each budget
+    sel_buf: torch.Tensor | None = None
+    #: (max_seqs,) int64 selectable positions and KV budget per request of the last forward
+    ctx_sel_buf: torch.Tensor | None = None
+    budget_buf: torch.Tensor | None = None
     _qbuf: torch.Tensor | None = None
     _qview: torch.Tensor | None = None
     _kcaches: list = field(default_factory=list)
     _koffs: tuple | None = None
     _koffs_key: tuple = ()
 
+    @property
+    def num_layers(self) -> int:
+        return self.last_layer - self.first_layer + 1
+
+    def reserve(self, max_seqs: int, k_cap: int, q_elems: int, dtype, device) -> None:
+        """Allocate the persistent buffers (before vLLM captures CUDA graphs; grows only).
+
+        Args:
+            max_seqs: requests per forward (vLLM's ``max_num_seqs``, padded batches included).
+            k_cap: widest KV budget (the budget at ``max_model_len``).
+            q_elems: collect-query elements per request and layer (``(γ+1) * heads * head_dim``).
+        """
+        layers = self.num_layers
+        sel = self.sel_buf
+        if sel is None or sel.shape[0] < layers or sel.shape[1] < max_seqs or sel.shape[2] < k_cap:
+            self.sel_buf = torch.full((layers, max_seqs, k_cap), -1, dtype=torch.int32, device=device)
+            self.ctx_sel_buf = torch.zeros(max_seqs, dtype=torch.int64, device=device)
+            self.budget_buf = torch.zeros(max_seqs, dtype=torch.int64, device=device)
+        n = layers * max_seqs * q_elems
+        if self._qbuf is None or self._qbuf.numel() < n or self._qbuf.dtype != dtype:
+            self._qbuf = torch.empty(n, dtype=dtype, device=device)
+
+    def _ensure(self, num_seqs: int, k_max: int, q_elems: int, dtype, device) -> None:
+        fits = (
+            self.sel_buf is not None
+            and self.sel_buf.shape[1] >= num_seqs
+            and self.sel_buf.shape[2] >= k_max
+            and self._qbuf is not None
+            and self._qbuf.numel() >= self.num_layers * num_seqs * q_elems
+            and self._qbuf.dtype == dtype
+        )
+        if fits:
+            return
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"vegas: selection buffers too small for a captured batch of {num_seqs} requests "
+                f"and KV budget {k_max}; the proposer reserves them from max_num_seqs and max_model_len"
+            )
+        width = max(k_max, self.sel_buf.shape[2] if self.sel_buf is not None else 0)
+        rows = max(num_seqs, self.sel_buf.shape[1] if self.sel_buf is not None else 0)
+        self.sel_buf = None  # grow
+        self.reserve(rows, width, q_elems, dtype, device)
+
     def on_layer(self, layer_idx: int, query, kv_cache, attn_metadata, scale: float) -> None:
         """Called after the full attention of ``layer_idx`` in a runner forward.
 
         Layer 0 builds the plan; every layer stashes its collect queries (one ``index_select``
-        into a persistent buffer); the last layer scores all layers in one kernel launch and
-        runs one ``torch.topk`` over all layers and requests. With ``time_events``, CUDA events
-        bracket the plan and the batched selection (summed into the proposer's ``select_ms``)
-        and layer 0 .. last layer of the forward (``verify_fwd_ms``).
+        into a persistent buffer); the last layer scores all layers in one kernel launch, runs
+        one ``torch.topk`` over all layers and requests, and writes the selection buffers. With
+        ``time_events`` (and outside CUDA-graph capture), CUDA events bracket the plan and the
+        batched selection (summed into the proposer's ``select_ms``).
         """
         if not self.layers_ready:  # the proposer has not told us the model's layers yet
             return
         cfg = self.config
-        timing = self.time_events and query.is_cuda
+        capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
+        timing = self.time_events and query.is_cuda and not capturing
         first = layer_idx == self.first_layer
         last = layer_idx == self.last_layer
+        score_based = cfg.selector != "sliding_window"
         if first:
             start = _record() if timing else None
-            self._fwd_start = start
-            self.plan = make_plan(
+            plan = make_plan(
                 attn_metadata.query_start_loc,
                 attn_metadata.seq_lens,
                 attn_metadata.max_seq_len,
                 self.gamma,
                 cfg,
             )
-            self.slots = {}
-            self.block_table = attn_metadata.block_table
+            if plan.q_idx is not None:  # padded requests of a captured batch point past the end
+                plan.q_idx.clamp_(0, query.shape[0] - 1)
+            self.plan = plan
             self.block_size = kv_cache.shape[2]
             self.page_stride = kv_cache.stride(0) // kv_cache.stride(2)
-            plan = self.plan
-            if cfg.selector == "sliding_window" and plan.k_max > 0:
-                self.slots[-1] = sliding_window_slots(
-                    plan, cfg.num_sinks, attn_metadata.block_table, self.block_size
-                )
+            nq = plan.q_idx.shape[1] if score_based else 0
+            self._ensure(plan.num_seqs, plan.k_max, nq * query.shape[1] * query.shape[2], query.dtype, query.device)
+            n = plan.num_seqs
+            self.ctx_sel_buf[:n].copy_(plan.ctx_sel)
+            self.budget_buf[:n].copy_(plan.budgets)
+            if not score_based and plan.k_max > 0:
+                slots = sliding_window_slots(plan, cfg.num_sinks, attn_metadata.block_table, self.block_size)
+                self.sel_buf[0, :n, : plan.k_max].copy_(slots)
+                self.has_selection = True
+            if score_based:
+                shape = (self.num_layers, n, nq) + tuple(query.shape[1:])
+                self._qview = self._qbuf[: math.prod(shape)].view(shape)
+                self._kcaches = [None] * self.num_layers
             if timing:
                 self.events.append((start, _record()))
         plan = self.plan
-        if plan is None or plan.k_max == 0 or cfg.selector == "sliding_window":
-            if last and timing and self._fwd_start is not None:
-                self.fwd_events.append((self._fwd_start, _record()))
+        if plan is None or plan.k_max == 0 or not score_based:
             return
-        # stash this layer's collect queries
-        num_layers = self.last_layer - self.first_layer + 1
-        nq = plan.q_idx.shape[1]
-        shape = (num_layers, plan.num_seqs, nq) + tuple(query.shape[1:])
-        if first:
-            if self._qbuf is None or self._qbuf.numel() < math.prod(shape) or self._qbuf.dtype != query.dtype:
-                self._qbuf = torch.empty(math.prod(shape), dtype=query.dtype, device=query.device)
-            self._qview = self._qbuf[: math.prod(shape)].view(shape)
-            self._kcaches = [None] * num_layers
         row = layer_idx - self.first_layer
         torch.index_select(
             query, 0, plan.q_idx.reshape(-1), out=self._qview[row].view(-1, *query.shape[1:])
@@ -335,6 +389,8 @@ class SelectionState:
 
             key = tuple(k.data_ptr() for k in self._kcaches)
             if self._koffs_key != key:
+                if capturing:
+                    raise RuntimeError("vegas: KV cache layout first seen inside CUDA-graph capture")
                 self._koffs = layer_offsets(self._kcaches)
                 self._koffs_key = key
             scores = collect_scores_layers_triton(
@@ -345,14 +401,17 @@ class SelectionState:
             scores = collect_scores_layers_reference(
                 self._qview, plan.q_weight, self._kcaches, bt, plan.ctx_sel, plan.max_len, scale
             )
-        self.all_slots = select_topk_layers(scores, plan.budgets, plan.k_max, bt, self.block_size)
-        self.slots[self.last_layer] = self.all_slots  # marks the selection complete
+        slots = select_topk_layers(scores, plan.budgets, plan.k_max, bt, self.block_size)
+        self.sel_buf[:, : plan.num_seqs, : plan.k_max].copy_(slots)
+        self.has_selection = True
         if timing:
-            end = _record()
-            self.events.append((start, end))
-            if self._fwd_start is not None:
-                self.fwd_events.append((self._fwd_start, end))
-                self._fwd_start = None
+            self.events.append((start, _record()))
+
+    def selection(self, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(sel, ctx_sel, budgets)`` of the last forward's first ``num_seqs`` requests:
+        ``(L or 1, num_seqs, k_cap)`` int32 slot ids and ``(num_seqs,)`` int64 twice."""
+        sel = self.sel_buf[:1] if self.config.selector == "sliding_window" else self.sel_buf
+        return sel[:, :num_seqs], self.ctx_sel_buf[:num_seqs], self.budget_buf[:num_seqs]
 
 
 def _record():
