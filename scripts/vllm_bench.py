@@ -15,11 +15,12 @@ caching holds it; the timed run then decodes ``--new-tokens`` tokens per request
 (``ignore_eos``), so its wall time is decode time (plus one block of prefill).
 Decode throughput = generated tokens / wall time. Acceptance length τ = tokens emitted per
 verification (vegas: the proposer's counters; ngram: vLLM's spec-decode metrics).
-Selection overhead = GPU time of score collection + top-k + draft-table building (CUDA events)
-/ wall time. Speedup = throughput / plain vLLM throughput at the same context and batch.
+Selection overhead = GPU time of score collection + top-k (CUDA events, piecewise verification
+graphs only: under full graphs the selection is replayed inside vLLM's graph, untimed) / decode
+time. Speedup = throughput / plain vLLM throughput at the same context and batch.
 ms/iter = decode window / batch steps (a batch step verifies every running request once);
-GPU ms/iter = CUDA-event time of draft phase + verification forward (selection included) +
-draft tables; floor ms/iter = bytes the step must read / 4.3 TB/s (:func:`byte_floor_ms`);
+GPU ms/iter = CUDA-event time of the draft phase (draft tables included) + the verification
+forward (selection included); floor ms/iter = bytes the step must read / 4.3 TB/s (:func:`byte_floor_ms`);
 byte bound = τ x plain floor / vegas floor, the speedup if both ran at the byte floor.
 Method ``plain-sync`` is plain vLLM on the host path Vegas runs on (V1 runner, synchronous
 scheduling, piecewise CUDA graphs), to separate engine overhead from Vegas' own cost.
@@ -235,7 +236,7 @@ def run_engine(method: str, args, prompts_by_ctx, results, exact_ref):
                     row["full_cuda_graphs"] = st.get("full_cuda_graphs")
                     # under full graphs the selection runs inside the replayed graph, untimed
                     row["selection_overhead"] = None if st.get("full_cuda_graphs") else (
-                        (st.get("select_ms", 0) + st.get("table_ms", 0)) / (wall * 1e3))
+                        st.get("select_ms", 0) / (decode_s * 1e3))
                     row["draft_share"] = st.get("draft_ms", 0) / (wall * 1e3)
                     steps = max(st.get("proposals", 0), 1)
                     row["per_iteration_ms"] = {
@@ -243,10 +244,8 @@ def run_engine(method: str, args, prompts_by_ctx, results, exact_ref):
                         "draft_phase": st.get("draft_ms", 0) / steps,
                         "verify_forward": st.get("verify_fwd_ms", 0) / steps,
                         "selection": st.get("select_ms", 0) / steps,
-                        "tables": st.get("table_ms", 0) / steps,
                     }
-                    row["gpu_ms_per_iteration"] = (
-                        st.get("draft_ms", 0) + st.get("verify_fwd_ms", 0) + st.get("table_ms", 0)) / steps
+                    row["gpu_ms_per_iteration"] = (st.get("draft_ms", 0) + st.get("verify_fwd_ms", 0)) / steps
                     row["stats"] = st
                 elif method == "ngram":
                     m1 = metric_counts(llm)
@@ -379,7 +378,6 @@ def latency_8b(args, prompts_long: list[list[int]], results) -> None:
                             "draft_step_ms": st.get("draft_ms", 0) / max(st.get("draft_steps", 1), 1),
                             "verify_forward_ms": st.get("verify_fwd_ms", 0) / steps,
                             "selection_ms": st.get("select_ms", 0) / steps,
-                            "tables_ms": st.get("table_ms", 0) / steps,
                             "iteration_ms": wall * 1e3 / steps,
                             "stats": st,
                         })

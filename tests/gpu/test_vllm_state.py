@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from vegas.kernels import collect_scores_reference
+from vegas.kernels import collect_scores_reference, select_topk_layers
 from vegas.vllm_plugin.state import (
     VllmVegasConfig,
     build_draft_tables,
@@ -61,14 +61,33 @@ def test_collect_layer_slots_pick_top_scores():
     query = torch.randn(10, 4, 8)  # 2 requests x 5 verify tokens, 4 q heads, 2 kv heads
     qsl = torch.tensor([0, 5, 10], dtype=torch.int32)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    cfg = VllmVegasConfig(selector="collect2", kv_budget=6)
-    plan = make_plan(qsl, seq_lens, 60, 4, cfg)
-    slots = collect_layer_slots(plan, query, kv.unbind(1)[0], bt, 0.3)
-    for i in range(2):
-        q = query[plan.q_idx[i]][None]  # [1, 2, 4, 8]
-        ref = collect_scores_reference(q, kv.unbind(1)[0], bt[i : i + 1], plan.ctx_sel[i : i + 1], 60, 0.3)[0]
-        top = torch.topk(ref, 6).indices.tolist()
-        assert sorted(slots[i].tolist()) == sorted(_slot(bt, i, p) for p in top)
+    for recent_window in (0, 2):
+        cfg = VllmVegasConfig(selector="collect2", kv_budget=6, recent_window=recent_window)
+        plan = make_plan(qsl, seq_lens, 60, 4, cfg)
+        assert plan.recent.tolist() == [recent_window] * 2
+        slots = collect_layer_slots(plan, query, kv.unbind(1)[0], bt, 0.3)
+        for i in range(2):
+            q = query[plan.q_idx[i]][None]  # [1, 2, 4, 8]
+            ctx = int(plan.ctx_sel[i])
+            ref = collect_scores_reference(q, kv.unbind(1)[0], bt[i : i + 1], plan.ctx_sel[i : i + 1], 60, 0.3)[0]
+            ref[ctx - recent_window : ctx] = float("inf")  # the recent window is always kept
+            top = torch.topk(ref, 6).indices.tolist()
+            assert set(range(ctx - recent_window, ctx)) <= set(top)
+            assert sorted(slots[i].tolist()) == sorted(_slot(bt, i, p) for p in top)
+
+
+def test_selection_keeps_the_best_positions_when_k_max_exceeds_the_budget():
+    """A batch's static top-k width can exceed a request's budget (a shorter request, or a
+    full CUDA graph captured at max_model_len): the request must still get its own best
+    positions, not an arbitrary subset of a wider top-k."""
+    scores = torch.full((1, 2, 40), float("-inf"))
+    scores[0, 0, :30] = torch.arange(30.0)  # best positions: 29, 28, ...
+    scores[0, 1, :40] = -torch.arange(40.0)  # best positions: 0, 1, ...
+    bt = torch.arange(6, dtype=torch.int32).view(2, 3)  # block size 16: identity-like slots
+    budgets = torch.tensor([3, 5])
+    slots = select_topk_layers(scores.clone(), budgets, 12, bt, 16)[0]
+    assert sorted(slots[0, :3].tolist()) == [27, 28, 29] and (slots[0, 3:] == -1).all()
+    assert sorted(slots[1, :5].tolist()) == [48, 49, 50, 51, 52] and (slots[1, 5:] == -1).all()
 
 
 def test_sliding_window_positions():
@@ -202,3 +221,41 @@ def test_stacked_draft_probs_equals_vllm_loop():
     assert stacked_draft_probs(probs, ids, ids, [3, 3, 0, 3, 3]) is None
     assert stacked_draft_probs(probs, ids[:4], ids, [3] * 5) is None
     assert stacked_draft_probs(probs, ids, ids, []) is None
+
+
+def test_proposer_draft_tables_from_selection_buffers():
+    """The proposer builds its draft tables from the selection buffers and the step inputs
+    (the same code runs inside its CUDA graph); inactive rows use one page."""
+    from types import SimpleNamespace
+
+    from vegas.vllm_plugin import proposer as prop
+    from vegas.vllm_plugin.state import STATE
+
+    lens = [70, 40]
+    bt, nb = _block_table(lens, 3)
+    qsl = torch.tensor([0, 5, 10], dtype=torch.int32)
+    md = SimpleNamespace(query_start_loc=qsl, seq_lens=torch.tensor(lens, dtype=torch.int32),
+                         max_seq_len=70, block_table=bt)
+    saved = {k: getattr(STATE, k) for k in ("config", "gamma", "first_layer", "last_layer", "layers_ready",
+                                            "sel_buf", "ctx_sel_buf", "budget_buf", "_qbuf", "has_selection")}
+    try:
+        STATE.config, STATE.gamma = VllmVegasConfig(selector="collect2", kv_budget=8, recent_window=2), 4
+        STATE.first_layer, STATE.last_layer, STATE.layers_ready = 0, 1, True
+        STATE.sel_buf = STATE.ctx_sel_buf = STATE.budget_buf = STATE._qbuf = None
+        STATE.reserve(4, 12, 5 * 4 * 8, torch.float32, torch.device("cpu"))
+        for layer in range(2):
+            STATE.on_layer(layer, torch.randn(10, 4, 8), torch.randn(nb, 2, BS, 2, 8), md, 0.5)
+        p = object.__new__(prop.VegasProposer)
+        p.gamma = 4
+        p.runner = SimpleNamespace(input_batch=SimpleNamespace(
+            block_table=[SimpleNamespace(block_table=SimpleNamespace(gpu=torch.cat([bt, bt])))]))
+        b = {"step_in": torch.tensor([[1, 0, 0, 0], [7, 0, 0, 0], [70, 0, 0, 0], [6, 0, 0, 0]])}  # 1 active row of 4
+        tables, base_used = p._draft_tables(b, 4)
+        sel, ctx_sel, budgets = STATE.selection(4)
+        want = build_draft_tables(sel[:, :1], budgets[:1], torch.minimum(ctx_sel[:1], torch.tensor([70])),
+                                  torch.tensor([73]), bt[:1], BS, STATE.page_stride, 10)
+        assert tables.shape == (2, 4, 12 + 10) and torch.equal(tables[:, :1], want)
+        assert base_used.tolist() == [8 + 70 - 65 + 1, 1, 1, 1]
+    finally:
+        for k, v in saved.items():
+            setattr(STATE, k, v)

@@ -78,6 +78,7 @@ def proposer_config(selector: str, config: VegasConfig) -> dict[str, Any]:
         "min_kv_budget": config.min_kv_budget,
         "num_sinks": config.num_sinks,
         "window": config.window,
+        "recent_window": config.recent_window,
     }
 
 
@@ -255,7 +256,7 @@ class VLLMBackend(Backend):
             counts = per_req.get(o.request_id)
             if counts is not None:
                 stats.iterations, stats.num_drafted, stats.num_accepted = counts
-                stats.selection_seconds = (batch.get("select_ms", 0.0) + batch.get("table_ms", 0.0)) / 1e3 / n
+                stats.selection_seconds = batch.get("select_ms", 0.0) / 1e3 / n
             elif selector is None:
                 stats.iterations = max(stats.num_generated - 1, 0)
             results.append(RequestOutput(token_ids=list(comp.token_ids), text=comp.text, stats=stats))

@@ -53,6 +53,8 @@ def select_topk(
     k_max: int,
     block_table: torch.Tensor,
     block_size: int,
+    recent: torch.Tensor | None = None,
+    ctx_lens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sequence top-k positions of ``scores``, as slot ids of the paged cache.
 
@@ -62,23 +64,16 @@ def select_topk(
         k_max: static width, >= ``budgets.max()`` (and <= ``max_len``).
         block_table: ``(num_seqs, max_blocks)`` int32 block ids.
         block_size: tokens per block.
+        recent: ``(num_seqs,)`` optional count of positions right before ``ctx_lens`` that are
+            always selected (the recent window, inside the budget).
+        ctx_lens: ``(num_seqs,)`` candidate prefix lengths; needed with ``recent``.
 
     Returns:
-        ``slots``: ``torch.IntTensor`` of shape ``(num_seqs, k_max)``: slot ids of the selected
-        positions (unordered) in the first ``budgets[s]`` columns, ``-1`` after;
-        ``counts``: ``torch.IntTensor`` of shape ``(num_seqs,)``, equal to ``budgets``.
+        ``slots``: ``torch.IntTensor`` of shape ``(num_seqs, k_max)``: slot ids of the
+        ``budgets[s]`` best positions in the first ``budgets[s]`` columns (best first), ``-1``
+        after; ``counts``: ``torch.IntTensor`` of shape ``(num_seqs,)``, equal to ``budgets``.
     """
-    num_seqs = scores.shape[0]
-    if k_max == 0:
-        return (
-            torch.empty((num_seqs, 0), dtype=torch.int32, device=scores.device),
-            budgets.to(torch.int32),
-        )
-    pos = torch.topk(scores, k_max, dim=1, sorted=False).indices  # [num_seqs, k_max]
-    blocks = torch.gather(block_table.long(), 1, pos // block_size)
-    slots = (blocks * block_size + pos % block_size).to(torch.int32)
-    col = torch.arange(k_max, device=scores.device)
-    slots = torch.where(col[None, :] < budgets[:, None], slots, torch.full_like(slots, -1))
+    slots = select_topk_layers(scores[None], budgets, k_max, block_table, block_size, recent, ctx_lens)[0]
     return slots, budgets.to(torch.int32)
 
 
@@ -119,13 +114,26 @@ def select_topk_layers(
     k_max: int,
     block_table: torch.Tensor,
     block_size: int,
+    recent: torch.Tensor | None = None,
+    ctx_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`select_topk` for ``scores`` ``(L, num_seqs, max_len)`` in one ``torch.topk``;
-    returns ``(L, num_seqs, k_max)`` int32 slot ids (-1 beyond each budget)."""
-    num_layers, num_seqs, _ = scores.shape
+    returns ``(L, num_seqs, k_max)`` int32 slot ids (-1 beyond each budget).
+
+    The top-k is sorted, so that the first ``budgets[s]`` columns are that sequence's best
+    positions whatever ``k_max`` is (an unsorted top-``k_max`` would keep an arbitrary subset).
+    With ``recent``, positions ``[ctx_lens[s] - recent[s], ctx_lens[s])`` score ``+inf`` first
+    (``scores`` is modified in place).
+    """
+    num_layers, num_seqs, max_len = scores.shape
     if k_max == 0:
         return torch.empty((num_layers, num_seqs, 0), dtype=torch.int32, device=scores.device)
-    pos = torch.topk(scores, k_max, dim=2, sorted=False).indices  # [L, num_seqs, k_max]
+    if recent is not None:
+        pos = torch.arange(max_len, device=scores.device)[None, :]
+        end = ctx_lens.long()[:, None]
+        keep = (pos >= end - recent.long()[:, None]) & (pos < end)  # [num_seqs, max_len]
+        scores.masked_fill_(keep[None], float("inf"))
+    pos = torch.topk(scores, k_max, dim=2, sorted=True).indices  # [L, num_seqs, k_max], best first
     bt = block_table[:num_seqs].long().unsqueeze(0).expand(num_layers, -1, -1)
     blocks = torch.gather(bt, 2, pos // block_size)
     slots = (blocks * block_size + pos % block_size).to(torch.int32)

@@ -45,8 +45,7 @@ class ProposerStats:
     emitted: int = 0  # tokens emitted by those iterations (accepted + bonus)
     select_ms: float = 0.0  # score collection + top-k inside verification (CUDA events)
     select_timed: int = 0  # forwards whose selection was timed (0 under full CUDA graphs)
-    table_ms: float = 0.0  # draft table building (CUDA events)
-    draft_ms: float = 0.0  # γ draft forwards incl. sampling (CUDA events)
+    draft_ms: float = 0.0  # draft tables + γ draft forwards incl. sampling (CUDA events)
     verify_fwd_ms: float = 0.0  # layer 0 .. last layer of full-attention forwards (CUDA events)
     propose_wall_ms: float = 0.0  # host wall time inside propose()
 
@@ -307,23 +306,15 @@ class VegasProposer:
         ev.record()
         return ev
 
-    def _sample(self, logits: torch.Tensor, num_reqs: int):
-        sm = self.runner.input_batch.sampling_metadata
-        logits = logits.float()
-        greedy = logits.argmax(dim=-1)
-        if sm.all_greedy or sm.temperature is None:
-            return greedy, None
-        temp = sm.temperature[:num_reqs].float()
-        is_greedy = temp < 1e-5
-        probs = torch.softmax(logits / torch.where(is_greedy, 1.0, temp)[:, None], dim=-1)
-        noise = torch.empty_like(probs).exponential_()
-        tokens = (probs / noise).argmax(dim=-1)
-        return torch.where(is_greedy, greedy, tokens), probs
-
     # ---- the proposer -----------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None, **_):
-        """Draft γ tokens per request; returns ``(num_reqs, γ)`` int64 on the GPU (or empty lists)."""
+        """Draft γ tokens per request; returns ``(num_reqs, γ)`` int64 on the GPU (or empty lists).
+
+        Host work per call: the acceptance counters, one host-to-device copy of the step's
+        per-request inputs, and one CUDA-graph replay that builds the draft tables from the
+        selection buffers and runs the γ draft forwards (eager fallback without graphs).
+        """
         t0 = time.perf_counter()
         runner = self.runner
         ib = runner.input_batch
@@ -334,81 +325,55 @@ class VegasProposer:
 
         # acceptance bookkeeping (requests that had drafts in the previous step)
         req_ids = ib.req_ids[:num_reqs]
-        gamma_now = self.gamma
-        for i, rid in enumerate(req_ids):
-            if rid in self._drafted and i < len(sampled_token_ids) and sampled_token_ids[i]:
-                n = len(sampled_token_ids[i])
+        gamma = self.gamma
+        active_np = np.zeros(num_reqs, dtype=np.int64)
+        bonus_np = np.zeros(num_reqs, dtype=np.int64)
+        for i, rid in enumerate(req_ids[: len(sampled_token_ids)]):
+            s = sampled_token_ids[i]
+            if not s:
+                continue
+            active_np[i] = 1
+            bonus_np[i] = s[-1]
+            if rid in self._drafted:
+                n = len(s)
                 self.stats.iterations += 1
                 self.stats.emitted += n
                 per = self.req_stats.setdefault(rid, [0, 0, 0])  # iterations, drafted, accepted
                 per[0] += 1
-                per[1] += gamma_now
+                per[1] += gamma
                 per[2] += n - 1
         if not STATE.has_selection or STATE.sel_buf is None or num_reqs > STATE.sel_buf.shape[1]:
             self._drafted = set()
             return [[] for _ in range(num_reqs)]
 
-        dev = runner.device
-        gamma = self.gamma
-        active_np = np.zeros(num_reqs, dtype=np.int64)
-        bonus_np = np.zeros(num_reqs, dtype=np.int64)
-        for i in range(min(num_reqs, len(sampled_token_ids))):
-            s = sampled_token_ids[i]
-            if s:
-                active_np[i] = 1
-                bonus_np[i] = s[-1]
         pos_np = np.maximum(num_tokens_no_spec[:num_reqs].astype(np.int64) - 1, 0)
-        bt_obj = ib.block_table[0]
-        nblocks_np = bt_obj.num_blocks_per_row[:num_reqs].astype(np.int64)
-        host = torch.from_numpy(np.stack([active_np, bonus_np, pos_np, nblocks_np]))
-        active_d, bonus_d, pos_d, nblocks_d = host.to(dev, non_blocking=True).unbind(0)
-
-        ev0 = self._event()
-        bt = bt_obj.get_device_tensor(num_reqs)
-        bs, page_stride = STATE.block_size, STATE.page_stride
-        sel, ctx_sel, budgets = STATE.selection(num_reqs)  # [L or 1, num_reqs, k_cap], rows in layer order
-        if STATE.config.selector == "sliding_window":
-            layer_rows = {idx: 0 for _, idx in self._layers}
-        else:
-            layer_rows = self._layer_pos
-        recent_cap = 2 * gamma + 2
-        ctx_sel = torch.minimum(ctx_sel, pos_d)
-        tables = build_draft_tables(sel, budgets, ctx_sel, pos_d + gamma - 1, bt, bs, page_stride, recent_cap)
-        base_used = budgets + (pos_d - ctx_sel + 1)
+        nblocks_np = ib.block_table[0].num_blocks_per_row[:num_reqs].astype(np.int64)
+        step_in = torch.from_numpy(np.stack([active_np, bonus_np, pos_np, nblocks_np]))  # [4, num_reqs]
         sm = ib.sampling_metadata
         sampling = not (sm.all_greedy or sm.temperature is None)
-        if sampling:
-            temp = sm.temperature[:num_reqs].float()
-            greedy = temp < 1e-5
-            temp = torch.where(greedy, torch.ones_like(temp), temp)
-        else:
-            temp = greedy = None
-        inputs = dict(tables=tables, base_used=base_used, tok0=bonus_d, pos0=pos_d,
-                      active=active_d.bool(), nblocks=nblocks_d, temp=temp, greedy=greedy)
-        ev1 = self._event()
+        temp = sm.temperature[:num_reqs] if sampling else None
 
+        ev0 = self._event()
         out_tok = out_probs = None
         if self.use_cuda_graphs and not self._graph_failed:
             try:
-                out_tok, out_probs = self._draft_with_graph(num_reqs, layer_rows, sampling, inputs)
+                out_tok, out_probs = self._draft_with_graph(num_reqs, sampling, step_in, temp)
             except Exception as e:  # fall back to eager drafting for good
                 logger.warning("vegas: CUDA-graph drafting failed (%r); drafting eagerly from now on", e)
                 self._graph_failed = True
                 out_tok = None
         if out_tok is None:
-            bufs = self._make_bufs(num_reqs, tables.shape[0], tables.shape[-1], sampling, dev)
-            self._fill_bufs(bufs, num_reqs, inputs)
+            b = self._make_bufs(num_reqs, sampling, runner.device)
+            self._fill_bufs(b, num_reqs, step_in, temp)
             mode, desc = runner.cudagraph_dispatcher.dispatch(num_tokens=num_reqs, uniform_decode=False)
             n_in = desc.num_tokens if desc is not None and desc.num_tokens else num_reqs
-            self._draft_steps(bufs, num_reqs, n_in, tables.shape[-1], layer_rows, sampling, mode, desc)
-            out_tok, out_probs = bufs["out_tok"], bufs["out_probs"]
+            self._draft_steps(b, num_reqs, n_in, sampling, mode, desc)
+            out_tok, out_probs = b["out_tok"], b["out_probs"]
         draft_ids = out_tok[:num_reqs].clone()  # [num_reqs, γ]
         if sampling:
             runner._draft_probs = out_probs[:num_reqs]  # [num_reqs, γ, vocab]
             runner._draft_prob_req_ids = list(req_ids)
-        ev2 = self._event()
-        self._pending.append(("table_ms", ev0, ev1))
-        self._pending.append(("draft_ms", ev1, ev2))
+        self._pending.append(("draft_ms", ev0, self._event()))
         self._drafted = {rid for i, rid in enumerate(req_ids) if active_np[i]}
         self.stats.proposals += 1
         self.stats.draft_steps += gamma
@@ -416,21 +381,15 @@ class VegasProposer:
         return draft_ids
 
     # ---- drafting: one body, run eagerly (piecewise graphs) or captured as one CUDA graph ----
-    def _make_bufs(self, rows: int, num_tables: int, width: int, sampling: bool, dev) -> dict:
+    def _make_bufs(self, rows: int, sampling: bool, dev) -> dict:
         vocab = self._vocab_size()
         g = self.gamma
         return {
-            "tables": torch.zeros((num_tables, rows, width), dtype=torch.int32, device=dev),
+            "step_in": torch.zeros((4, rows), dtype=torch.int64, device=dev),  # active, bonus, pos, nblocks
+            "temp": torch.ones(rows, dtype=torch.float32, device=dev),
             "seqused": torch.ones(rows, dtype=torch.int32, device=dev),
             "cu_q": torch.arange(rows + 1, dtype=torch.int32, device=dev),
             "slot": torch.full((max(rows, 1024),), -1, dtype=torch.int64, device=dev),
-            "tok0": torch.zeros(rows, dtype=torch.int64, device=dev),
-            "pos0": torch.zeros(rows, dtype=torch.int64, device=dev),
-            "active": torch.zeros(rows, dtype=torch.bool, device=dev),
-            "nblocks": torch.zeros(rows, dtype=torch.int64, device=dev),
-            "base_used": torch.ones(rows, dtype=torch.int64, device=dev),
-            "temp": torch.ones(rows, dtype=torch.float32, device=dev),
-            "greedy": torch.ones(rows, dtype=torch.bool, device=dev),
             "out_tok": torch.zeros((rows, g), dtype=torch.int64, device=dev),
             "out_probs": torch.zeros((rows, g, vocab), dtype=torch.float32, device=dev) if sampling else None,
         }
@@ -441,18 +400,31 @@ class VegasProposer:
         return self._vocab
 
     @staticmethod
-    def _fill_bufs(b: dict, n: int, inputs: dict) -> None:
-        t = inputs["tables"]
-        b["tables"][:, :n, : t.shape[-1]].copy_(t)
-        for key in ("base_used", "tok0", "pos0", "active", "nblocks"):
-            b[key][:n].copy_(inputs[key])
-        b["active"][n:] = False
-        if inputs["temp"] is not None:
-            b["temp"][:n].copy_(inputs["temp"])
-            b["greedy"][:n].copy_(inputs["greedy"])
+    def _fill_bufs(b: dict, n: int, step_in: torch.Tensor, temp: torch.Tensor | None) -> None:
+        """The step's inputs into the (static) buffers; rows ``>= n`` become inactive."""
+        b["step_in"][:, :n].copy_(step_in, non_blocking=True)
+        b["step_in"][:, n:] = 0
+        if temp is not None:
+            b["temp"][:n].copy_(temp)
+            b["temp"][n:] = 1.0
 
-    def _draft_steps(self, b, rows, n_in, width, layer_rows, sampling, mode, desc) -> None:
-        """γ draft forwards over ``rows`` requests (``n_in`` >= rows padded tokens); all state in ``b``."""
+    def _draft_tables(self, b: dict, rows: int):
+        """Page-size-1 draft tables ``(L or 1, rows, width)`` and the pages in use before the
+        first draft (``base_used``), from the selection buffers of the last verification."""
+        active, _, pos0, _ = b["step_in"].unbind(0)
+        sel, ctx_sel, budgets = STATE.selection(rows)
+        ctx_sel = torch.minimum(ctx_sel, pos0)
+        bt = self.runner.input_batch.block_table[0].block_table.gpu[:rows]
+        tables = build_draft_tables(
+            sel, budgets, ctx_sel, pos0 + self.gamma - 1, bt, STATE.block_size, STATE.page_stride,
+            2 * self.gamma + 2,
+        )
+        base_used = torch.where(active.bool(), budgets + (pos0 - ctx_sel + 1), 1)
+        return tables, base_used
+
+    def _draft_steps(self, b, rows, n_in, sampling, mode, desc) -> None:
+        """Draft tables, then γ draft forwards over ``rows`` requests (``n_in`` >= rows padded
+        tokens); inputs and outputs in the buffers ``b``."""
         from vllm.forward_context import set_forward_context
 
         from .attention import DraftMetadata
@@ -460,26 +432,33 @@ class VegasProposer:
         runner = self.runner
         model = runner.model
         bs = STATE.block_size
+        tables, base_used = self._draft_tables(b, rows)
+        width = tables.shape[-1]
+        layer_rows = {idx: 0 for _, idx in self._layers} if tables.shape[0] == 1 else self._layer_pos
+        active, tokens, pos0, nblocks = b["step_in"].unbind(0)
+        active = active.bool()
+        if sampling:
+            greedy = b["temp"] < 1e-5
+            temp = torch.where(greedy, 1.0, b["temp"])
         bt = runner.input_batch.block_table[0].block_table.gpu[:rows]
         max_blk = bt.shape[1] - 1
         input_ids, positions = runner.input_ids.gpu, runner.positions
         slot = b["slot"]
         slot[rows:n_in] = -1
-        tokens = b["tok0"]
         for j in range(self.gamma):
-            pos = b["pos0"] + j
+            pos = pos0 + j
             blk_idx = pos // bs
-            valid = b["active"] & (blk_idx < b["nblocks"])
+            valid = active & (blk_idx < nblocks)
             blk = torch.gather(bt, 1, torch.clamp(blk_idx, max=max_blk)[:, None])[:, 0].long()
             slot[:rows].copy_(torch.where(valid, blk * bs + pos % bs, -1))
             input_ids[:rows].copy_(tokens)
-            positions[:rows].copy_(torch.where(b["active"], pos, 0))
+            positions[:rows].copy_(torch.where(active, pos, 0))
             if n_in > rows:
                 input_ids[rows:n_in] = 0
                 positions[rows:n_in] = 0
-            b["seqused"].copy_(torch.where(b["active"], torch.clamp(b["base_used"] + j, max=width), 1))
+            b["seqused"].copy_(torch.clamp(base_used + j, max=width))
             attn_md = {
-                name: DraftMetadata(b["tables"][layer_rows[idx]], b["seqused"], b["cu_q"], width, rows)
+                name: DraftMetadata(tables[layer_rows[idx]], b["seqused"], b["cu_q"], width, rows)
                 for name, idx in self._layers
             }
             slot_map = {name: slot[:n_in] for name, _ in self._layers}
@@ -502,42 +481,44 @@ class VegasProposer:
             logits = model.compute_logits(hidden[:rows]).float()
             tokens = logits.argmax(dim=-1)
             if sampling:
-                probs = torch.softmax(logits / b["temp"][:, None], dim=-1)
+                probs = torch.softmax(logits / temp[:, None], dim=-1)
                 drawn = (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
-                tokens = torch.where(b["greedy"], tokens, drawn)
+                tokens = torch.where(greedy, tokens, drawn)
                 b["out_probs"][:, j].copy_(probs)
             b["out_tok"][:, j].copy_(tokens)
 
-    def _draft_with_graph(self, num_reqs, layer_rows, sampling, inputs):
+    def _draft_with_graph(self, num_reqs, sampling, step_in, temp):
+        """Replay (capturing first if needed) the draft graph of the next power-of-two row count.
+
+        The graph reads the selection buffers, the runner's block table and its own input
+        buffers; it is keyed by rows, sampling and the selection buffer (a reallocated buffer,
+        e.g. after a larger budget, needs a new graph)."""
         from vllm.config import CUDAGraphMode
         from vllm.forward_context import BatchDescriptor
 
-        max_rows = self.runner.input_batch.block_table[0].block_table.gpu.shape[0]
+        max_rows = min(self.runner.input_batch.block_table[0].block_table.gpu.shape[0], STATE.sel_buf.shape[1])
         rows = min(1 << max(num_reqs - 1, 0).bit_length(), max_rows)  # next power of two
-        if rows > self.max_graph_rows:
+        if rows > self.max_graph_rows or rows < num_reqs:
             return None, None
-        width = inputs["tables"].shape[-1]
-        wcap = -(-width // 256) * 256
-        num_tables = inputs["tables"].shape[0]
-        key = (rows, wcap, num_tables, sampling)
+        sel_kind = 1 if STATE.config.selector == "sliding_window" else STATE.num_layers
+        key = (rows, sampling, sel_kind, STATE.sel_buf.data_ptr(), tuple(STATE.sel_buf.shape))
         entry = self._graphs.get(key)
         dev = self.runner.device
         if entry is None:
-            b = self._make_bufs(rows, num_tables, wcap, sampling, dev)
+            b = self._make_bufs(rows, sampling, dev)
             desc = BatchDescriptor(num_tokens=rows)
             mode = CUDAGraphMode.NONE
             # warm-up: writes nothing (no active row -> every slot is -1)
-            self._draft_steps(b, rows, rows, wcap, layer_rows, sampling, mode, desc)
+            self._draft_steps(b, rows, rows, sampling, mode, desc)
             torch.cuda.synchronize()
             if self._graph_pool is None:
                 self._graph_pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
-                self._draft_steps(b, rows, rows, wcap, layer_rows, sampling, mode, desc)
+                self._draft_steps(b, rows, rows, sampling, mode, desc)
             entry = self._graphs[key] = (graph, b)
-            logger.info("vegas: captured draft graph rows=%d width=%d tables=%d sampling=%s",
-                        rows, wcap, num_tables, sampling)
+            logger.info("vegas: captured draft graph rows=%d sampling=%s tables=%d", rows, sampling, sel_kind)
         graph, b = entry
-        self._fill_bufs(b, num_reqs, inputs)
+        self._fill_bufs(b, num_reqs, step_in, temp)
         graph.replay()
         return b["out_tok"], b["out_probs"]

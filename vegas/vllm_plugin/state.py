@@ -61,6 +61,8 @@ class VllmVegasConfig:
         min_kv_budget: lower bound of the ratio-derived budget (tokens).
         num_sinks: sinks of the sliding-window selector (tokens).
         window: recent window of the sliding-window selector; None: ``budget - num_sinks``.
+        recent_window: score-based selectors always keep the last ``recent_window`` positions
+            before the verified chunk inside the budget (at most half of it), as the HF backend.
     """
 
     selector: str = "collect2"
@@ -69,6 +71,7 @@ class VllmVegasConfig:
     min_kv_budget: int = 256
     num_sinks: int = 4
     window: int | None = None
+    recent_window: int = 64
 
     def __post_init__(self) -> None:
         if self.selector not in SELECTORS:
@@ -78,7 +81,7 @@ class VllmVegasConfig:
             )
         if not (0 < self.sparsity_ratio <= 1):
             raise ValueError(f"sparsity_ratio must be in (0, 1], got {self.sparsity_ratio!r}")
-        for name in ("min_kv_budget", "num_sinks"):
+        for name in ("min_kv_budget", "num_sinks", "recent_window"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
 
@@ -123,6 +126,8 @@ class CollectPlan:
         q_weight: ``(num_seqs, Q)`` float 1/0 (0 masks a repeated index of a short chunk).
         ctx_sel: ``(num_seqs,)`` int64 selectable positions ``[0, ctx_sel)``.
         budgets: ``(num_seqs,)`` int64 k per request (<= ctx_sel).
+        recent: ``(num_seqs,)`` int64 positions right before ``ctx_sel`` kept inside the budget
+            (score-based selectors: ``min(recent_window, budgets // 2)``).
         k_max: static top-k width (>= budgets.max()).
         max_len: score width (>= ctx_sel.max()).
     """
@@ -132,6 +137,7 @@ class CollectPlan:
     q_weight: torch.Tensor | None
     ctx_sel: torch.Tensor
     budgets: torch.Tensor
+    recent: torch.Tensor
     k_max: int
     max_len: int
 
@@ -168,7 +174,9 @@ def make_plan(
         q_idx = torch.minimum(raw, (end - 1)[:, None])
     max_len = max(int(max_seq_len), 1)
     k_max = config.budget(max_len)
-    return CollectPlan(num_seqs, q_idx, q_weight, ctx_sel, config.budgets(ctx_sel), k_max, max_len)
+    budgets = config.budgets(ctx_sel)
+    recent = torch.clamp(budgets // 2, max=config.recent_window)
+    return CollectPlan(num_seqs, q_idx, q_weight, ctx_sel, budgets, recent, k_max, max_len)
 
 
 def collect_layer_slots(
@@ -184,7 +192,7 @@ def collect_layer_slots(
     q = q * plan.q_weight[:, :, None, None].to(q.dtype)
     bt = block_table[: plan.num_seqs]
     scores = collect_scores(q, key_cache, bt, plan.ctx_sel, plan.max_len, scale)
-    slots, _ = select_topk(scores, plan.budgets, plan.k_max, bt, key_cache.shape[1])
+    slots, _ = select_topk(scores, plan.budgets, plan.k_max, bt, key_cache.shape[1], plan.recent, plan.ctx_sel)
     return slots
 
 
@@ -401,7 +409,7 @@ class SelectionState:
             scores = collect_scores_layers_reference(
                 self._qview, plan.q_weight, self._kcaches, bt, plan.ctx_sel, plan.max_len, scale
             )
-        slots = select_topk_layers(scores, plan.budgets, plan.k_max, bt, self.block_size)
+        slots = select_topk_layers(scores, plan.budgets, plan.k_max, bt, self.block_size, plan.recent, plan.ctx_sel)
         self.sel_buf[:, : plan.num_seqs, : plan.k_max].copy_(slots)
         self.has_selection = True
         if timing:
