@@ -10,8 +10,9 @@
   collect queries and selects this layer's top-k.
 
 The KV write of draft tokens is vLLM's own ``unified_kv_cache_update`` with the slot mapping
-that the proposer puts into the forward context. Runs under piecewise CUDA graphs (attention is
-a splitting op, so this Python runs eagerly every step).
+that the proposer puts into the forward context. Under piecewise CUDA graphs (attention is a
+splitting op) this Python runs every step; under vLLM's full CUDA graphs it runs once per
+captured batch shape, and the captured selection writes the persistent selection buffers.
 """
 
 from __future__ import annotations

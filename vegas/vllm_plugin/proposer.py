@@ -3,7 +3,10 @@
 ``VegasProposer`` is built by vLLM's V1 GPU model runner with ``vllm_config`` only; it finds
 that runner on the call stack (it is being constructed in ``GPUModelRunner.__init__``), so it
 reuses the runner's model (the target itself: no second copy of weights or cache), its paged KV
-cache, its block tables and its piecewise CUDA graphs.
+cache, its block tables and its compiled model. Verification stays in vLLM's full CUDA graphs
+(``VEGAS_VERIFY_CUDA_GRAPHS=full``, the default) with the selection captured into them, or
+runs attention eagerly under piecewise graphs (``piecewise``: the selector can then change at
+run time).
 
 After each verification step (``propose`` runs after the runner's bookkeeping, same
 ``execute_model`` call) it drafts γ tokens per request: γ forwards of the target with query
