@@ -87,8 +87,12 @@ def test_vllm_pipeline_greedy_smoke():
 
     pipe = Pipeline(selector="collect2", backend="vllm", dtype="bfloat16", num_draft_tokens=4)
     ids = pipe.tokenizer(package_source(), add_special_tokens=False).input_ids
-    prompts = cut_contexts(ids, 4096, 2)
+    prompts = cut_contexts(ids, 4096, 3)
+    prompts[1], prompts[2] = prompts[1][:1500], prompts[2][:700]  # different context lengths
     out = pipe.generate(prompts, max_new_tokens=32)
     assert all(len(o.token_ids) == 32 for o in out)
     assert all(o.stats.iterations > 0 and o.stats.acceptance_length >= 1 for o in out)
+    # a selector switch rebuilds the engine under full verification graphs
+    out2 = pipe.generate(prompts[:1], max_new_tokens=16, selector="sliding_window")
+    assert len(out2[0].token_ids) == 16
     pipe.backend.close()
