@@ -3,6 +3,7 @@ the page-size-1 draft tables, checked against positions computed by hand."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from vegas.kernels import collect_scores_reference, select_topk_layers
@@ -259,3 +260,56 @@ def test_proposer_draft_tables_from_selection_buffers():
     finally:
         for k, v in saved.items():
             setattr(STATE, k, v)
+
+
+def test_draft_tables_never_read_past_the_block_table():
+    """A row whose positions run past its block table (an inactive row mid chunked prefill, or
+    a request at max_model_len) reads the last block-table column instead of out of bounds."""
+    bt = torch.tensor([[3, 1]], dtype=torch.int32)  # 2 blocks of 16: positions 0..31
+    sel = torch.full((1, 1, 4), -1, dtype=torch.int32)
+    tables = build_draft_tables(sel, torch.tensor([0]), torch.tensor([40]), torch.tensor([43]), bt, BS, 2 * BS, 6)
+    assert tables.shape == (1, 1, 10) and (tables >= 0).all()
+
+
+def test_selection_buffers_refuse_to_grow_under_full_graphs():
+    from vegas.vllm_plugin.state import SelectionState
+
+    st = SelectionState(first_layer=0, last_layer=1, layers_ready=True)
+    st.reserve(2, 8, 16, torch.float32, torch.device("cpu"))
+    generation = st.generation
+    st.frozen = True
+    st._ensure(2, 8, 16, torch.float32, torch.device("cpu"))  # fits: nothing happens
+    with pytest.raises(RuntimeError, match="reserves them from max_num_seqs and max_model_len"):
+        st._ensure(3, 8, 16, torch.float32, torch.device("cpu"))
+    st.frozen = False
+    st._ensure(3, 8, 16, torch.float32, torch.device("cpu"))
+    assert st.sel_buf.shape[1] == 3 and st.generation == generation + 1
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(use_ubatching=True), "micro-batching"),
+        (dict(lora_config=object()), "LoRA"),
+        (dict(uses_mrope=True), "M-RoPE"),
+        (dict(cache_dtype="fp8"), "quantized KV caches"),
+        (dict(pipeline_parallel_size=2), "pipeline parallelism"),
+    ],
+)
+def test_proposer_rejects_unsupported_engines(change, match):
+    from types import SimpleNamespace
+
+    from vegas.vllm_plugin.proposer import _raise_if_unsupported
+
+    def config(**kw):
+        return SimpleNamespace(
+            parallel_config=SimpleNamespace(pipeline_parallel_size=kw.get("pipeline_parallel_size", 1),
+                                            use_ubatching=kw.get("use_ubatching", False)),
+            cache_config=SimpleNamespace(cache_dtype=kw.get("cache_dtype", "auto")),
+            lora_config=kw.get("lora_config"),
+            model_config=SimpleNamespace(uses_mrope=kw.get("uses_mrope", False)),
+        )
+
+    _raise_if_unsupported(config())
+    with pytest.raises(ValueError, match=match):
+        _raise_if_unsupported(config(**change))

@@ -18,6 +18,13 @@ in ``VEGAS_VLLM_CONFIG='{"selector": "collect2", "sparsity_ratio": 0.05}'``.
 Verification keeps vLLM's full CUDA graphs, with the selection captured into them; set
 ``VEGAS_VERIFY_CUDA_GRAPHS=piecewise`` to change the selector at run time with :func:`configure`.
 
+Supported: single-GPU (no tensor or pipeline parallelism), full-attention decoder models with
+one KV-cache group on the FLASH_ATTN backend, bf16/fp16 KV cache; no LoRA, M-RoPE or
+micro-batching (the proposer raises a ``ValueError`` naming the setting). Memory: each
+verification allocates a float32 score scratch of ``layers x batch x max_model_len`` (under
+full graphs at capture time), outside vLLM's memory profile; with a long ``max_model_len`` and
+a large ``max_num_seqs`` leave headroom through ``gpu_memory_utilization``.
+
 The proposer installs what it needs in the worker process that builds it (single-GPU engines:
 the scheduler lives in that process too). For multi-process workers, installing vegas also
 registers :func:`register` as a ``vllm.general_plugins`` entry point, which vLLM runs in every

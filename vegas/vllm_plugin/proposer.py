@@ -78,6 +78,13 @@ def _raise_if_unsupported(vllm_config) -> None:
         raise ValueError("vegas: pipeline parallelism is not supported; use pipeline_parallel_size=1")
     if vllm_config.cache_config.cache_dtype not in ("auto", "bfloat16", "float16"):
         raise ValueError("vegas: quantized KV caches are not supported; use kv_cache_dtype='auto'")
+    if getattr(pc, "use_ubatching", False):
+        raise ValueError("vegas: micro-batching (enable_dbo / ubatch_size > 1) is not supported; turn it off")
+    if vllm_config.lora_config is not None:
+        raise ValueError("vegas: LoRA is not supported (drafts would run without the adapters); disable enable_lora")
+    mc = vllm_config.model_config
+    if mc is not None and getattr(mc, "uses_mrope", False):
+        raise ValueError("vegas: M-RoPE models are not supported (drafts use 1-D positions)")
 
 
 #: ``full``: verification runs in vLLM's full CUDA graphs where vLLM uses them (uniform
@@ -212,6 +219,7 @@ class VegasProposer:
         self._graphs: dict = {}
         self._graph_pool = None
         self._graph_failed = False
+        self._checked_groups = False
         self.use_cuda_graphs = os.environ.get("VEGAS_DRAFT_CUDA_GRAPHS", "1") != "0"
         self.max_graph_rows = int(os.environ.get("VEGAS_DRAFT_GRAPH_MAX_ROWS", "256"))
         logger.info("vegas proposer: gamma=%d config=%s", self.gamma, STATE.config)
@@ -252,6 +260,8 @@ class VegasProposer:
                 return forward(*args, **kwargs)
             start = self._event()
             out = forward(*args, **kwargs)
+            if len(STATE.fwd_events) > 4096:  # forwards without a proposal (idle ranks): keep it bounded
+                del STATE.fwd_events[:2048]
             STATE.fwd_events.append((start, self._event()))
             return out
 
@@ -273,6 +283,11 @@ class VegasProposer:
                 raise ValueError(
                     f"vegas needs the FLASH_ATTN attention backend, layer {name} uses "
                     f"{type(impl).__name__}; set attention_backend='FLASH_ATTN'"
+                )
+            if impl.sliding_window is not None and tuple(impl.sliding_window) != (-1, -1):
+                raise ValueError(
+                    f"vegas: layer {name} uses sliding-window attention {impl.sliding_window}, which "
+                    "the compressed draft tables cannot express; only full-attention models are supported"
                 )
             layers.append((name, layer_index(name)))
         layers.sort(key=lambda x: x[1])
@@ -325,6 +340,14 @@ class VegasProposer:
         self._resolve_events()
         if self._layers is None:
             self._init_layers()
+        if not self._checked_groups:
+            groups = getattr(getattr(runner, "kv_cache_config", None), "kv_cache_groups", [None])
+            if len(groups) > 1:
+                raise ValueError(
+                    f"vegas: the model has {len(groups)} KV-cache groups (hybrid or mixed attention); "
+                    "drafting addresses group 0 only, so only single-group full-attention models are supported"
+                )
+            self._checked_groups = True
 
         # acceptance bookkeeping (requests that had drafts in the previous step)
         req_ids = ib.req_ids[:num_reqs]
@@ -349,7 +372,8 @@ class VegasProposer:
             self._drafted = set()
             return [[] for _ in range(num_reqs)]
 
-        pos_np = np.maximum(num_tokens_no_spec[:num_reqs].astype(np.int64) - 1, 0)
+        # rows without a sampled token (e.g. mid chunked prefill) draft nothing: position 0
+        pos_np = np.where(active_np > 0, np.maximum(num_tokens_no_spec[:num_reqs].astype(np.int64) - 1, 0), 0)
         nblocks_np = ib.block_table[0].num_blocks_per_row[:num_reqs].astype(np.int64)
         step_in = torch.from_numpy(np.stack([active_np, bonus_np, pos_np, nblocks_np]))  # [4, num_reqs]
         sm = ib.sampling_metadata
@@ -368,7 +392,14 @@ class VegasProposer:
         if out_tok is None:
             b = self._make_bufs(num_reqs, sampling, runner.device)
             self._fill_bufs(b, num_reqs, step_in, temp)
-            mode, desc = runner.cudagraph_dispatcher.dispatch(num_tokens=num_reqs, uniform_decode=False)
+            from vllm.config import CUDAGraphMode
+
+            # piecewise at most: a FULL key would replay vLLM's captured verification graph,
+            # with its own metadata and slot mapping, instead of this draft step
+            mode, desc = runner.cudagraph_dispatcher.dispatch(
+                num_tokens=num_reqs, uniform_decode=False,
+                valid_modes={CUDAGraphMode.PIECEWISE, CUDAGraphMode.NONE},
+            )
             n_in = desc.num_tokens if desc is not None and desc.num_tokens else num_reqs
             self._draft_steps(b, num_reqs, n_in, sampling, mode, desc)
             out_tok, out_probs = b["out_tok"], b["out_probs"]
@@ -494,8 +525,8 @@ class VegasProposer:
         """Replay (capturing first if needed) the draft graph of the next power-of-two row count.
 
         The graph reads the selection buffers, the runner's block table and its own input
-        buffers; it is keyed by rows, sampling and the selection buffer (a reallocated buffer,
-        e.g. after a larger budget, needs a new graph)."""
+        buffers; it is keyed by rows, sampling and the selection buffers' generation (buffers
+        reallocated for a larger budget need a new graph)."""
         from vllm.config import CUDAGraphMode
         from vllm.forward_context import BatchDescriptor
 
@@ -504,7 +535,7 @@ class VegasProposer:
         if rows > self.max_graph_rows or rows < num_reqs:
             return None, None
         sel_kind = 1 if STATE.config.selector == "sliding_window" else STATE.num_layers
-        key = (rows, sampling, sel_kind, STATE.sel_buf.data_ptr(), tuple(STATE.sel_buf.shape))
+        key = (rows, sampling, sel_kind, STATE.generation)
         entry = self._graphs.get(key)
         dev = self.runner.device
         if entry is None:

@@ -242,7 +242,8 @@ def build_draft_tables(
     k = budgets[:, None]
     pos = ctx_sel[:, None] + (col - k)
     pos = torch.minimum(torch.clamp(pos, min=0), last_pos[:, None])
-    blocks = torch.gather(block_table[:num_seqs].long(), 1, pos // block_size)
+    blk = torch.clamp(pos // block_size, max=block_table.shape[1] - 1)  # no read past the table
+    blocks = torch.gather(block_table[:num_seqs].long(), 1, blk)
     recent = slots_to_fa_pages(blocks * block_size + pos % block_size, block_size, page_stride)
     sel = slots_to_fa_pages(sel_slots.long().clamp(min=0), block_size, page_stride)
     sel = torch.nn.functional.pad(sel, (0, recent_cap))
@@ -280,6 +281,8 @@ class SelectionState:
     has_selection: bool = False
     #: the config is captured into full CUDA graphs and cannot change at run time
     frozen: bool = False
+    #: bumped whenever the selection buffers are (re)allocated; keys the proposer's draft graphs
+    generation: int = 0
     #: (L, max_seqs, k_cap) int32 slot ids (sliding_window: row 0 only), -1 beyond each budget
     sel_buf: torch.Tensor | None = None
     #: (max_seqs,) int64 selectable positions and KV budget per request of the last forward
@@ -309,6 +312,7 @@ class SelectionState:
             self.sel_buf = torch.full((layers, max_seqs, k_cap), -1, dtype=torch.int32, device=device)
             self.ctx_sel_buf = torch.zeros(max_seqs, dtype=torch.int64, device=device)
             self.budget_buf = torch.zeros(max_seqs, dtype=torch.int64, device=device)
+            self.generation += 1
         n = layers * max_seqs * q_elems
         if self._qbuf is None or self._qbuf.numel() < n or self._qbuf.dtype != dtype:
             self._qbuf = torch.empty(n, dtype=dtype, device=device)
@@ -324,10 +328,11 @@ class SelectionState:
         )
         if fits:
             return
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if self.frozen or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            # captured full graphs write into the reserved buffers: reallocating would orphan them
             raise RuntimeError(
-                f"vegas: selection buffers too small for a captured batch of {num_seqs} requests "
-                f"and KV budget {k_max}; the proposer reserves them from max_num_seqs and max_model_len"
+                f"vegas: selection buffers too small for a batch of {num_seqs} requests and KV "
+                f"budget {k_max}; the proposer reserves them from max_num_seqs and max_model_len"
             )
         width = max(k_max, self.sel_buf.shape[2] if self.sel_buf is not None else 0)
         rows = max(num_seqs, self.sel_buf.shape[1] if self.sel_buf is not None else 0)
