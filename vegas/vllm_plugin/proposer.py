@@ -80,9 +80,9 @@ def _raise_if_unsupported(vllm_config) -> None:
         raise ValueError("vegas: quantized KV caches are not supported; use kv_cache_dtype='auto'")
     if getattr(pc, "use_ubatching", False):
         raise ValueError("vegas: micro-batching (enable_dbo / ubatch_size > 1) is not supported; turn it off")
-    if vllm_config.lora_config is not None:
+    if getattr(vllm_config, "lora_config", None) is not None:
         raise ValueError("vegas: LoRA is not supported (drafts would run without the adapters); disable enable_lora")
-    mc = vllm_config.model_config
+    mc = getattr(vllm_config, "model_config", None)
     if mc is not None and getattr(mc, "uses_mrope", False):
         raise ValueError("vegas: M-RoPE models are not supported (drafts use 1-D positions)")
 
