@@ -1,0 +1,80 @@
+"""The device benchmark script's host-side logic (no vLLM, no GPU): engine plan, byte floor,
+exactness comparison and table. A bug here would only show up after a device run."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def vb():
+    spec = importlib.util.spec_from_file_location("vllm_bench", ROOT / "scripts" / "vllm_bench.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _args(**kw):
+    base = dict(selectors=["collect2", "aggregated", "sliding_window"], extra_gammas="", extra_gamma_selectors="collect2",
+                verify_graphs="full", name_suffix="", gamma=4, exact_prompts=8, model=str(ROOT / "vegas" / "model"),
+                sparsity=0.05, min_kv_budget=256, kv_budget=0)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_full_graphs_build_one_engine_per_selector(vb):
+    jobs = vb.engine_jobs(_args(extra_gammas="8"), ["plain", "vegas"])
+    labels = [(m, tuple(a.selectors) if m == "vegas" else None, a.verify_graphs, a.name_suffix, a.gamma) for m, a in jobs]
+    assert labels == [
+        ("plain", None, "full", "", 4),
+        ("vegas", ("collect2",), "full", "", 4),
+        ("vegas", ("aggregated",), "full", "", 4),
+        ("vegas", ("sliding_window",), "full", "", 4),
+        ("vegas", ("collect2",), "full", "-g8", 8),
+    ]
+    both = vb.engine_jobs(_args(verify_graphs="both"), ["vegas"])
+    assert [(a.verify_graphs, a.name_suffix, len(a.selectors)) for _, a in both][-1] == ("piecewise", "-pw", 3)
+
+
+def test_byte_floor_counts_what_a_step_reads(vb):
+    cfg = json.loads((ROOT / "vegas" / "model" / "config.json").read_text())
+    weights, kv = vb.model_bytes(cfg)
+    assert kv == 8 * 2 * 2 * 64 * 2  # layers x (K, V) x kv heads x head_dim x bf16 = 4 KiB
+    args = _args()
+    plain = vb.byte_floor_ms(args, "plain", None, 16384, 128)
+    assert plain == pytest.approx((weights + 128 * 16384 * kv) / 4.3e12 * 1e3)
+    budget = math.ceil(16384 * 0.05)
+    drafts = 4 * (weights + 128 * (budget + 5) * kv)
+    sliding = vb.byte_floor_ms(args, "vegas", "sliding_window", 16384, 128)
+    collect2 = vb.byte_floor_ms(args, "vegas", "collect2", 16384, 128)
+    assert sliding == pytest.approx(((weights + 128 * 16384 * kv) + drafts) / 4.3e12 * 1e3)
+    assert collect2 - sliding == pytest.approx(128 * 16384 * kv / 2 / 4.3e12 * 1e3)  # the keys, once more
+
+
+def test_exactness_reports_the_first_difference_and_its_gap(vb):
+    lp = SimpleNamespace
+    ref = {"plain": [[1, 2, 3], [4, 5, 6]],
+           "plain_logprobs": [None, [{5: lp(logprob=-0.5)}, {5: lp(logprob=-0.1), 9: lp(logprob=-0.1)}, {}]]}
+    out = vb.compare([[1, 2, 3], [4, 9, 6]], ref)
+    assert out["identical"] == 1 and out["total"] == 2
+    assert out["diffs"] == [{"prompt": 1, "first_diff": 1, "top2_logprob_gap": 0.0, "differing_tokens": 1}]
+
+
+def test_table_has_speedup_and_byte_bound(vb):
+    rows = [
+        {"ctx": 16384, "batch": 32, "method": "plain", "tok_per_s": 10000.0, "ms_per_token_step": 3.2, "floor_ms": 0.5},
+        {"ctx": 16384, "batch": 32, "method": "vegas-collect2", "tok_per_s": 15000.0, "ms_per_token_step": 2.1,
+         "floor_ms": 0.9, "acceptance_length": 3.6, "selection_overhead": None,
+         "per_iteration_ms": {"wall": 5.8}, "gpu_ms_per_iteration": 3.0},
+    ]
+    text = vb.table({"rows": rows})
+    assert "| 16384 | 32 | vegas-collect2 | 15000 | 5.80 | 3.00 | 0.90 | 3.60 |  | 1.50x | 2.00x |" in text
