@@ -47,7 +47,7 @@ class ProposerStats:
     iterations: int = 0  # verified iterations of requests that had drafts
     emitted: int = 0  # tokens emitted by those iterations (accepted + bonus)
     select_ms: float = 0.0  # score collection + top-k inside verification (CUDA events)
-    select_timed: int = 0  # forwards whose selection was timed (0 under full CUDA graphs)
+    select_timed: int = 0  # CUDA-event pairs summed into select_ms (eager forwards only: none from full-graph replays)
     draft_ms: float = 0.0  # draft tables + γ draft forwards incl. sampling (CUDA events)
     verify_fwd_ms: float = 0.0  # layer 0 .. last layer of full-attention forwards (CUDA events)
     propose_wall_ms: float = 0.0  # host wall time inside propose()
