@@ -98,6 +98,8 @@ def build_llm(method: str, args, max_len: int, vegas_cfg: dict | None = None):
     )
     if args.load_format:
         kw["load_format"] = args.load_format
+    if args.tp > 1:
+        kw["tensor_parallel_size"] = args.tp
     if args.eager:
         kw["enforce_eager"] = True
     limit = max(args.batches) * (args.gamma + 1)
@@ -143,7 +145,8 @@ def build_llm(method: str, args, max_len: int, vegas_cfg: dict | None = None):
 
 
 def vegas_cfg(args, selector: str) -> dict:
-    cfg = {"selector": selector, "sparsity_ratio": args.sparsity, "min_kv_budget": args.min_kv_budget}
+    cfg = {"selector": selector, "sparsity_ratio": args.sparsity, "min_kv_budget": args.min_kv_budget,
+           "tp_selection": args.tp_selection}
     if args.kv_budget:
         cfg["kv_budget"] = args.kv_budget
     return cfg
@@ -293,6 +296,8 @@ def model_bytes(cfg: dict) -> tuple[int, int]:
 def byte_floor_ms(args, method: str, sel: str | None, ctx: int, batch: int) -> float:
     """Time to read the bytes of one decode step (plain) or one Vegas iteration at 4.3 TB/s (ms).
 
+    With tensor parallelism (``args.tp`` GPUs) the bytes are split over the GPUs, which read in
+    parallel (the floor divides by ``args.tp``; communication is left out).
     Plain: weights + the whole KV cache. Vegas: the verification (weights + whole KV cache),
     score collection (the keys again, collect2/aggregated), and γ draft steps (weights + the KV
     budget plus the recent and draft positions). Activations and logits are left out.
@@ -301,14 +306,14 @@ def byte_floor_ms(args, method: str, sel: str | None, ctx: int, batch: int) -> f
     w, kv = model_bytes(cfg)
     full = w + batch * ctx * kv
     if not method.startswith("vegas") and method != "ngram":
-        return full / HBM_BYTES_PER_S * 1e3
+        return full / HBM_BYTES_PER_S / args.tp * 1e3
     total = full
     if method == "vegas":
         budget = max(math.ceil(ctx * args.sparsity), args.min_kv_budget) if not args.kv_budget else args.kv_budget
         if sel in ("collect2", "aggregated"):
             total += batch * ctx * kv / 2
         total += args.gamma * (w + batch * (min(budget, ctx) + args.gamma + 1) * kv)
-    return total / HBM_BYTES_PER_S * 1e3
+    return total / HBM_BYTES_PER_S / args.tp * 1e3
 
 
 QWEN3_8B = {
@@ -338,12 +343,16 @@ def latency_8b(args, prompts_long: list[list[int]], results) -> None:
     sub.verify_graphs = "piecewise"
     os.environ["VEGAS_VERIFY_CUDA_GRAPHS"] = "piecewise"
     n_new = 33
-    for method in ("plain", "vegas"):
+    engines = [("plain", args.tp_selection)]
+    engines += [("vegas", t) for t in (args.tp_selections if args.tp > 1 else [args.tp_selection])]
+    for method, tp_sel in engines:
         if time.time() - T_START > args.time_budget:
             log("time budget reached; 8B latency skipped")
             return
+        sub.tp_selection = tp_sel
+        label = method if method == "plain" or args.tp == 1 else f"{method}-{tp_sel}"
         try:
-            llm = build_llm(method, sub, max(ctxs) + n_new + 64, vegas_cfg(args, "collect2"))
+            llm = build_llm(method, sub, max(ctxs) + n_new + 64, vegas_cfg(sub, "collect2"))
             HOLD["llm"] = llm
             for ctx in ctxs:
                 for bsz in bszs:
@@ -369,11 +378,12 @@ def latency_8b(args, prompts_long: list[list[int]], results) -> None:
                     dec = decode_window(outs) or (wall - t1)
                     w, kv = model_bytes(QWEN3_8B)
                     budget = max(math.ceil(ctx * args.sparsity), args.min_kv_budget)
-                    row = {"model": "qwen3-8b-dummy", "ctx": ctx, "batch": bsz, "method": method,
+                    row = {"model": "qwen3-8b-dummy", "ctx": ctx, "batch": bsz, "method": label, "tp": args.tp,
                            "prefill_s": t_pref, "decode_s": dec,
                            "ms_per_token_step": dec * 1e3 / (ntok / bsz - 1),
-                           "plain_step_floor_ms": (w + bsz * ctx * kv) / HBM_BYTES_PER_S * 1e3,
-                           "draft_step_floor_ms": (w + bsz * (budget + args.gamma + 1) * kv) / HBM_BYTES_PER_S * 1e3}
+                           "plain_step_floor_ms": (w + bsz * ctx * kv) / HBM_BYTES_PER_S / args.tp * 1e3,
+                           "draft_step_floor_ms": (w + bsz * (budget + args.gamma + 1) * kv)
+                           / HBM_BYTES_PER_S / args.tp * 1e3}
                     if method == "vegas":
                         st = llm.collective_rpc(get_stats)[0]
                         steps = max(st.get("proposals", 1), 1)
@@ -394,8 +404,8 @@ def latency_8b(args, prompts_long: list[list[int]], results) -> None:
             import traceback
 
             traceback.print_exc()
-            results["errors"][f"8b-{method}"] = repr(e)
-            log(f"8B {method} FAILED: {e!r}")
+            results["errors"][f"8b-{label}"] = repr(e)
+            log(f"8B {label} FAILED: {e!r}")
             if HOLD.get("llm") is not None:
                 shutdown(HOLD["llm"])
         HOLD["llm"] = None
@@ -475,16 +485,26 @@ def engine_jobs(args, methods: list[str]) -> list[tuple[str, argparse.Namespace]
         return ns
 
     modes = ["full", "piecewise"] if args.verify_graphs == "both" else [args.verify_graphs]
+    # with tensor parallelism, one engine per score reduction (rows '-per_rank' for the other)
+    tp_sels = args.tp_selections if args.tp > 1 else [args.tp_selection]
     for method in methods:
         if method != "vegas":
             jobs.append((method, sub()))
             continue
-        for mode in modes:
-            suffix = "-pw" if (mode == "piecewise" and len(modes) > 1) else ""
-            if mode == "full":
-                jobs += [("vegas", sub(selectors=[s], verify_graphs=mode, name_suffix=suffix)) for s in args.selectors]
-            else:
-                jobs.append(("vegas", sub(verify_graphs=mode, name_suffix=suffix)))
+        for tp_sel in tp_sels:
+            tp_suffix = f"-{tp_sel}" if tp_sel != tp_sels[0] else ""
+            # sliding_window has no scores to reduce: one engine (with the first reduction) serves it
+            sels = [s for s in args.selectors if not (tp_suffix and s == "sliding_window")]
+            if not sels:
+                continue
+            for mode in modes:
+                suffix = ("-pw" if (mode == "piecewise" and len(modes) > 1) else "") + tp_suffix
+                if mode == "full":
+                    jobs += [("vegas", sub(selectors=[s], verify_graphs=mode, name_suffix=suffix, tp_selection=tp_sel))
+                             for s in sels]
+                else:
+                    jobs.append(("vegas", sub(selectors=sels, verify_graphs=mode, name_suffix=suffix,
+                                              tp_selection=tp_sel)))
     for g in [int(x) for x in args.extra_gammas.split(",") if x]:
         for s in args.extra_gamma_selectors.split(","):
             jobs.append(("vegas", sub(gamma=g, exact_prompts=0, selectors=[s], name_suffix=f"-g{g}",
@@ -536,8 +556,14 @@ def main() -> int:
     ap.add_argument("--latency-batches", default="1,4")
     ap.add_argument("--latency-max-tokens", type=int, default=524288, help="skip ctx*batch above this")
     ap.add_argument("--latency-gpu-mem", type=float, default=0.85)
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of every engine")
+    ap.add_argument("--tp-selection", default="all_reduce",
+                    help="with --tp > 1: comma list of score reductions (all_reduce, per_rank), one vegas "
+                         "engine each; rows of all but the first get the suffix '-NAME'")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    args.tp_selections = args.tp_selection.split(",")
+    args.tp_selection = args.tp_selections[0]
     args.contexts = [int(x) for x in args.contexts.split(",")]
     args.batches = [int(x) for x in args.batches.split(",")]
     args.selectors = args.selectors.split(",")

@@ -26,7 +26,8 @@ def vb():
 def _args(**kw):
     base = dict(selectors=["collect2", "aggregated", "sliding_window"], extra_gammas="", extra_gamma_selectors="collect2",
                 verify_graphs="full", name_suffix="", gamma=4, exact_prompts=8, model=str(ROOT / "vegas" / "model"),
-                sparsity=0.05, min_kv_budget=256, kv_budget=0)
+                sparsity=0.05, min_kv_budget=256, kv_budget=0, tp=1, tp_selection="all_reduce",
+                tp_selections=["all_reduce"])
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -43,6 +44,30 @@ def test_full_graphs_build_one_engine_per_selector(vb):
     ]
     both = vb.engine_jobs(_args(verify_graphs="both"), ["vegas"])
     assert [(a.verify_graphs, a.name_suffix, len(a.selectors)) for _, a in both][-1] == ("piecewise", "-pw", 3)
+
+
+def test_tensor_parallel_builds_one_vegas_engine_per_score_reduction(vb):
+    args = _args(tp=2, tp_selections=["all_reduce", "per_rank"], selectors=["collect2", "sliding_window"])
+    jobs = vb.engine_jobs(args, ["plain", "vegas"])
+    got = [(m, tuple(a.selectors) if m == "vegas" else None, a.tp_selection, a.name_suffix) for m, a in jobs]
+    assert got == [
+        ("plain", None, "all_reduce", ""),
+        ("vegas", ("collect2",), "all_reduce", ""),
+        ("vegas", ("sliding_window",), "all_reduce", ""),
+        ("vegas", ("collect2",), "per_rank", "-per_rank"),  # sliding_window reduces no scores
+    ]
+    assert vb.vegas_cfg(jobs[3][1], "collect2")["tp_selection"] == "per_rank"
+    pw = vb.engine_jobs(_args(tp=2, tp_selections=["all_reduce", "per_rank"], verify_graphs="piecewise"), ["vegas"])
+    assert [(a.selectors, a.name_suffix) for _, a in pw] == [
+        (["collect2", "aggregated", "sliding_window"], ""), (["collect2", "aggregated"], "-per_rank")]
+    # one GPU: the reduction is ignored, one engine per selector
+    assert len(vb.engine_jobs(_args(tp_selections=["all_reduce", "per_rank"]), ["vegas"])) == 3
+
+
+def test_byte_floor_splits_over_tensor_parallel_gpus(vb):
+    one = vb.byte_floor_ms(_args(), "vegas", "collect2", 16384, 32)
+    two = vb.byte_floor_ms(_args(tp=2), "vegas", "collect2", 16384, 32)
+    assert two == pytest.approx(one / 2)
 
 
 def test_byte_floor_counts_what_a_step_reads(vb):

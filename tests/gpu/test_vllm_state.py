@@ -313,3 +313,60 @@ def test_proposer_rejects_unsupported_engines(change, match):
     _raise_if_unsupported(config())
     with pytest.raises(ValueError, match=match):
         _raise_if_unsupported(config(**change))
+
+
+def _run_state(cfg, queries, kvs, md, all_reduce=None):
+    from vegas.vllm_plugin.state import SelectionState
+
+    st = SelectionState(config=cfg, gamma=4, enabled=True, first_layer=0, last_layer=len(kvs) - 1,
+                        layers_ready=True, all_reduce=all_reduce)
+    for layer, (q, kv) in enumerate(zip(queries, kvs)):
+        st.on_layer(layer, q, kv, md, 0.5)
+    return st.selection(md.seq_lens.shape[0])[0]
+
+
+@pytest.mark.parametrize("selector", ["collect2", "aggregated"])
+def test_tensor_parallel_all_reduce_selects_what_one_gpu_selects(selector):
+    """Two tensor-parallel ranks, each with half of the query and KV heads (vLLM splits heads
+    contiguously): summing the ranks' scores before the top-k gives the one-GPU selection, and
+    ``per_rank`` selects from a rank's own heads without calling the all-reduce."""
+    from types import SimpleNamespace
+
+    torch.manual_seed(11)
+    lens = [90, 57]
+    bt, nb = _block_table(lens, 3)
+    qsl = torch.tensor([0, 5, 10], dtype=torch.int32)
+    md = SimpleNamespace(query_start_loc=qsl, seq_lens=torch.tensor(lens, dtype=torch.int32),
+                         max_seq_len=90, block_table=bt)
+    queries = [torch.randn(10, 4, 8) for _ in range(2)]  # 4 query heads
+    kvs = [torch.randn(nb, 2, BS, 2, 8) for _ in range(2)]  # 2 KV heads
+    rank_q = [[q[:, 2 * r : 2 * r + 2] for q in queries] for r in range(2)]
+    rank_kv = [[kv[:, :, :, r : r + 1] for kv in kvs] for r in range(2)]
+    cfg = VllmVegasConfig(selector=selector, kv_budget=9, recent_window=2)
+    one_gpu = _run_state(cfg, queries, kvs, md)
+
+    seen = {}
+
+    def keep(scores):  # rank 1: record its scores (its all-reduce input)
+        seen["rank1"] = scores.clone()
+        return scores
+
+    _run_state(cfg, rank_q[1], rank_kv[1], md, all_reduce=keep)
+    rank0 = _run_state(cfg, rank_q[0], rank_kv[0], md, all_reduce=lambda s: s + seen["rank1"])
+    for layer in range(2):
+        for i in range(2):
+            assert sorted(rank0[layer, i, :9].tolist()) == sorted(one_gpu[layer, i, :9].tolist())
+
+    def must_not_run(scores):
+        raise AssertionError("per_rank must not communicate")
+
+    per_rank_cfg = VllmVegasConfig(selector=selector, kv_budget=9, recent_window=2, tp_selection="per_rank")
+    own = _run_state(per_rank_cfg, rank_q[0], rank_kv[0], md, all_reduce=must_not_run)
+    alone = _run_state(cfg, rank_q[0], rank_kv[0], md)  # rank 0's heads as a model of its own
+    assert torch.equal(own, alone)
+    assert not torch.equal(own[:, :, :9].sort(-1).values, one_gpu[:, :, :9].sort(-1).values)
+
+
+def test_tp_selection_must_be_known():
+    with pytest.raises(ValueError, match="tp_selection must be one of all_reduce, per_rank"):
+        VllmVegasConfig(tp_selection="gather")

@@ -18,7 +18,15 @@ in ``VEGAS_VLLM_CONFIG='{"selector": "collect2", "sparsity_ratio": 0.05}'``.
 Verification keeps vLLM's full CUDA graphs, with the selection captured into them; set
 ``VEGAS_VERIFY_CUDA_GRAPHS=piecewise`` to change the selector at run time with :func:`configure`.
 
-Supported: single-GPU (no tensor or pipeline parallelism), full-attention decoder models with
+Tensor parallelism (``tensor_parallel_size > 1``): every rank holds a slice of each layer's
+query and KV heads, so its scores are a partial head sum. By default the ranks all-reduce the
+per-layer scores before the top-k (``tp_selection="all_reduce"``: one float32 collective of
+``layers x batch x context`` per verification, inside the captured graphs) and select what one
+GPU would; ``VEGAS_VLLM_CONFIG='{"tp_selection": "per_rank"}'`` selects from each rank's own
+heads without communication. Install vegas (or its ``vllm.general_plugins`` entry point) in
+the environment that runs vLLM: the engine-core process gets the scheduler patch from it.
+
+Supported: one GPU or tensor parallelism (no pipeline parallelism), full-attention decoder models with
 one KV-cache group on the FLASH_ATTN backend, bf16/fp16 KV cache; no LoRA, M-RoPE or
 micro-batching (the proposer raises a ``ValueError`` naming the setting). Memory: each
 verification allocates a float32 score scratch of ``layers x batch x max_model_len`` (under

@@ -205,6 +205,11 @@ class VegasProposer:
         STATE.gamma = self.gamma
         STATE.enabled = True
         STATE.frozen = _apply_graph_mode(vllm_config)
+        self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        if self.tp_size > 1:
+            from vllm.distributed import tensor_model_parallel_all_reduce
+
+            STATE.all_reduce = tensor_model_parallel_all_reduce
         attention.install()
         patch_scheduler_lookahead()
         patch_draft_probs_gather()
@@ -222,7 +227,7 @@ class VegasProposer:
         self._checked_groups = False
         self.use_cuda_graphs = os.environ.get("VEGAS_DRAFT_CUDA_GRAPHS", "1") != "0"
         self.max_graph_rows = int(os.environ.get("VEGAS_DRAFT_GRAPH_MAX_ROWS", "256"))
-        logger.info("vegas proposer: gamma=%d config=%s", self.gamma, STATE.config)
+        logger.info("vegas proposer: gamma=%d tp=%d config=%s", self.gamma, self.tp_size, STATE.config)
 
     # ---- vLLM hooks -------------------------------------------------------------------------
     def load_model(self, target_model) -> None:
@@ -548,7 +553,13 @@ class VegasProposer:
             if self._graph_pool is None:
                 self._graph_pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
+            # vLLM's capture context: with tensor parallelism its custom all-reduce must register
+            # the buffers the graph uses (a collective: every rank captures the same key here)
+            from vllm.distributed.parallel_state import graph_capture
+
+            with graph_capture(device=dev) as ctx, torch.cuda.graph(
+                graph, pool=self._graph_pool, stream=ctx.stream, capture_error_mode="thread_local"
+            ):
                 self._draft_steps(b, rows, rows, sampling, mode, desc)
             entry = self._graphs[key] = (graph, b)
             logger.info("vegas: captured draft graph rows=%d sampling=%s tables=%d", rows, sampling, sel_kind)

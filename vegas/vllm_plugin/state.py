@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -36,6 +37,7 @@ from ..kernels import (
 
 __all__ = [
     "SELECTORS",
+    "TP_SELECTIONS",
     "CollectPlan",
     "SelectionState",
     "VllmVegasConfig",
@@ -47,6 +49,8 @@ __all__ = [
 
 #: selectors the vLLM backend implements
 SELECTORS = ("collect2", "aggregated", "sliding_window")
+#: how tensor-parallel ranks select (each rank holds a slice of every layer's query and KV heads)
+TP_SELECTIONS = ("all_reduce", "per_rank")
 ENV_VAR = "VEGAS_VLLM_CONFIG"
 
 
@@ -63,6 +67,12 @@ class VllmVegasConfig:
         window: recent window of the sliding-window selector; None: ``budget - num_sinks``.
         recent_window: score-based selectors always keep the last ``recent_window`` positions
             before the verified chunk inside the budget (at most half of it), as the HF backend.
+        tp_selection: with tensor parallelism, ``"all_reduce"`` sums every rank's per-layer
+            scores (its heads' share of the head sum) before the top-k, so all ranks select what
+            one GPU would (one all-reduce of ``layers x batch x context`` float32 per
+            verification); ``"per_rank"`` selects from each rank's own heads, without
+            communication (a per-head-group selection: ranks keep different positions).
+            Ignored on one GPU.
     """
 
     selector: str = "collect2"
@@ -72,12 +82,17 @@ class VllmVegasConfig:
     num_sinks: int = 4
     window: int | None = None
     recent_window: int = 64
+    tp_selection: str = "all_reduce"
 
     def __post_init__(self) -> None:
         if self.selector not in SELECTORS:
             raise ValueError(
                 f"selector {self.selector!r} is not available on the vLLM backend; "
                 f"choose one of {', '.join(SELECTORS)}"
+            )
+        if self.tp_selection not in TP_SELECTIONS:
+            raise ValueError(
+                f"tp_selection must be one of {', '.join(TP_SELECTIONS)}, got {self.tp_selection!r}"
             )
         if not (0 < self.sparsity_ratio <= 1):
             raise ValueError(f"sparsity_ratio must be in (0, 1], got {self.sparsity_ratio!r}")
@@ -283,6 +298,9 @@ class SelectionState:
     frozen: bool = False
     #: bumped whenever the selection buffers are (re)allocated; keys the proposer's draft graphs
     generation: int = 0
+    #: sums a tensor over the tensor-parallel ranks (vLLM's ``tensor_model_parallel_all_reduce``);
+    #: None on one GPU. Used when ``config.tp_selection == "all_reduce"``.
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
     #: (L, max_seqs, k_cap) int32 slot ids (sliding_window: row 0 only), -1 beyond each budget
     sel_buf: torch.Tensor | None = None
     #: (max_seqs,) int64 selectable positions and KV budget per request of the last forward
@@ -343,8 +361,10 @@ class SelectionState:
         """Called after the full attention of ``layer_idx`` in a runner forward.
 
         Layer 0 builds the plan; every layer stashes its collect queries (one ``index_select``
-        into a persistent buffer); the last layer scores all layers in one kernel launch, runs
-        one ``torch.topk`` over all layers and requests, and writes the selection buffers. With
+        into a persistent buffer); the last layer scores all layers in one kernel launch, sums
+        the scores over tensor-parallel ranks (``tp_selection="all_reduce"``, one collective
+        for all layers), runs one ``torch.topk`` over all layers and requests, and writes the
+        selection buffers. With
         ``time_events`` (and outside CUDA-graph capture), CUDA events bracket the plan and the
         batched selection (summed into the proposer's ``select_ms``).
         """
@@ -414,6 +434,8 @@ class SelectionState:
             scores = collect_scores_layers_reference(
                 self._qview, plan.q_weight, self._kcaches, bt, plan.ctx_sel, plan.max_len, scale
             )
+        if self.all_reduce is not None and cfg.tp_selection == "all_reduce":
+            scores = self.all_reduce(scores)  # this rank's heads -> all heads; -inf stays -inf
         slots = select_topk_layers(scores, plan.budgets, plan.k_max, bt, self.block_size, plan.recent, plan.ctx_sel)
         self.sel_buf[:, : plan.num_seqs, : plan.k_max].copy_(slots)
         self.has_selection = True
