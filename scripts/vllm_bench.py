@@ -25,6 +25,13 @@ byte bound = τ x plain floor / vegas floor, the speedup if both ran at the byte
 Method ``plain-sync`` is plain vLLM on the host path Vegas runs on (V1 runner, synchronous
 scheduling, piecewise CUDA graphs), to separate engine overhead from Vegas' own cost.
 
+Steady state (``--steady K``): an open batch instead of a closed one. The engine runs at most
+``batch`` requests at a time (``max_num_seqs = batch``, one engine per batch size) and gets
+``K x batch`` requests, so a finished request's slot is refilled at once, as in serving. A closed
+batch instead waits for its slowest request: speculative requests finish after different
+numbers of iterations, and the last iterations run few requests. Both modes time the same window
+(first token to last token, every request prefix-cached beforehand).
+
 Greedy exactness: ``--exact-prompts`` prompts at the first context, greedy, compared token by
 token with plain vLLM greedy; at the first differing token the plain run's top-2 logprob gap
 is reported (a bf16 near-tie shows a small gap).
@@ -197,8 +204,9 @@ def run_engine(method: str, args, prompts_by_ctx, results, exact_ref):
     for ctx in args.contexts:
         prompts = prompts_by_ctx[ctx]
         t = time.time()
-        generate(llm, prompts[: max(args.batches)], SamplingParams(max_tokens=1, detokenize=False))
-        log(f"{method} ctx {ctx}: warm prefill of {max(args.batches)} prompts {time.time()-t:.1f}s")
+        n_warm = max(args.batches) * max(args.steady, 1)
+        generate(llm, prompts[:n_warm], SamplingParams(max_tokens=1, detokenize=False))
+        log(f"{method} ctx {ctx}: warm prefill of {n_warm} prompts {time.time()-t:.1f}s")
         for bsz in args.batches:
             for sel in selectors:
                 if time.time() - T_START > args.time_budget:
@@ -216,53 +224,56 @@ def run_engine(method: str, args, prompts_by_ctx, results, exact_ref):
                 t = time.time()
                 generate(llm, prompts[:bsz], sp1)
                 t_first = time.time() - t
-                runs = []
-                for _ in range(args.repeats):  # the last run's counters are the row's
-                    m0 = metric_counts(llm)
+                # closed batch; with --steady also K x batch requests through `batch` slots (open batch)
+                for n_req in [bsz] + ([bsz * args.steady] if args.steady else []):
+                    runs = []
+                    for _ in range(args.repeats):  # the last run's counters are the row's
+                        m0 = metric_counts(llm)
+                        if method == "vegas":
+                            llm.collective_rpc(configure, args=(None, True))
+                        t = time.time()
+                        outs = generate(llm, prompts[:n_req], sp)
+                        wall = time.time() - t
+                        ntok = sum(len(o.outputs[0].token_ids) for o in outs)
+                        window = decode_window(outs)
+                        decode_s = window if window else max(wall - t_first, 1e-6)
+                        runs.append((ntok - n_req) / decode_s)
+                    tps = sorted(runs)[len(runs) // 2]  # median
+                    row = {"ctx": ctx, "batch": bsz, "method": name, "requests": n_req,
+                           "mode": "steady" if n_req > bsz else "closed", "tokens": ntok, "wall_s": wall,
+                           "first_token_s": t_first, "decode_s": decode_s,
+                           "timing": "engine timestamps" if window else "wall - first-token run",
+                           "tok_per_s": tps, "tok_per_s_runs": runs,
+                           "ms_per_token_step": bsz / tps * 1e3}
+                    row["floor_ms"] = byte_floor_ms(args, method, sel, ctx, bsz)
                     if method == "vegas":
-                        llm.collective_rpc(configure, args=(None, True))
-                    t = time.time()
-                    outs = generate(llm, prompts[:bsz], sp)
-                    wall = time.time() - t
-                    ntok = sum(len(o.outputs[0].token_ids) for o in outs)
-                    window = decode_window(outs)
-                    decode_s = window if window else max(wall - t_first, 1e-6)
-                    runs.append((ntok - bsz) / decode_s)
-                tps = sorted(runs)[len(runs) // 2]  # median
-                row = {"ctx": ctx, "batch": bsz, "method": name, "tokens": ntok, "wall_s": wall,
-                       "first_token_s": t_first, "decode_s": decode_s,
-                       "timing": "engine timestamps" if window else "wall - first-token run",
-                       "tok_per_s": tps, "tok_per_s_runs": runs,
-                       "ms_per_token_step": bsz / tps * 1e3}
-                row["floor_ms"] = byte_floor_ms(args, method, sel, ctx, bsz)
-                if method == "vegas":
-                    st = llm.collective_rpc(get_stats)[0]
-                    row["acceptance_length"] = st.get("acceptance_length")
-                    row["batch_steps"] = st.get("proposals", 0)
-                    row["mean_request_iterations"] = st.get("iterations", 0) / bsz
-                    row["full_cuda_graphs"] = st.get("full_cuda_graphs")
-                    # under full graphs the selection runs inside the replayed graph, untimed
-                    row["selection_overhead"] = None if st.get("full_cuda_graphs") else (
-                        st.get("select_ms", 0) / (decode_s * 1e3))
-                    row["draft_share"] = st.get("draft_ms", 0) / (wall * 1e3)
-                    steps = max(st.get("proposals", 0), 1)
-                    row["per_iteration_ms"] = {
-                        "wall": decode_s * 1e3 / steps,
-                        "draft_phase": st.get("draft_ms", 0) / steps,
-                        "verify_forward": st.get("verify_fwd_ms", 0) / steps,
-                        "selection": st.get("select_ms", 0) / steps,
-                    }
-                    row["gpu_ms_per_iteration"] = (st.get("draft_ms", 0) + st.get("verify_fwd_ms", 0)) / steps
-                    row["stats"] = st
-                elif method == "ngram":
-                    m1 = metric_counts(llm)
-                    dr = m1.get("vllm:spec_decode_num_drafts", 0) - m0.get("vllm:spec_decode_num_drafts", 0)
-                    acc = m1.get("vllm:spec_decode_num_accepted_tokens", 0) - m0.get(
-                        "vllm:spec_decode_num_accepted_tokens", 0)
-                    row["acceptance_length"] = 1 + acc / dr if dr else None
-                results["rows"].append(row)
-                log(json.dumps({k: v for k, v in row.items() if k != "stats"}))
-                save(results, args)
+                        st = llm.collective_rpc(get_stats)[0]
+                        row["acceptance_length"] = st.get("acceptance_length")
+                        row["batch_steps"] = st.get("proposals", 0)
+                        row["mean_request_iterations"] = st.get("iterations", 0) / n_req
+                        row["full_cuda_graphs"] = st.get("full_cuda_graphs")
+                        # under full graphs the selection runs inside the replayed graph, untimed
+                        row["selection_overhead"] = None if st.get("full_cuda_graphs") else (
+                            st.get("select_ms", 0) / (decode_s * 1e3))
+                        row["draft_share"] = st.get("draft_ms", 0) / (wall * 1e3)
+                        steps = max(st.get("proposals", 0), 1)
+                        row["per_iteration_ms"] = {
+                            "wall": decode_s * 1e3 / steps,
+                            "draft_phase": st.get("draft_ms", 0) / steps,
+                            "verify_forward": st.get("verify_fwd_ms", 0) / steps,
+                            "selection": st.get("select_ms", 0) / steps,
+                        }
+                        row["gpu_ms_per_iteration"] = (st.get("draft_ms", 0) + st.get("verify_fwd_ms", 0)) / steps
+                        row["stats"] = st
+                    elif method == "ngram":
+                        m1 = metric_counts(llm)
+                        dr = m1.get("vllm:spec_decode_num_drafts", 0) - m0.get("vllm:spec_decode_num_drafts", 0)
+                        acc = m1.get("vllm:spec_decode_num_accepted_tokens", 0) - m0.get(
+                            "vllm:spec_decode_num_accepted_tokens", 0)
+                        row["acceptance_length"] = 1 + acc / dr if dr else None
+                    results["rows"].append(row)
+                    log(json.dumps({k: v for k, v in row.items() if k != "stats"}))
+                    save(results, args)
     return llm
 
 
@@ -449,13 +460,17 @@ def shutdown(llm) -> None:
 
 def table(results) -> str:
     rows = results["rows"]
-    plain = {(r["ctx"], r["batch"]): r["tok_per_s"] for r in rows if r["method"] == "plain"}
-    floor = {(r["ctx"], r["batch"]): r.get("floor_ms") for r in rows if r["method"] == "plain"}
+    def key_of(r):
+        return r["ctx"], r["batch"], r.get("mode", "closed")
+
+    plain = {key_of(r): r["tok_per_s"] for r in rows if r["method"] == "plain"}
+    floor = {key_of(r): r.get("floor_ms") for r in rows if r["method"] == "plain"}
     lines = ["| ctx | batch | method | tok/s | ms/iter | GPU ms/iter | floor ms/iter | τ | sel. overhead | speedup"
              " | byte bound |",
              "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        key = (r["ctx"], r["batch"])
+        key = key_of(r)
+        batch = r["batch"] if key[2] == "closed" else f"{r['batch']} open ({r['requests']} req.)"
         base = plain.get(key)
         tau = r.get("acceptance_length")
         so = r.get("selection_overhead")
@@ -464,7 +479,7 @@ def table(results) -> str:
         if r["method"].startswith("vegas") and tau and floor.get(key) and r.get("floor_ms"):
             bound = tau * floor[key] / r["floor_ms"]
         lines.append(
-            f"| {r['ctx']} | {r['batch']} | {r['method']} | {r['tok_per_s']:.0f} | {it:.2f} | "
+            f"| {r['ctx']} | {batch} | {r['method']} | {r['tok_per_s']:.0f} | {it:.2f} | "
             f"{_fmt(r.get('gpu_ms_per_iteration'), '{:.2f}')} | {_fmt(r.get('floor_ms'), '{:.2f}')} | "
             f"{_fmt(tau, '{:.2f}')} | {_fmt(so and 100 * so, '{:.1f}%')} | "
             f"{_fmt(base and r['tok_per_s'] / base, '{:.2f}x')} | {_fmt(bound, '{:.2f}x')} |"
@@ -509,7 +524,17 @@ def engine_jobs(args, methods: list[str]) -> list[tuple[str, argparse.Namespace]
         for s in args.extra_gamma_selectors.split(","):
             jobs.append(("vegas", sub(gamma=g, exact_prompts=0, selectors=[s], name_suffix=f"-g{g}",
                                       verify_graphs=modes[0])))
+    if getattr(args, "steady", 0):  # max_num_seqs = batch: one engine per batch size, batch-major
+        jobs = [(m, _with(a, batches=[b], exact_prompts=a.exact_prompts if i == 0 else 0))
+                for i, b in enumerate(args.batches) for m, a in jobs]
     return jobs
+
+
+def _with(ns: argparse.Namespace, **kw) -> argparse.Namespace:
+    out = argparse.Namespace(**vars(ns))
+    for k, v in kw.items():
+        setattr(out, k, v)
+    return out
 
 
 def run_job(method: str, args, prompts_by_ctx, results, exact_ref) -> None:
@@ -556,6 +581,9 @@ def main() -> int:
     ap.add_argument("--latency-batches", default="1,4")
     ap.add_argument("--latency-max-tokens", type=int, default=524288, help="skip ctx*batch above this")
     ap.add_argument("--latency-gpu-mem", type=float, default=0.85)
+    ap.add_argument("--steady", type=int, default=0, metavar="K",
+                    help="open batch: K x batch requests through an engine with max_num_seqs = batch "
+                         "(one engine per batch size); 0: closed batch of `batch` requests")
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of every engine")
     ap.add_argument("--tp-selection", default="all_reduce",
                     help="with --tp > 1: comma list of score reductions (all_reduce, per_rank), one vegas "
@@ -573,7 +601,8 @@ def main() -> int:
     methods = [m for m in args.methods.split(",") if m]
 
     t = time.time()
-    longest = load_prompts(args.model, max(args.batches + [args.exact_prompts]), max(args.contexts), Path(args.data))
+    n_prompts = max([b * max(args.steady, 1) for b in args.batches] + [args.exact_prompts])
+    longest = load_prompts(args.model, n_prompts, max(args.contexts), Path(args.data))
     prompts_by_ctx = {c: [p[:c] for p in longest] for c in args.contexts}
     log(f"prompts: {len(longest)} x {max(args.contexts)} tokens ({time.time()-t:.1f}s)")
     results = {"args": vars(args), "rows": [], "exactness": {}, "errors": {}, "latency_8b": []}

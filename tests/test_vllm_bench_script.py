@@ -64,6 +64,26 @@ def test_tensor_parallel_builds_one_vegas_engine_per_score_reduction(vb):
     assert len(vb.engine_jobs(_args(tp_selections=["all_reduce", "per_rank"]), ["vegas"])) == 3
 
 
+def test_open_batch_builds_one_engine_per_batch_size(vb):
+    args = _args(steady=4, batches=[128, 32], selectors=["collect2"])
+    got = [(m, a.batches, a.exact_prompts) for m, a in vb.engine_jobs(args, ["plain", "vegas"])]
+    assert got == [("plain", [128], 8), ("vegas", [128], 8), ("plain", [32], 0), ("vegas", [32], 0)]
+
+
+def test_table_compares_open_batches_with_open_plain(vb):
+    rows = [
+        {"ctx": 16384, "batch": 128, "method": "plain", "tok_per_s": 20000.0, "ms_per_token_step": 6.4,
+         "mode": "closed", "requests": 128},
+        {"ctx": 16384, "batch": 128, "method": "plain", "tok_per_s": 25000.0, "ms_per_token_step": 5.1,
+         "mode": "steady", "requests": 512},
+        {"ctx": 16384, "batch": 128, "method": "vegas-collect2", "tok_per_s": 50000.0, "ms_per_token_step": 2.6,
+         "mode": "steady", "requests": 512},
+    ]
+    text = vb.table({"rows": rows})
+    assert "| 16384 | 128 open (512 req.) | vegas-collect2 | 50000 | 2.60 |" in text
+    assert text.rstrip().endswith("| 2.00x |  |")  # against the open-batch plain row, not the closed one
+
+
 def test_byte_floor_splits_over_tensor_parallel_gpus(vb):
     one = vb.byte_floor_ms(_args(), "vegas", "collect2", 16384, 32)
     two = vb.byte_floor_ms(_args(tp=2), "vegas", "collect2", 16384, 32)
