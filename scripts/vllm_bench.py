@@ -238,7 +238,7 @@ def run_engine(method: str, args, prompts_by_ctx, results, exact_ref):
                         window = decode_window(outs)
                         decode_s = window if window else max(wall - t_first, 1e-6)
                         runs.append((ntok - n_req) / decode_s)
-                    tps = sorted(runs)[len(runs) // 2]  # median
+                    tps = sorted(runs)[len(runs) // 2]  # median (the upper one of an even count)
                     row = {"ctx": ctx, "batch": bsz, "method": name, "requests": n_req,
                            "mode": "steady" if n_req > bsz else "closed", "tokens": ntok, "wall_s": wall,
                            "first_token_s": t_first, "decode_s": decode_s,
@@ -494,10 +494,7 @@ def engine_jobs(args, methods: list[str]) -> list[tuple[str, argparse.Namespace]
     jobs = []
 
     def sub(**kw):
-        ns = argparse.Namespace(**vars(args))
-        for k, v in kw.items():
-            setattr(ns, k, v)
-        return ns
+        return _with(args, **kw)
 
     modes = ["full", "piecewise"] if args.verify_graphs == "both" else [args.verify_graphs]
     # with tensor parallelism, one engine per score reduction (rows '-per_rank' for the other)
@@ -531,6 +528,7 @@ def engine_jobs(args, methods: list[str]) -> list[tuple[str, argparse.Namespace]
 
 
 def _with(ns: argparse.Namespace, **kw) -> argparse.Namespace:
+    """A copy of ``ns`` with the fields ``kw`` replaced."""
     out = argparse.Namespace(**vars(ns))
     for k, v in kw.items():
         setattr(out, k, v)
