@@ -348,8 +348,7 @@ def latency_8b(args, prompts_long: list[list[int]], results) -> None:
     (d / "config.json").write_text(json.dumps(QWEN3_8B))
     ctxs = [int(x) for x in args.latency_contexts.split(",")]
     bszs = [int(x) for x in args.latency_batches.split(",")]
-    sub = argparse.Namespace(**vars(args))
-    sub.model, sub.load_format, sub.batches, sub.gpu_mem = str(d), "dummy", bszs, args.latency_gpu_mem
+    sub = _with(args, model=str(d), load_format="dummy", batches=bszs, gpu_mem=args.latency_gpu_mem)
     # piecewise verification graphs: selection runs eagerly, so its CUDA events time it per step
     sub.verify_graphs = "piecewise"
     os.environ["VEGAS_VERIFY_CUDA_GRAPHS"] = "piecewise"
