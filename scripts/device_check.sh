@@ -10,6 +10,7 @@
 # Tensor parallelism (kind nvidia-h200-x2; NVLink multicast stays off, NCCL_NVLS_ENABLE=0):
 #   KTEST_S=480 PHASES="env kernels bench" BENCH_ARGS="--tp 2 --tp-selection all_reduce,per_rank ..." \
 #     bash scripts/device_check.sh
+# A subset of the GPU tests: KTEST_ARGS="-k 'async or smoke'" (passed to pytest).
 # The dummy Qwen3-8B latency table (plain step vs sparse draft step, verify step, selection):
 #   PHASES=bench BENCH_S=250 BENCH_ARGS="--methods= --exact-prompts 0 --batches 4 --contexts 8192 \
 #     --latency-8b --latency-contexts 32768,131072 --latency-batches 1,4" bash scripts/device_check.sh
@@ -45,7 +46,8 @@ for phase in $PHASES; do
       ;;
     kernels)
       say "kernel vs reference tests (tests/gpu)"
-      timeout ${KTEST_S:-240} python3 -m pytest tests/gpu -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/kernel_tests.log" | tail -25
+      timeout ${KTEST_S:-240} python3 -m pytest tests/gpu -q -rs -p no:cacheprovider ${KTEST_ARGS:-} 2>&1 \
+        | tee "$OUT/kernel_tests.log" | tail -25
       ;;
     cuda)
       say "CUDA tests of the suite (-k 'cuda or gpu', tests/gpu excluded)"

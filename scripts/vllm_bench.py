@@ -124,7 +124,10 @@ def build_llm(method: str, args, max_len: int, vegas_cfg: dict | None = None):
             "prompt_lookup_min": 2,
         }
     elif method == "vegas":
-        from vegas.vllm_plugin import CLASS_PATH
+        from vegas.vllm_plugin import CLASS_PATH, register
+
+        register()  # the config check that keeps async scheduling on runs in this process
+        kw["async_scheduling"] = getattr(args, "vegas_scheduling", "async") == "async"
 
         os.environ["VEGAS_VLLM_CONFIG"] = json.dumps(vegas_cfg or {})
         kw["speculative_config"] = {
@@ -498,24 +501,26 @@ def engine_jobs(args, methods: list[str]) -> list[tuple[str, argparse.Namespace]
     modes = ["full", "piecewise"] if args.verify_graphs == "both" else [args.verify_graphs]
     # with tensor parallelism, one engine per score reduction (rows '-per_rank' for the other)
     tp_sels = args.tp_selections if args.tp > 1 else [args.tp_selection]
+    scheds = args.vegas_schedulings
     for method in methods:
         if method != "vegas":
             jobs.append((method, sub()))
             continue
-        for tp_sel in tp_sels:
-            tp_suffix = f"-{tp_sel}" if tp_sel != tp_sels[0] else ""
-            # sliding_window has no scores to reduce: one engine (with the first reduction) serves it
-            sels = [s for s in args.selectors if not (tp_suffix and s == "sliding_window")]
-            if not sels:
-                continue
-            for mode in modes:
-                suffix = ("-pw" if (mode == "piecewise" and len(modes) > 1) else "") + tp_suffix
-                if mode == "full":
-                    jobs += [("vegas", sub(selectors=[s], verify_graphs=mode, name_suffix=suffix, tp_selection=tp_sel))
-                             for s in sels]
-                else:
-                    jobs.append(("vegas", sub(selectors=sels, verify_graphs=mode, name_suffix=suffix,
-                                              tp_selection=tp_sel)))
+        for sched in scheds:
+            sched_suffix = f"-{sched}" if sched != scheds[0] else ""
+            for tp_sel in tp_sels:
+                tp_suffix = f"-{tp_sel}" if tp_sel != tp_sels[0] else ""
+                # sliding_window has no scores to reduce: one engine (with the first reduction) serves it
+                sels = [s for s in args.selectors if not (tp_suffix and s == "sliding_window")]
+                if not sels:
+                    continue
+                for mode in modes:
+                    suffix = ("-pw" if (mode == "piecewise" and len(modes) > 1) else "") + tp_suffix + sched_suffix
+                    kw = dict(verify_graphs=mode, name_suffix=suffix, tp_selection=tp_sel, vegas_scheduling=sched)
+                    if mode == "full":
+                        jobs += [("vegas", sub(selectors=[s], **kw)) for s in sels]
+                    else:
+                        jobs.append(("vegas", sub(selectors=sels, **kw)))
     for g in [int(x) for x in args.extra_gammas.split(",") if x]:
         for s in args.extra_gamma_selectors.split(","):
             jobs.append(("vegas", sub(gamma=g, exact_prompts=0, selectors=[s], name_suffix=f"-g{g}",
@@ -585,10 +590,15 @@ def main() -> int:
     ap.add_argument("--tp-selection", default="all_reduce",
                     help="with --tp > 1: comma list of score reductions (all_reduce, per_rank), one vegas "
                          "engine each; rows of all but the first get the suffix '-NAME'")
+    ap.add_argument("--vegas-scheduling", default="async",
+                    help="comma list of vLLM scheduling modes for the vegas engines (async, sync), one "
+                         "engine each; rows of all but the first get the suffix '-NAME'")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     args.tp_selections = args.tp_selection.split(",")
     args.tp_selection = args.tp_selections[0]
+    args.vegas_schedulings = args.vegas_scheduling.split(",")
+    args.vegas_scheduling = args.vegas_schedulings[0]
     args.contexts = [int(x) for x in args.contexts.split(",")]
     args.batches = [int(x) for x in args.batches.split(",")]
     args.selectors = args.selectors.split(",")

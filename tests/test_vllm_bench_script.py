@@ -27,7 +27,7 @@ def _args(**kw):
     base = dict(selectors=["collect2", "aggregated", "sliding_window"], extra_gammas="", extra_gamma_selectors="collect2",
                 verify_graphs="full", name_suffix="", gamma=4, exact_prompts=8, model=str(ROOT / "vegas" / "model"),
                 sparsity=0.05, min_kv_budget=256, kv_budget=0, tp=1, tp_selection="all_reduce",
-                tp_selections=["all_reduce"])
+                tp_selections=["all_reduce"], vegas_scheduling="async", vegas_schedulings=["async"])
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -62,6 +62,20 @@ def test_tensor_parallel_builds_one_vegas_engine_per_score_reduction(vb):
         (["collect2", "aggregated", "sliding_window"], ""), (["collect2", "aggregated"], "-per_rank")]
     # one GPU: the reduction is ignored, one engine per selector
     assert len(vb.engine_jobs(_args(tp_selections=["all_reduce", "per_rank"]), ["vegas"])) == 3
+
+
+def test_scheduling_modes_build_one_vegas_engine_each(vb):
+    args = _args(vegas_schedulings=["async", "sync"], selectors=["collect2", "sliding_window"], extra_gammas="6")
+    got = [(m, tuple(a.selectors) if m == "vegas" else None, a.vegas_scheduling, a.name_suffix)
+           for m, a in vb.engine_jobs(args, ["plain", "vegas"])]
+    assert got == [
+        ("plain", None, "async", ""),
+        ("vegas", ("collect2",), "async", ""),
+        ("vegas", ("sliding_window",), "async", ""),
+        ("vegas", ("collect2",), "sync", "-sync"),
+        ("vegas", ("sliding_window",), "sync", "-sync"),
+        ("vegas", ("collect2",), "async", "-g6"),
+    ]
 
 
 def test_open_batch_builds_one_engine_per_batch_size(vb):

@@ -98,12 +98,12 @@ def test_vllm_pipeline_greedy_smoke():
     pipe.backend.close()
 
 
-TP2 = dict(tensor_parallel_size=2, max_model_len=3200, gpu_memory_utilization=0.3, seed=0, max_num_seqs=8)
+TP1 = dict(max_model_len=3200, gpu_memory_utilization=0.3, seed=0, max_num_seqs=8)
+TP2 = dict(TP1, tensor_parallel_size=2)
 
 
-@pytest.fixture(scope="module")
-def tp2_plain():
-    """Held-out-style prompts (click source, 3000 and 1200 tokens) and plain vLLM TP=2 greedy
+def _plain_reference(engine_kw: dict):
+    """Held-out-style prompts (click source, 3000 and 1200 tokens) and plain vLLM greedy
     outputs with top-2 logprobs."""
     pytest.importorskip("vllm")
     import os
@@ -120,12 +120,68 @@ def tp2_plain():
     prompts = cut_contexts(ids, 3000, 4)
     prompts[1] = prompts[1][:1200]
     sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=2, detokenize=False)
-    llm = LLM(**vllm_engine_kwargs(str(DEFAULT_MODEL), **TP2))
+    llm = LLM(**vllm_engine_kwargs(str(DEFAULT_MODEL), **engine_kw))
     try:
         plain = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     finally:
         llm.llm_engine.engine_core.shutdown()
     return prompts, sp, plain
+
+
+def _assert_equal_up_to_ties(plain, vegas) -> int:
+    """Vegas greedy tokens equal plain greedy tokens, or first differ where plain vLLM's top-2
+    logprob gap is <= 0.125 (a bf16 near-tie); returns the number of identical outputs."""
+    same = 0
+    for p, v in zip(plain, vegas):
+        a, b = list(p.outputs[0].token_ids), list(v.outputs[0].token_ids)
+        assert len(a) == len(b)
+        if a == b:
+            same += 1
+            continue
+        j = next(k for k in range(len(a)) if a[k] != b[k])
+        top = sorted((x.logprob for x in p.outputs[0].logprobs[j].values()), reverse=True)
+        assert top[0] - top[1] <= 0.125, f"differs at token {j} with top-2 gap {top[0] - top[1]}"
+    return same
+
+
+@pytest.fixture(scope="module")
+def tp1_plain():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return _plain_reference(TP1)
+
+
+@pytest.fixture(scope="module")
+def tp2_plain():
+    return _plain_reference(TP2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_vllm_greedy_equals_plain_with_and_without_async_scheduling(async_scheduling, tp1_plain, monkeypatch):
+    """One GPU: Vegas (collect2) greedy equals plain vLLM greedy up to bf16 near-ties, with
+    vLLM's async scheduling on (the default, drafts start from device tensors) and off (host
+    lists), the engine really runs in the asked mode, and Vegas drafts (acceptance length > 1)."""
+    from vllm import LLM
+
+    from vegas import DEFAULT_MODEL
+    from vegas.vllm_plugin import get_stats, register
+
+    prompts, sp, plain = tp1_plain
+    register()
+    monkeypatch.setenv("VEGAS_VLLM_CONFIG", VllmVegasConfig(min_kv_budget=64).to_json())
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    kw = dict(TP1) if async_scheduling else dict(TP1, async_scheduling=False)
+    llm = LLM(**vllm_engine_kwargs(str(DEFAULT_MODEL), num_draft_tokens=4, **kw))
+    try:
+        assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling is async_scheduling
+        vegas = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        stats = llm.collective_rpc(get_stats, args=(True,))[0]
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert stats["acceptance_length"] > 1.0 and stats["iterations"] > 0
+    assert len(stats["requests"]) == len(prompts)
+    _assert_equal_up_to_ties(plain, vegas)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (tensor_parallel_size=2)")
@@ -149,10 +205,4 @@ def test_vllm_tensor_parallel_greedy_equals_plain_tp2(tp_selection, tp2_plain, m
     finally:
         llm.llm_engine.engine_core.shutdown()
     assert len(stats) == 2 and stats[0]["acceptance_length"] > 1.0
-    for p, v in zip(plain, vegas):
-        a, b = list(p.outputs[0].token_ids), list(v.outputs[0].token_ids)
-        if a == b:
-            continue
-        j = next(k for k in range(len(a)) if a[k] != b[k])
-        top = sorted((x.logprob for x in p.outputs[0].logprobs[j].values()), reverse=True)
-        assert top[0] - top[1] <= 0.125, f"differs at token {j} with top-2 gap {top[0] - top[1]}"
+    _assert_equal_up_to_ties(plain, vegas)

@@ -166,6 +166,9 @@ class VLLMBackend(Backend):
             os.environ["VEGAS_VLLM_CONFIG"] = json.dumps(proposer_config(selector, config))
         from vllm import LLM
 
+        from ..vllm_plugin import register
+
+        register()  # also where vegas is not pip-installed (its vllm.general_plugins entry point)
         overrides = json.loads(os.environ.get("VEGAS_VLLM_ENGINE_ARGS", "") or "{}")
         kw = vllm_engine_kwargs(
             self.model,

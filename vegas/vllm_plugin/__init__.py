@@ -15,7 +15,9 @@ or ``vllm serve MODEL --speculative-config '{"method": "custom_class", "model":
 "vegas.vllm_plugin.proposer.VegasProposer", "num_speculative_tokens": 4}'``,
 with ``VLLM_USE_V2_MODEL_RUNNER=0`` (vLLM picks V1 for custom proposers anyway) and the selector
 in ``VEGAS_VLLM_CONFIG='{"selector": "collect2", "sparsity_ratio": 0.05}'``.
-Verification keeps vLLM's full CUDA graphs, with the selection captured into them; set
+vLLM's asynchronous scheduling stays on (the host prepares step N+1 while the GPU drafts and
+verifies step N; :mod:`vegas.vllm_plugin.async_sched`); ``async_scheduling=False`` runs
+synchronously. Verification keeps vLLM's full CUDA graphs, with the selection captured into them; set
 ``VEGAS_VERIFY_CUDA_GRAPHS=piecewise`` to change the selector at run time with :func:`configure`.
 
 Tensor parallelism (``tensor_parallel_size > 1``): every rank holds a slice of each layer's
@@ -51,14 +53,17 @@ CLASS_PATH = "vegas.vllm_plugin.proposer.VegasProposer"
 
 
 def register() -> None:
-    """``vllm.general_plugins`` entry point: install the attention override and the scheduler's
-    lookahead allocation for the Vegas proposer. Safe to call many times, and a no-op for
-    engines that do not use the Vegas proposer (the override only acts when it is enabled)."""
+    """``vllm.general_plugins`` entry point: install the attention override, the scheduler's
+    lookahead allocation and the config check that keeps async scheduling on for the Vegas
+    proposer. Safe to call many times, and a no-op for engines that do not use the Vegas
+    proposer (the override only acts when it is enabled)."""
+    from .async_sched import patch_config_check
     from .attention import install
     from .proposer import patch_scheduler_lookahead
 
     install()
     patch_scheduler_lookahead()
+    patch_config_check()
 
 
 def _drafter(worker):
@@ -102,7 +107,7 @@ def get_stats(worker, per_request: bool = False) -> dict:
         return {}
     from .state import STATE
 
-    drafter._resolve_events()
+    drafter._resolve_events(wait=True)
     out = drafter.stats.as_dict()
     out["full_cuda_graphs"] = STATE.frozen
     if per_request:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .async_sched import draft_start_positions, next_tokens_and_counts, patch_bookkeeping
 from .state import STATE, VllmVegasConfig, build_draft_tables
 
 __all__ = ["VegasProposer", "ProposerStats", "stacked_draft_probs"]
@@ -58,6 +59,16 @@ class ProposerStats:
 
     def as_dict(self) -> dict:
         return {**self.__dict__, "acceptance_length": self.acceptance_length}
+
+
+def _take_finished(items: list, event_at: int) -> list:
+    """Remove and return the entries of ``items`` whose CUDA event ``entry[event_at]`` has
+    completed (under async scheduling the host runs ahead of the GPU)."""
+    ready, rest = [], []
+    for x in items:
+        (ready if x[event_at].query() else rest).append(x)
+    items[:] = rest
+    return ready
 
 
 def _find_runner():
@@ -201,6 +212,9 @@ class VegasProposer:
         self.vllm_config = vllm_config
         self.gamma = int(vllm_config.speculative_config.num_speculative_tokens)
         self.runner = _find_runner()
+        #: vLLM's async scheduling (see :mod:`vegas.vllm_plugin.async_sched`): drafts start from
+        #: device tensors published before the runner's bookkeeping
+        self.async_scheduling = bool(getattr(self.runner, "use_async_scheduling", False))
         STATE.config = VllmVegasConfig.from_env()
         STATE.gamma = self.gamma
         STATE.enabled = True
@@ -213,6 +227,7 @@ class VegasProposer:
         attention.install()
         patch_scheduler_lookahead()
         patch_draft_probs_gather()
+        patch_bookkeeping()
         self.stats = ProposerStats()
         #: request id -> [iterations, drafted, accepted] since the last reset
         self.req_stats: dict[str, list[int]] = {}
@@ -220,6 +235,10 @@ class VegasProposer:
         self._layer_pos: dict[int, int] = {}
         self._drafted: set[str] = set()
         self._pending: list = []  # (kind, start_event, end_event) resolved next call
+        #: async scheduling: the last step's (req_ids, next_ids, counts, num_draft, num_draft_np)
+        self._published: tuple | None = None
+        #: async scheduling: (event, pinned counts, req_ids, num_draft_np) resolved when ready
+        self._pending_counts: list = []
         self._vocab: int | None = None
         self._graphs: dict = {}
         self._graph_pool = None
@@ -235,6 +254,9 @@ class VegasProposer:
         self._target = target_model
         if self.runner is None:
             self.runner = _find_runner()
+        #: vLLM's async scheduling (see :mod:`vegas.vllm_plugin.async_sched`): drafts start from
+        #: device tensors published before the runner's bookkeeping
+        self.async_scheduling = bool(getattr(self.runner, "use_async_scheduling", False))
         if self.runner is None:
             raise RuntimeError("vegas: could not find vLLM's GPU model runner (V1 runner required; "
                                "set VLLM_USE_V2_MODEL_RUNNER=0)")
@@ -306,23 +328,37 @@ class VegasProposer:
         STATE.layers_ready = True
 
     def reset_stats(self) -> None:
-        self._resolve_events()
+        self._resolve_events(wait=True)
         self.stats = ProposerStats()
         self.req_stats = {}
         STATE.events.clear()
 
-    def _resolve_events(self) -> None:
-        for kind, start, end in self._pending:
-            ms = start.elapsed_time(end)
-            setattr(self.stats, kind, getattr(self.stats, kind) + ms)
-        self._pending.clear()
-        for start, end in STATE.events:
+    def _resolve_events(self, wait: bool = False) -> None:
+        """Fold finished CUDA-event timings and (async scheduling) acceptance counts into the
+        stats; with ``wait``, synchronize first so that nothing stays pending."""
+        if wait and torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+        for kind, start, end in _take_finished(self._pending, 2):
+            setattr(self.stats, kind, getattr(self.stats, kind) + start.elapsed_time(end))
+        for start, end in _take_finished(STATE.events, 1):
             self.stats.select_ms += start.elapsed_time(end)
             self.stats.select_timed += 1
-        STATE.events.clear()
-        for start, end in STATE.fwd_events:
+        for start, end in _take_finished(STATE.fwd_events, 1):
             self.stats.verify_fwd_ms += start.elapsed_time(end)
-        STATE.fwd_events.clear()
+        for _, counts, req_ids, num_draft in _take_finished(self._pending_counts, 0):
+            for rid, n, d in zip(req_ids, counts.tolist(), num_draft.tolist()):
+                if d > 0 and n > 0:
+                    self._count_iteration(rid, n, d)
+
+    def _count_iteration(self, rid: str, emitted: int, drafted: int) -> None:
+        """One verified iteration of a request that had drafts: ``emitted`` = accepted + bonus."""
+        self.stats.iterations += 1
+        self.stats.emitted += emitted
+        per = self.req_stats.setdefault(rid, [0, 0, 0])  # iterations, drafted, accepted
+        per[0] += 1
+        per[1] += drafted
+        per[2] += emitted - 1
 
     def _event(self):
         ev = torch.cuda.Event(enable_timing=True)
@@ -354,33 +390,17 @@ class VegasProposer:
                 )
             self._checked_groups = True
 
-        # acceptance bookkeeping (requests that had drafts in the previous step)
         req_ids = ib.req_ids[:num_reqs]
-        gamma = self.gamma
-        active_np = np.zeros(num_reqs, dtype=np.int64)
-        bonus_np = np.zeros(num_reqs, dtype=np.int64)
-        for i, rid in enumerate(req_ids[: len(sampled_token_ids)]):
-            s = sampled_token_ids[i]
-            if not s:
-                continue
-            active_np[i] = 1
-            bonus_np[i] = s[-1]
-            if rid in self._drafted:
-                n = len(s)
-                self.stats.iterations += 1
-                self.stats.emitted += n
-                per = self.req_stats.setdefault(rid, [0, 0, 0])  # iterations, drafted, accepted
-                per[0] += 1
-                per[1] += gamma
-                per[2] += n - 1
-        if not STATE.has_selection or STATE.sel_buf is None or num_reqs > STATE.sel_buf.shape[1]:
-            self._drafted = set()
-            return [[] for _ in range(num_reqs)]
-
-        # rows without a sampled token (e.g. mid chunked prefill) draft nothing: position 0
-        pos_np = np.where(active_np > 0, np.maximum(num_tokens_no_spec[:num_reqs].astype(np.int64) - 1, 0), 0)
         nblocks_np = ib.block_table[0].num_blocks_per_row[:num_reqs].astype(np.int64)
-        step_in = torch.from_numpy(np.stack([active_np, bonus_np, pos_np, nblocks_np]))  # [4, num_reqs]
+        if self.async_scheduling:
+            step_in = self._async_step_inputs(req_ids, nblocks_np)
+        else:
+            step_in = self._sync_step_inputs(sampled_token_ids, num_tokens_no_spec, req_ids, nblocks_np)
+        if step_in is None or not STATE.has_selection or STATE.sel_buf is None or num_reqs > STATE.sel_buf.shape[1]:
+            self._drafted = set()
+            if self.async_scheduling:  # vLLM's async path scatters drafts from a device tensor
+                return torch.zeros((num_reqs, self.gamma), dtype=torch.int64, device=runner.device)
+            return [[] for _ in range(num_reqs)]
         sm = ib.sampling_metadata
         sampling = not (sm.all_greedy or sm.temperature is None)
         temp = sm.temperature[:num_reqs] if sampling else None
@@ -413,11 +433,76 @@ class VegasProposer:
             runner._draft_probs = out_probs[:num_reqs]  # [num_reqs, γ, vocab]
             runner._draft_prob_req_ids = list(req_ids)
         self._pending.append(("draft_ms", ev0, self._event()))
-        self._drafted = {rid for i, rid in enumerate(req_ids) if active_np[i]}
         self.stats.proposals += 1
-        self.stats.draft_steps += gamma
+        self.stats.draft_steps += self.gamma
         self.stats.propose_wall_ms += (time.perf_counter() - t0) * 1e3
         return draft_ids
+
+    def _sync_step_inputs(self, sampled_token_ids, num_tokens_no_spec, req_ids, nblocks_np):
+        """Synchronous scheduling: the step's ``(4, num_reqs)`` int64 draft inputs (active,
+        last sampled token, its position, blocks in use) from the host's sampled-token lists;
+        counts the acceptance of requests that had drafts."""
+        n = len(req_ids)
+        active_np = np.zeros(n, dtype=np.int64)
+        bonus_np = np.zeros(n, dtype=np.int64)
+        for i, rid in enumerate(req_ids[: len(sampled_token_ids)]):
+            s = sampled_token_ids[i]
+            if not s:
+                continue
+            active_np[i] = 1
+            bonus_np[i] = s[-1]
+            if rid in self._drafted:
+                self._count_iteration(rid, len(s), self.gamma)
+        self._drafted = {rid for i, rid in enumerate(req_ids) if active_np[i]}
+        # rows without a sampled token (e.g. mid chunked prefill) draft nothing: position 0
+        pos_np = np.where(active_np > 0, np.maximum(num_tokens_no_spec[:n].astype(np.int64) - 1, 0), 0)
+        return torch.from_numpy(np.stack([active_np, bonus_np, pos_np, nblocks_np]))
+
+    @torch.inference_mode()
+    def publish_sampled(self, scheduler_output, sampled_token_ids: torch.Tensor) -> None:
+        """Async scheduling, called right before the runner's bookkeeping: hand vLLM each
+        request's last valid sampled token and valid-token count (device tensors, no host
+        sync), which its next step's input preparation reads, and keep them for :meth:`propose`.
+
+        Args:
+            scheduler_output: the verified step's ``SchedulerOutput``.
+            sampled_token_ids: ``(num_reqs, γ + 1)`` int32 rejection-sampler output (-1 rejected).
+        """
+        runner = self.runner
+        ib = runner.input_batch
+        n = ib.num_reqs
+        req_ids = list(ib.req_ids[:n])
+        # backup token (discarded rows, i.e. partial prefills): the last known token, as vLLM's EAGLE uses
+        last = np.maximum(ib.num_tokens_no_spec[:n].astype(np.int64) - 1, 0)
+        backup_np = np.maximum(ib.token_ids_cpu[np.arange(n), last].astype(np.int64), 0)
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        num_draft_np = np.array([len(spec.get(r, ())) for r in req_ids], dtype=np.int64)
+        # pinned: a copy from pageable memory may synchronize the stream, and the host must not wait
+        dev = torch.from_numpy(np.stack([backup_np, num_draft_np])).pin_memory().to(runner.device, non_blocking=True)
+        next_ids, counts = next_tokens_and_counts(
+            sampled_token_ids[:n], runner.discard_request_mask.gpu[:n], dev[0], ib.vocab_size
+        )
+        runner._copy_valid_sampled_token_count(next_ids, counts)
+        self._published = (req_ids, next_ids, counts, dev[1], num_draft_np)
+
+    def _async_step_inputs(self, req_ids, nblocks_np):
+        """Async scheduling: the step's ``(4, num_reqs)`` int64 draft inputs on the device, from
+        what :meth:`publish_sampled` kept (None if it did not run for this batch); queues the
+        acceptance counts for :meth:`_resolve_events`."""
+        pub, self._published = self._published, None
+        if pub is None or pub[0] != list(req_ids):
+            return None
+        _, next_ids, counts, num_draft, num_draft_np = pub
+        n = len(req_ids)
+        runner = self.runner
+        active = counts > 0
+        pos0 = draft_start_positions(runner.seq_lens[:n], num_draft, counts)
+        nblocks = torch.from_numpy(nblocks_np).pin_memory().to(runner.device, non_blocking=True)
+        step_in = torch.stack([active.long(), next_ids.long(), torch.where(active, pos0, 0), nblocks])
+        counts_cpu = torch.empty(n, dtype=torch.int32, pin_memory=True)
+        counts_cpu.copy_(counts, non_blocking=True)
+        self._pending_counts.append((self._event(), counts_cpu, list(req_ids), num_draft_np))
+        return step_in
 
     # ---- drafting: one body, run eagerly (piecewise graphs) or captured as one CUDA graph ----
     def _make_bufs(self, rows: int, sampling: bool, dev) -> dict:

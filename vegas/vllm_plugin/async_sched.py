@@ -1,0 +1,150 @@
+"""Asynchronous scheduling for the Vegas proposer on vLLM's V1 GPU model runner.
+
+vLLM 0.24 overlaps the host work of step N+1 (scheduling, input preparation) with the GPU work
+of step N when ``async_scheduling`` is on, but only for EAGLE, draft-model and ngram-GPU
+proposers: ``VllmConfig.__post_init__`` turns it off (or refuses it) for a ``custom_class``
+proposer. Under async scheduling the host never sees the sampled tokens of the step it just
+launched, so a proposer must draft from device tensors and publish, before the runner's
+bookkeeping, the next input token and the number of valid sampled tokens of every request
+(vLLM's ``_copy_valid_sampled_token_count``; its runner corrects the optimistic host counters
+on the GPU from them).
+
+This module holds the device-side arithmetic (pure torch, tested on CPU) and two patches:
+
+- :func:`patch_config_check` lets ``async_scheduling`` stay on (default) or be asked for with
+  the Vegas proposer, and applies what vLLM applies with it (no cascade attention);
+  ``async_scheduling=False`` keeps the synchronous path.
+- :func:`patch_bookkeeping` calls :meth:`VegasProposer.publish_sampled` right before
+  ``GPUModelRunner._bookkeeping_sync``, where vLLM's EAGLE path publishes the same tensors.
+
+Nothing here imports vLLM at module import time.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+__all__ = [
+    "draft_start_positions",
+    "next_tokens_and_counts",
+    "patch_bookkeeping",
+    "patch_config_check",
+    "wants_async",
+]
+
+logger = logging.getLogger("vegas.vllm")
+
+
+def next_tokens_and_counts(
+    sampled: torch.Tensor, discard: torch.Tensor, backup: torch.Tensor, vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Last valid sampled token and valid-token count per request, as vLLM's
+    ``eagle_prepare_next_token_padded_kernel`` computes them.
+
+    Args:
+        sampled: ``(num_reqs, γ + 1)`` int32/int64 rejection-sampler output; rejected positions
+            hold -1 (a valid prefix, then -1s).
+        discard: ``(num_reqs,)`` bool, requests whose sample is discarded (partial prefill).
+        backup: ``(num_reqs,)`` int token used where nothing valid was sampled or the request
+            is discarded.
+        vocab_size: token ids ``>= vocab_size`` count as invalid.
+
+    Returns:
+        ``next_ids`` ``(num_reqs,)`` int32 and ``counts`` ``(num_reqs,)`` int32 (0 for
+        discarded requests; otherwise 1 + accepted drafts).
+    """
+    valid = (sampled >= 0) & (sampled < vocab_size)
+    counts = valid.sum(dim=1, dtype=torch.int32)
+    counts = torch.where(discard, torch.zeros_like(counts), counts)
+    last = sampled.gather(1, (counts.long() - 1).clamp(min=0)[:, None])[:, 0]
+    next_ids = torch.where(counts > 0, last.to(torch.int32), backup.to(torch.int32))
+    return next_ids, counts
+
+
+def draft_start_positions(seq_lens: torch.Tensor, num_draft: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Position of each request's last sampled token (the first draft forward's input).
+
+    The verified chunk ends at position ``seq_len - 1``; its last ``num_draft`` tokens were
+    drafts, so the last non-draft query sits at ``seq_len - num_draft - 1`` and the ``counts``
+    sampled tokens follow it: the last is at ``seq_len - num_draft - 1 + counts``.
+
+    Args:
+        seq_lens: ``(num_reqs,)`` int sequence lengths of the verified step (device values;
+            under async scheduling the host's are optimistic).
+        num_draft: ``(num_reqs,)`` int drafts scheduled per request in that step.
+        counts: ``(num_reqs,)`` int valid sampled tokens (:func:`next_tokens_and_counts`).
+
+    Returns:
+        ``(num_reqs,)`` int64 positions (meaningless where ``counts == 0``).
+    """
+    return seq_lens.long() - num_draft.long() - 1 + counts.long()
+
+
+def _is_vegas(speculative_config) -> bool:
+    return (
+        speculative_config is not None
+        and speculative_config.method == "custom_class"
+        and str(speculative_config.model).startswith("vegas.")
+    )
+
+
+def wants_async(vllm_config) -> bool:
+    """Whether an engine with the Vegas proposer should run async scheduling: yes unless the
+    user set ``async_scheduling=False`` or uses pipeline parallelism (which Vegas refuses)."""
+    return (
+        _is_vegas(vllm_config.speculative_config)
+        and vllm_config.scheduler_config.async_scheduling is not False
+        and vllm_config.parallel_config.pipeline_parallel_size == 1
+    )
+
+
+def patch_config_check() -> None:
+    """Wrap ``VllmConfig.__post_init__`` so that the Vegas proposer keeps async scheduling.
+    Idempotent; other engines are untouched."""
+    from vllm.config import VllmConfig
+
+    original = VllmConfig.__post_init__
+    if getattr(original, "_vegas", False):
+        return
+
+    def __post_init__(self):
+        want = wants_async(self)
+        if want:  # vLLM would refuse (True) or switch off (None) async scheduling for custom_class
+            self.scheduler_config.async_scheduling = False
+        original(self)
+        if not want:
+            return
+        from vllm.v1.executor.abstract import Executor
+
+        if not Executor.get_class(self).supports_async_scheduling():
+            logger.warning("vegas: the executor does not support async scheduling; running synchronously")
+            return
+        self.scheduler_config.async_scheduling = True
+        if self.model_config is not None:  # as vLLM does for async speculative decoding
+            self.model_config.disable_cascade_attn = True
+        logger.info("vegas: asynchronous scheduling on (async_scheduling=False switches it off)")
+
+    __post_init__._vegas = True  # type: ignore[attr-defined]
+    VllmConfig.__post_init__ = __post_init__
+
+
+def patch_bookkeeping() -> None:
+    """Publish the Vegas proposer's next tokens and valid counts before the runner's
+    bookkeeping under async scheduling (what vLLM's EAGLE path does in ``sample_tokens``).
+    Idempotent."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    original = GPUModelRunner._bookkeeping_sync
+    if getattr(original, "_vegas", False):
+        return
+
+    def _bookkeeping_sync(self, scheduler_output, sampler_output, *args, **kwargs):
+        publish = getattr(self.drafter, "publish_sampled", None) if hasattr(self, "drafter") else None
+        if publish is not None and self.use_async_spec_decode:
+            publish(scheduler_output, sampler_output.sampled_token_ids)
+        return original(self, scheduler_output, sampler_output, *args, **kwargs)
+
+    _bookkeeping_sync._vegas = True  # type: ignore[attr-defined]
+    GPUModelRunner._bookkeeping_sync = _bookkeeping_sync
