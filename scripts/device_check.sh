@@ -46,7 +46,8 @@ for phase in $PHASES; do
       ;;
     kernels)
       say "kernel vs reference tests (tests/gpu)"
-      timeout ${KTEST_S:-240} python3 -m pytest tests/gpu -q -rs -p no:cacheprovider ${KTEST_ARGS:-} 2>&1 \
+      eval "set -- ${KTEST_ARGS:-}"  # shell words, e.g. -k 'async or smoke'
+      timeout ${KTEST_S:-240} python3 -m pytest tests/gpu -q -rs -p no:cacheprovider "$@" 2>&1 \
         | tee "$OUT/kernel_tests.log" | tail -25
       ;;
     cuda)
