@@ -116,6 +116,8 @@ def _plain_reference(engine_kw: dict):
 
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    # the engine core must not be forked from a process that may have initialized CUDA
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     ids = AutoTokenizer.from_pretrained(DEFAULT_MODEL)(package_source(), add_special_tokens=False).input_ids
     prompts = cut_contexts(ids, 3000, 4)
     prompts[1] = prompts[1][:1200]

@@ -391,10 +391,10 @@ class VegasProposer:
             self._checked_groups = True
 
         req_ids = ib.req_ids[:num_reqs]
-        nblocks_np = ib.block_table[0].num_blocks_per_row[:num_reqs].astype(np.int64)
         if self.async_scheduling:
-            step_in = self._async_step_inputs(req_ids, nblocks_np)
+            step_in = self._async_step_inputs(req_ids)
         else:
+            nblocks_np = ib.block_table[0].num_blocks_per_row[:num_reqs].astype(np.int64)
             step_in = self._sync_step_inputs(sampled_token_ids, num_tokens_no_spec, req_ids, nblocks_np)
         if step_in is None or not STATE.has_selection or STATE.sel_buf is None or num_reqs > STATE.sel_buf.shape[1]:
             self._drafted = set()
@@ -477,28 +477,28 @@ class VegasProposer:
         backup_np = np.maximum(ib.token_ids_cpu[np.arange(n), last].astype(np.int64), 0)
         spec = scheduler_output.scheduled_spec_decode_tokens
         num_draft_np = np.array([len(spec.get(r, ())) for r in req_ids], dtype=np.int64)
-        # pinned: a copy from pageable memory may synchronize the stream, and the host must not wait
-        dev = torch.from_numpy(np.stack([backup_np, num_draft_np])).pin_memory().to(runner.device, non_blocking=True)
+        nblocks_np = ib.block_table[0].num_blocks_per_row[:n].astype(np.int64)
+        # one pinned copy (from pageable memory a copy may synchronize the stream; the host must not wait)
+        host = torch.from_numpy(np.stack([backup_np, num_draft_np, nblocks_np]))
+        dev = host.pin_memory().to(runner.device, non_blocking=True)
         next_ids, counts = next_tokens_and_counts(
             sampled_token_ids[:n], runner.discard_request_mask.gpu[:n], dev[0], ib.vocab_size
         )
         runner._copy_valid_sampled_token_count(next_ids, counts)
-        self._published = (req_ids, next_ids, counts, dev[1], num_draft_np)
+        self._published = (req_ids, next_ids, counts, dev, num_draft_np)
 
-    def _async_step_inputs(self, req_ids, nblocks_np):
+    def _async_step_inputs(self, req_ids):
         """Async scheduling: the step's ``(4, num_reqs)`` int64 draft inputs on the device, from
         what :meth:`publish_sampled` kept (None if it did not run for this batch); queues the
         acceptance counts for :meth:`_resolve_events`."""
         pub, self._published = self._published, None
         if pub is None or pub[0] != list(req_ids):
             return None
-        _, next_ids, counts, num_draft, num_draft_np = pub
+        _, next_ids, counts, dev, num_draft_np = pub
         n = len(req_ids)
-        runner = self.runner
         active = counts > 0
-        pos0 = draft_start_positions(runner.seq_lens[:n], num_draft, counts)
-        nblocks = torch.from_numpy(nblocks_np).pin_memory().to(runner.device, non_blocking=True)
-        step_in = torch.stack([active.long(), next_ids.long(), torch.where(active, pos0, 0), nblocks])
+        pos0 = draft_start_positions(self.runner.seq_lens[:n], dev[1], counts)
+        step_in = torch.stack([active.long(), next_ids.long(), torch.where(active, pos0, 0), dev[2]])
         counts_cpu = torch.empty(n, dtype=torch.int32, pin_memory=True)
         counts_cpu.copy_(counts, non_blocking=True)
         self._pending_counts.append((self._event(), counts_cpu, list(req_ids), num_draft_np))
