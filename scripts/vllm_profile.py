@@ -40,11 +40,12 @@ def main() -> int:
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--rows", type=int, default=35)
     ap.add_argument("--verify-graphs", default="full", choices=["full", "piecewise"])
+    ap.add_argument("--scheduling", default="async", choices=["async", "sync"], help="vLLM scheduling of vegas")
     args = ap.parse_args()
     ns = argparse.Namespace(
         model=str(vb.ROOT / "vegas" / "model"), load_format=None, batches=[args.batch], gpu_mem=0.5,
         eager=False, gamma=args.gamma, sparsity=0.05, min_kv_budget=256, kv_budget=0,
-        verify_graphs=args.verify_graphs,
+        verify_graphs=args.verify_graphs, tp=1, tp_selection="all_reduce", vegas_scheduling=args.scheduling,
     )
     os.environ["VEGAS_VERIFY_CUDA_GRAPHS"] = args.verify_graphs
     import torch
