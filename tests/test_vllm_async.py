@@ -53,3 +53,27 @@ def test_sync_and_async_inputs_agree_on_a_verified_step():
         pos = draft_start_positions(seq_len, torch.tensor([gamma]), counts)
         num_tokens_after = committed + accepted + 1
         assert pos.item() == num_tokens_after - 1 and next_ids.item() == 42
+
+
+def _config(method="custom_class", model="vegas.vllm_plugin.proposer.VegasProposer", async_scheduling=None, pp=1):
+    from types import SimpleNamespace
+
+    spec = None if method is None else SimpleNamespace(method=method, model=model)
+    return SimpleNamespace(
+        speculative_config=spec,
+        scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=pp),
+    )
+
+
+def test_async_scheduling_is_kept_for_vegas_unless_switched_off():
+    from vegas.vllm_plugin.async_sched import wants_async
+
+    assert wants_async(_config())  # vLLM's default (None): on
+    assert wants_async(_config(async_scheduling=True))  # asked for: on, where vLLM would refuse
+    assert not wants_async(_config(async_scheduling=False))  # the user's off switch wins
+    assert not wants_async(_config(pp=2))  # pipeline parallelism: vegas refuses it anyway
+    # other engines keep vLLM's own decision
+    assert not wants_async(_config(method=None))
+    assert not wants_async(_config(method="ngram", model=None))
+    assert not wants_async(_config(model="my.other.Proposer"))
