@@ -55,14 +55,15 @@ def test_sync_and_async_inputs_agree_on_a_verified_step():
         assert pos.item() == num_tokens_after - 1 and next_ids.item() == 42
 
 
-def _config(method="custom_class", model="vegas.vllm_plugin.proposer.VegasProposer", async_scheduling=None, pp=1):
+def _config(method="custom_class", model="vegas.vllm_plugin.proposer.VegasProposer", async_scheduling=None, pp=1,
+            tp=1):
     from types import SimpleNamespace
 
     spec = None if method is None else SimpleNamespace(method=method, model=model)
     return SimpleNamespace(
         speculative_config=spec,
         scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
-        parallel_config=SimpleNamespace(pipeline_parallel_size=pp),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=pp, tensor_parallel_size=tp),
     )
 
 
@@ -73,6 +74,9 @@ def test_async_scheduling_is_kept_for_vegas_unless_switched_off():
     assert wants_async(_config(async_scheduling=True))  # asked for: on, where vLLM would refuse
     assert not wants_async(_config(async_scheduling=False))  # the user's off switch wins
     assert not wants_async(_config(pp=2))  # pipeline parallelism: vegas refuses it anyway
+    # tensor parallelism: synchronous (the tested path) unless async is asked for
+    assert not wants_async(_config(tp=2))
+    assert wants_async(_config(tp=2, async_scheduling=True))
     # other engines keep vLLM's own decision
     assert not wants_async(_config(method=None))
     assert not wants_async(_config(method="ngram", model=None))

@@ -15,9 +15,10 @@ or ``vllm serve MODEL --speculative-config '{"method": "custom_class", "model":
 "vegas.vllm_plugin.proposer.VegasProposer", "num_speculative_tokens": 4}'``,
 with ``VLLM_USE_V2_MODEL_RUNNER=0`` (vLLM picks V1 for custom proposers anyway) and the selector
 in ``VEGAS_VLLM_CONFIG='{"selector": "collect2", "sparsity_ratio": 0.05}'``.
-vLLM's asynchronous scheduling stays on (the host prepares step N+1 while the GPU drafts and
-verifies step N; :mod:`vegas.vllm_plugin.async_sched`); ``async_scheduling=False`` runs
-synchronously. Verification keeps vLLM's full CUDA graphs, with the selection captured into them; set
+On one GPU vLLM's asynchronous scheduling stays on (the host prepares step N+1 while the GPU
+drafts and verifies step N; :mod:`vegas.vllm_plugin.async_sched`); ``async_scheduling=False``
+runs synchronously. With tensor parallelism it is on only when asked for
+(``async_scheduling=True``, not yet run on GPUs). Verification keeps vLLM's full CUDA graphs, with the selection captured into them; set
 ``VEGAS_VERIFY_CUDA_GRAPHS=piecewise`` to change the selector at run time with :func:`configure`.
 
 Tensor parallelism (``tensor_parallel_size > 1``): every rank holds a slice of each layer's

@@ -11,9 +11,9 @@ on the GPU from them).
 
 This module holds the device-side arithmetic (pure torch, tested on CPU) and two patches:
 
-- :func:`patch_config_check` lets ``async_scheduling`` stay on (default) or be asked for with
-  the Vegas proposer, and applies what vLLM applies with it (no cascade attention);
-  ``async_scheduling=False`` keeps the synchronous path.
+- :func:`patch_config_check` lets ``async_scheduling`` stay on (default on one GPU) or be asked
+  for with the Vegas proposer (:func:`wants_async`), and applies what vLLM applies with it (no
+  cascade attention); ``async_scheduling=False`` keeps the synchronous path.
 - :func:`patch_bookkeeping` calls :meth:`VegasProposer.publish_sampled` right before
   ``GPUModelRunner._bookkeeping_sync``, where vLLM's EAGLE path publishes the same tensors.
 
@@ -91,13 +91,19 @@ def _is_vegas(speculative_config) -> bool:
 
 
 def wants_async(vllm_config) -> bool:
-    """Whether an engine with the Vegas proposer should run async scheduling: yes unless the
-    user set ``async_scheduling=False`` or uses pipeline parallelism (which Vegas refuses)."""
-    return (
-        _is_vegas(vllm_config.speculative_config)
-        and vllm_config.scheduler_config.async_scheduling is not False
-        and vllm_config.parallel_config.pipeline_parallel_size == 1
-    )
+    """Whether an engine with the Vegas proposer should run async scheduling.
+
+    On one GPU: yes unless the user set ``async_scheduling=False``. With tensor parallelism
+    only when asked for (``async_scheduling=True``): that combination has not run on GPUs yet,
+    so the default stays on the synchronous path that was tested at TP = 2. Never with pipeline
+    parallelism (which Vegas refuses)."""
+    pc = vllm_config.parallel_config
+    asked = vllm_config.scheduler_config.async_scheduling
+    if not _is_vegas(vllm_config.speculative_config) or pc.pipeline_parallel_size != 1:
+        return False
+    if getattr(pc, "tensor_parallel_size", 1) > 1:
+        return asked is True
+    return asked is not False
 
 
 def patch_config_check() -> None:
