@@ -19,7 +19,18 @@ def test_bench_small_writes_json(tmp_path):
         for key in ("acceptance_length", "tokens_per_second", "speedup", "selection_overhead"):
             assert isinstance(row[key], float)
         assert row["acceptance_length"] >= 1.0
+        # γ = 4 over a 6-token check: at most 6 / ceil(6 / 5) = 3 tokens per iteration
+        assert 1.0 <= row["greedy_acceptance_length"] <= 3.0
     assert "collect2" in result.output
+    assert "cannot exceed 3.00" in " ".join(result.output.split())
+
+
+def test_greedy_tau_cap():
+    from vegas.bench import greedy_tau_cap
+
+    assert greedy_tau_cap(16, 4) == 4.0  # 4 iterations: 5 + 5 + 5 + 1
+    assert greedy_tau_cap(64, 4) == 64 / 13
+    assert greedy_tau_cap(5, 4) == 5.0
 
 
 def test_bench_rejects_bad_options():

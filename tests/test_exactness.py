@@ -53,10 +53,15 @@ def test_greedy_exact_under_options(pipe, code_prompts, reference, options):
     assert [o.token_ids for o in outputs] == reference
 
 
-def test_budget_above_context_logs_once(pipe, code_prompts, caplog):
-    with caplog.at_level("INFO", logger="vegas.backends.hf"):
+def test_budget_above_context_logs_once(pipe, code_prompts, caplog, monkeypatch):
+    from vegas.backends import hf
+
+    monkeypatch.setattr(hf, "FULL_BUDGET_LOGGED", False)
+    with caplog.at_level("WARNING", logger="vegas.backends.hf"):
         run(pipe, code_prompts, "collect2", kv_budget=10_000)
-    assert sum("attends to everything" in r.message for r in caplog.records) == 1
+        run(pipe, code_prompts, "collect2", kv_budget=10_000)  # a second call says nothing more
+    said = [r.message for r in caplog.records if "attends to every position" in r.message]
+    assert len(said) == 1 and "KV budget 10000 >= context" in said[0]
 
 
 def test_bfloat16_greedy_matches_bfloat16_plain(code_prompts):

@@ -9,6 +9,7 @@ selector must equal plain greedy decoding on the same prompts, token for token.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -142,17 +143,26 @@ def run_bench(opts: BenchOptions, console: Console | None = None) -> dict:
     return results
 
 
+def greedy_tau_cap(check_tokens: int, num_draft_tokens: int) -> float:
+    """Largest acceptance length a greedy run of ``check_tokens`` tokens can show: every
+    iteration emits at most γ + 1 tokens, and the last one is cut at ``check_tokens``."""
+    return check_tokens / math.ceil(check_tokens / (num_draft_tokens + 1))
+
+
 def render(results: dict) -> Table:
     """A rich table of ``results`` (plain decoding first, then each selector)."""
     o = results["options"]
+    check, gamma = o["check_tokens"], o["num_draft_tokens"]
     table = Table(
         title=f"vegas bench: {o['backend']} backend, context {o['context']}, batch {o['batch_size']}, "
-        f"γ={o['num_draft_tokens']}, KV budget {results['kv_budget']} "
+        f"γ={gamma}, KV budget {results['kv_budget']} "
         f"(sparsity {o['sparsity_ratio']}, min {results['config']['min_kv_budget']}), T={o['temperature']}, "
-        f"{o['new_tokens']} new tokens; exactness: {o['check_tokens']} greedy tokens"
+        f"{o['new_tokens']} new tokens; exactness: {check} greedy tokens",
+        caption=f"τ greedy* comes from the {check}-token exactness run, so it cannot exceed "
+        f"{greedy_tau_cap(check, gamma):.2f}; raise --check-tokens for a finer greedy τ",
     )
     table.add_column("method", no_wrap=True)
-    for col in ("τ sampled", "τ greedy", "tok/s", "speedup", "selection", "lossless"):
+    for col in ("τ sampled", "τ greedy*", "tok/s", "speedup", "selection", "lossless"):
         table.add_column(col, justify="right", no_wrap=True)
     plain = results["plain"]
     table.add_row("plain", "1.00", "1.00", f"{plain['tokens_per_second']:.1f}", "1.00×", "-", "ref")

@@ -370,3 +370,25 @@ def test_tensor_parallel_all_reduce_selects_what_one_gpu_selects(selector):
 def test_tp_selection_must_be_known():
     with pytest.raises(ValueError, match="tp_selection must be one of all_reduce, per_rank"):
         VllmVegasConfig(tp_selection="gather")
+
+
+@pytest.mark.parametrize(
+    "raw,match",
+    [
+        ('{"kv_budget": -5}', "kv_budget must be an integer >= 0 or null"),
+        ('{"window": -3, "selector": "sliding_window"}', "window must be an integer >= 0 or null"),
+        ('{"kv_budget": "100"}', "kv_budget must be an integer >= 0 or null"),
+        ('{"min_kv_budget": 1.5}', "min_kv_budget must be an integer >= 0"),
+        ('{"sparsity_ratio": 0}', r"sparsity_ratio must be a number in \(0, 1\]"),
+        ('{"sparsity_ratio": "0.1"}', r"sparsity_ratio must be a number in \(0, 1\]"),
+        ('{"num_draft_tokens": 4}', "unknown field.*num_draft_tokens.*allowed: selector"),
+        ('[1, 2]', "must be a JSON object"),
+        ("{selector: collect2}", "must be a JSON object"),
+    ],
+)
+def test_proposer_settings_name_the_bad_field(raw, match, monkeypatch):
+    monkeypatch.setenv("VEGAS_VLLM_CONFIG", raw)
+    with pytest.raises(ValueError, match=match):
+        VllmVegasConfig.from_env()
+    cfg = VllmVegasConfig.from_json('{"kv_budget": 100, "window": null}')
+    assert cfg.budget(1000) == 100

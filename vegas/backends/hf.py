@@ -29,6 +29,9 @@ from .hf_attention import ATTENTION_NAME, AttentionContext, clock, vegas_attenti
 
 log = logging.getLogger(__name__)
 
+#: whether the "KV budget >= context" message was logged (it is said once per process)
+FULL_BUDGET_LOGGED = False
+
 AttentionInterface.register(ATTENTION_NAME, vegas_attention)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -63,7 +66,6 @@ class HFSession(Drafter, Verifier):
         self.selections: list[Selection] = []
         self.selection_len = 0
         self.selection_seconds = 0.0
-        self._warned_full_budget = False
 
     # -- helpers ---------------------------------------------------------------------------
     def _tick(self) -> float:
@@ -114,9 +116,16 @@ class HFSession(Drafter, Verifier):
             return
         counts = self.valid.sum(dim=1)  # [B]
         wanted = torch.tensor([kv_budget_for(self.config, int(c)) for c in counts], device=self.device)
-        if not self._warned_full_budget and bool((wanted >= counts).any()):
-            log.info("KV budget >= context for some sequence: drafting attends to everything there")
-            self._warned_full_budget = True
+        global FULL_BUDGET_LOGGED
+        full = (wanted >= counts).nonzero()
+        if not FULL_BUDGET_LOGGED and full.numel():
+            i = int(full[0, 0])
+            log.warning(
+                "KV budget %d >= context %d tokens (sequence %d%s): drafting attends to every position "
+                "there, no sparsity (logged once per process)",
+                int(wanted[i]), int(counts[i]), i, f" and {full.shape[0] - 1} more" if full.shape[0] > 1 else "",
+            )
+            FULL_BUDGET_LOGGED = True
         budget = torch.minimum(wanted, counts)
         self.selections = []
         for layer in range(self.num_layers):

@@ -139,14 +139,14 @@ class VLLMBackend(Backend):
         device: str | None = None,
         trust_remote_code: bool = False,
     ) -> None:
-        if dtype == "float32":
-            log.warning("vllm backend: FlashAttention-3 has no float32 path; running in bfloat16")
-            dtype = "bfloat16"
-        if dtype not in ("bfloat16", "float16"):
+        if dtype not in ("bfloat16", "float16", "float32"):
             raise VegasConfigError(f"vllm backend dtype must be 'bfloat16' or 'float16', got {dtype!r}")
         if device is not None and not str(device).startswith("cuda"):
             raise VegasConfigError(f"the vllm backend runs on CUDA GPUs only, got device={device!r}")
         _raise_if_unavailable()
+        if dtype == "float32":
+            log.warning("vllm backend: FlashAttention-3 has no float32 path; running in bfloat16")
+            dtype = "bfloat16"
         self.model = str(model)
         self.dtype = dtype
         self.trust_remote_code = trust_remote_code

@@ -11,14 +11,19 @@ Switch it on in any vLLM program, no code changes beyond the engine arguments::
         attention_backend="FLASH_ATTN",
     )
 
-or ``vllm serve MODEL --speculative-config '{"method": "custom_class", "model":
-"vegas.vllm_plugin.proposer.VegasProposer", "num_speculative_tokens": 4}'``,
-with ``VLLM_USE_V2_MODEL_RUNNER=0`` (vLLM picks V1 for custom proposers anyway) and the selector
-in ``VEGAS_VLLM_CONFIG='{"selector": "collect2", "sparsity_ratio": 0.05}'``.
+or ``vllm serve MODEL --attention-backend FLASH_ATTN --speculative-config '{"method":
+"custom_class", "model": "vegas.vllm_plugin.proposer.VegasProposer", "num_speculative_tokens": 4}'``,
+with the selector in ``VEGAS_VLLM_CONFIG='{"selector": "collect2", "sparsity_ratio": 0.05}'``.
+Vegas runs on vLLM's V1 model runner, which vLLM picks by itself for a custom proposer
+(setting ``VLLM_USE_V2_MODEL_RUNNER=0`` is harmless, not needed).
+
 On one GPU vLLM's asynchronous scheduling stays on (the host prepares step N+1 while the GPU
 drafts and verifies step N; :mod:`vegas.vllm_plugin.async_sched`); ``async_scheduling=False``
-runs synchronously. With tensor parallelism it is on only when asked for
-(``async_scheduling=True``, not yet run on GPUs). Verification keeps vLLM's full CUDA graphs, with the selection captured into them; set
+(``vllm serve --no-async-scheduling``) runs synchronously. With tensor parallelism it is on only
+when asked for (``async_scheduling=True``, not yet run on GPUs). An executor without async
+support (vLLM's ray executor, for instance) runs synchronously, with a warning in the log.
+
+Verification keeps vLLM's full CUDA graphs, with the selection captured into them; set
 ``VEGAS_VERIFY_CUDA_GRAPHS=piecewise`` to change the selector at run time with :func:`configure`.
 
 Tensor parallelism (``tensor_parallel_size > 1``): every rank holds a slice of each layer's
@@ -81,12 +86,10 @@ def configure(worker, config_json: str | None = None, reset_stats: bool = True) 
         ValueError: if the config changes while the engine runs verification in full CUDA
             graphs (``VEGAS_VERIFY_CUDA_GRAPHS=full``, the default), which hold the selection.
     """
-    import json
-
     from .state import STATE
 
     if config_json:
-        config = VllmVegasConfig(**json.loads(config_json))
+        config = VllmVegasConfig.from_json(config_json, source="configure()")
         if STATE.frozen and config != STATE.config:
             raise ValueError(
                 "vegas: this engine captured the selection into full CUDA graphs, so the selector "

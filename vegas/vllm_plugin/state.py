@@ -24,6 +24,7 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from dataclasses import fields as dataclass_fields
 
 import torch
 
@@ -94,17 +95,46 @@ class VllmVegasConfig:
             raise ValueError(
                 f"tp_selection must be one of {', '.join(TP_SELECTIONS)}, got {self.tp_selection!r}"
             )
-        if not (0 < self.sparsity_ratio <= 1):
-            raise ValueError(f"sparsity_ratio must be in (0, 1], got {self.sparsity_ratio!r}")
-        for name in ("min_kv_budget", "num_sinks", "recent_window"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0")
+        ratio = self.sparsity_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not (0 < ratio <= 1):
+            raise ValueError(f"sparsity_ratio must be a number in (0, 1], got {ratio!r}")
+        for name in ("min_kv_budget", "num_sinks", "recent_window", "kv_budget", "window"):
+            value = getattr(self, name)
+            if value is None and name in ("kv_budget", "window"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                allowed = "an integer >= 0 or null" if name in ("kv_budget", "window") else "an integer >= 0"
+                raise ValueError(f"{name} must be {allowed} (tokens), got {value!r}")
 
     @classmethod
     def from_env(cls) -> VllmVegasConfig:
-        """Read ``$VEGAS_VLLM_CONFIG`` (a JSON object of the fields above); defaults if unset."""
+        """Read ``$VEGAS_VLLM_CONFIG`` (a JSON object of the fields above); defaults if unset.
+
+        Raises:
+            ValueError: see :meth:`from_json`.
+        """
         raw = os.environ.get(ENV_VAR, "").strip()
-        return cls(**json.loads(raw)) if raw else cls()
+        return cls.from_json(raw) if raw else cls()
+
+    @classmethod
+    def from_json(cls, raw: str, source: str = ENV_VAR) -> VllmVegasConfig:
+        """Settings from a JSON object of the fields above (``source`` names it in errors).
+
+        Raises:
+            ValueError: not a JSON object, an unknown field, or a value out of range.
+        """
+        try:
+            values = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{source} must be a JSON object: {e}") from None
+        if not isinstance(values, dict):
+            raise ValueError(f"{source} must be a JSON object, got {raw!r}")
+        known = [f.name for f in dataclass_fields(cls)]
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ValueError(f"{source}: unknown field(s) {', '.join(unknown)}; allowed: {', '.join(known)} "
+                             "(γ is speculative_config's num_speculative_tokens)")
+        return cls(**values)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
