@@ -147,7 +147,7 @@ def patch_bookkeeping() -> None:
         return
 
     def _bookkeeping_sync(self, scheduler_output, sampler_output, *args, **kwargs):
-        publish = getattr(self.drafter, "publish_sampled", None) if hasattr(self, "drafter") else None
+        publish = getattr(getattr(self, "drafter", None), "publish_sampled", None)
         if publish is not None and self.use_async_spec_decode:
             publish(scheduler_output, sampler_output.sampled_token_ids)
         return original(self, scheduler_output, sampler_output, *args, **kwargs)

@@ -212,9 +212,6 @@ class VegasProposer:
         self.vllm_config = vllm_config
         self.gamma = int(vllm_config.speculative_config.num_speculative_tokens)
         self.runner = _find_runner()
-        #: vLLM's async scheduling (see :mod:`vegas.vllm_plugin.async_sched`): drafts start from
-        #: device tensors published before the runner's bookkeeping
-        self.async_scheduling = bool(getattr(self.runner, "use_async_scheduling", False))
         STATE.config = VllmVegasConfig.from_env()
         STATE.gamma = self.gamma
         STATE.enabled = True
@@ -235,7 +232,8 @@ class VegasProposer:
         self._layer_pos: dict[int, int] = {}
         self._drafted: set[str] = set()
         self._pending: list = []  # (kind, start_event, end_event) resolved next call
-        #: async scheduling: the last step's (req_ids, next_ids, counts, num_draft, num_draft_np)
+        #: async scheduling: the last step's (req_ids, next_ids, counts, host values on the
+        #: device [backup, drafts scheduled, blocks in use], drafts scheduled on the host)
         self._published: tuple | None = None
         #: async scheduling: (event, pinned counts, req_ids, num_draft_np) resolved when ready
         self._pending_counts: list = []
@@ -248,15 +246,18 @@ class VegasProposer:
         self.max_graph_rows = int(os.environ.get("VEGAS_DRAFT_GRAPH_MAX_ROWS", "256"))
         logger.info("vegas proposer: gamma=%d tp=%d config=%s", self.gamma, self.tp_size, STATE.config)
 
+    @property
+    def async_scheduling(self) -> bool:
+        """vLLM's async scheduling (see :mod:`vegas.vllm_plugin.async_sched`): drafts start from
+        device tensors published before the runner's bookkeeping."""
+        return bool(getattr(self.runner, "use_async_scheduling", False))
+
     # ---- vLLM hooks -------------------------------------------------------------------------
     def load_model(self, target_model) -> None:
         """Called by the runner with the target model; Vegas drafts with that same model."""
         self._target = target_model
         if self.runner is None:
             self.runner = _find_runner()
-        #: vLLM's async scheduling (see :mod:`vegas.vllm_plugin.async_sched`): drafts start from
-        #: device tensors published before the runner's bookkeeping
-        self.async_scheduling = bool(getattr(self.runner, "use_async_scheduling", False))
         if self.runner is None:
             raise RuntimeError("vegas: could not find vLLM's GPU model runner (V1 runner required; "
                                "set VLLM_USE_V2_MODEL_RUNNER=0)")
