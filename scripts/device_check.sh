@@ -60,7 +60,7 @@ for phase in $PHASES; do
       timeout 200 python3 scripts/kernel_bench.py 2>&1 | tee "$OUT/kernel_bench.log" | grep -E "^\[kernel\]|Error|error" | tail -12
       ;;
     profile)
-      for spec in ${PROFILE_RUNS:-"vegas:collect2:128 plain:none:128"}; do
+      for spec in ${PROFILE_RUNS:-vegas:collect2:128 plain:none:128}; do
         IFS=: read -r m sel b <<< "$spec"
         say "profile $m $sel batch $b (scripts/vllm_profile.py)"
         timeout 300 python3 scripts/vllm_profile.py --method "$m" --selector "$sel" --batch "$b" \

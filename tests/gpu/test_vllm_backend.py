@@ -180,6 +180,9 @@ def test_vllm_greedy_equals_plain_with_and_without_async_scheduling(async_schedu
         llm.llm_engine.engine_core.shutdown()
     assert stats["acceptance_length"] > 1.0 and stats["iterations"] > 0
     assert len(stats["requests"]) == len(prompts)
+    # the selection is timed in every verification, replayed full CUDA graphs included
+    assert stats["full_cuda_graphs"] and stats["select_ms"] > 0
+    assert stats["select_timed"] >= stats["proposals"] > 0
     _assert_equal_up_to_ties(plain, vegas)
 
 

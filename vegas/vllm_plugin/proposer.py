@@ -47,8 +47,8 @@ class ProposerStats:
     draft_steps: int = 0
     iterations: int = 0  # verified iterations of requests that had drafts
     emitted: int = 0  # tokens emitted by those iterations (accepted + bonus)
-    select_ms: float = 0.0  # score collection + top-k inside verification (CUDA events)
-    select_timed: int = 0  # CUDA-event pairs summed into select_ms (eager forwards only: none from full-graph replays)
+    select_ms: float = 0.0  # selection inside verification: plan + scoring + top-k (GPU clock, graphs included)
+    select_timed: int = 0  # timed intervals summed into select_ms (two per verification forward)
     draft_ms: float = 0.0  # draft tables + γ draft forwards incl. sampling (CUDA events)
     verify_fwd_ms: float = 0.0  # layer 0 .. last layer of full-attention forwards (CUDA events)
     propose_wall_ms: float = 0.0  # host wall time inside propose()
@@ -332,7 +332,6 @@ class VegasProposer:
         self._resolve_events(wait=True)
         self.stats = ProposerStats()
         self.req_stats = {}
-        STATE.events.clear()
 
     def _resolve_events(self, wait: bool = False) -> None:
         """Fold finished CUDA-event timings and (async scheduling) acceptance counts into the
@@ -342,9 +341,10 @@ class VegasProposer:
 
         for kind, start, end in _take_finished(self._pending, 2):
             setattr(self.stats, kind, getattr(self.stats, kind) + start.elapsed_time(end))
-        for start, end in _take_finished(STATE.events, 1):
-            self.stats.select_ms += start.elapsed_time(end)
-            self.stats.select_timed += 1
+        if wait and STATE.timer is not None:  # reading it waits for the GPU: only on request
+            ms, count = STATE.timer.read(reset=True)
+            self.stats.select_ms += ms
+            self.stats.select_timed += count
         for start, end in _take_finished(STATE.fwd_events, 1):
             self.stats.verify_fwd_ms += start.elapsed_time(end)
         for _, counts, req_ids, num_draft in _take_finished(self._pending_counts, 0):

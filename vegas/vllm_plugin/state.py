@@ -316,8 +316,10 @@ class SelectionState:
     plan: CollectPlan | None = None
     block_size: int = 0
     page_stride: int = 0
-    #: (start, end) CUDA events around each eager forward's selection work, resolved by the proposer
-    events: list = field(default_factory=list)
+    #: GPU time of the selection work (plan + batched scoring/top-k), eager and replayed alike
+    #: (a :class:`~vegas.kernels.device_timer.DeviceTimer`, made by :meth:`reserve` on CUDA)
+    timer: object | None = None
+    #: (start, end) CUDA events around each eager runner forward, resolved by the proposer
     fwd_events: list = field(default_factory=list)
     time_events: bool = True
     #: set once first_layer/last_layer hold the model's attention layers
@@ -361,6 +363,10 @@ class SelectionState:
             self.ctx_sel_buf = torch.zeros(max_seqs, dtype=torch.int64, device=device)
             self.budget_buf = torch.zeros(max_seqs, dtype=torch.int64, device=device)
             self.generation += 1
+        if self.time_events and self.timer is None and torch.device(device).type == "cuda":
+            from ..kernels.device_timer import DeviceTimer
+
+            self.timer = DeviceTimer(device)
         n = layers * max_seqs * q_elems
         if self._qbuf is None or self._qbuf.numel() < n or self._qbuf.dtype != dtype:
             self._qbuf = torch.empty(n, dtype=dtype, device=device)
@@ -394,20 +400,21 @@ class SelectionState:
         into a persistent buffer); the last layer scores all layers in one kernel launch, sums
         the scores over tensor-parallel ranks (``tp_selection="all_reduce"``, one collective
         for all layers), runs one ``torch.topk`` over all layers and requests, and writes the
-        selection buffers. With
-        ``time_events`` (and outside CUDA-graph capture), CUDA events bracket the plan and the
-        batched selection (summed into the proposer's ``select_ms``).
+        selection buffers. With a :attr:`timer`, GPU clock stamps bracket the plan and the
+        batched selection; they are captured with the rest, so full-graph replays are timed too
+        (read into the proposer's ``select_ms``; the per-layer query copies are not timed).
         """
         if not self.layers_ready:  # the proposer has not told us the model's layers yet
             return
         cfg = self.config
         capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
-        timing = self.time_events and query.is_cuda and not capturing
+        timer = self.timer if query.is_cuda else None
         first = layer_idx == self.first_layer
         last = layer_idx == self.last_layer
         score_based = cfg.selector != "sliding_window"
         if first:
-            start = _record() if timing else None
+            if timer is not None:
+                timer.start()
             plan = make_plan(
                 attn_metadata.query_start_loc,
                 attn_metadata.seq_lens,
@@ -433,8 +440,8 @@ class SelectionState:
                 shape = (self.num_layers, n, nq) + tuple(query.shape[1:])
                 self._qview = self._qbuf[: math.prod(shape)].view(shape)
                 self._kcaches = [None] * self.num_layers
-            if timing:
-                self.events.append((start, _record()))
+            if timer is not None:
+                timer.stop()
         plan = self.plan
         if plan is None or plan.k_max == 0 or not score_based:
             return
@@ -445,7 +452,8 @@ class SelectionState:
         self._kcaches[row] = kv_cache.unbind(1)[0]
         if not last:
             return
-        start = _record() if timing else None
+        if timer is not None:
+            timer.start()
         bt = attn_metadata.block_table[: plan.num_seqs]
         if query.is_cuda:
             from ..kernels.triton_score import collect_scores_layers_triton, layer_offsets
@@ -469,20 +477,14 @@ class SelectionState:
         slots = select_topk_layers(scores, plan.budgets, plan.k_max, bt, self.block_size, plan.recent, plan.ctx_sel)
         self.sel_buf[:, : plan.num_seqs, : plan.k_max].copy_(slots)
         self.has_selection = True
-        if timing:
-            self.events.append((start, _record()))
+        if timer is not None:
+            timer.stop()
 
     def selection(self, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(sel, ctx_sel, budgets)`` of the last forward's first ``num_seqs`` requests:
         ``(L or 1, num_seqs, k_cap)`` int32 slot ids and ``(num_seqs,)`` int64 twice."""
         sel = self.sel_buf[:1] if self.config.selector == "sliding_window" else self.sel_buf
         return sel[:, :num_seqs], self.ctx_sel_buf[:num_seqs], self.budget_buf[:num_seqs]
-
-
-def _record():
-    ev = torch.cuda.Event(enable_timing=True)
-    ev.record()
-    return ev
 
 
 #: the process-wide state (one model runner per worker process)
