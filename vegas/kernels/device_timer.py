@@ -45,11 +45,11 @@ class DeviceTimer:
 
     def start(self) -> None:
         """Stamp the start of an interval (a kernel on the current stream)."""
-        _stamp_kernel[(1,)](self.buf, STOP=False)
+        _stamp_kernel[(1,)](self.buf, STOP=False, num_warps=1)
 
     def stop(self) -> None:
         """Add the time since the last :meth:`start` to the total (a kernel on the current stream)."""
-        _stamp_kernel[(1,)](self.buf, STOP=True)
+        _stamp_kernel[(1,)](self.buf, STOP=True, num_warps=1)
 
     def read(self, reset: bool = False) -> tuple[float, int]:
         """``(total milliseconds, intervals)`` of the work finished so far on the stream.
