@@ -45,6 +45,7 @@ import json
 import lzma
 import math
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -241,7 +242,7 @@ def run_engine(method: str, args, prompts_by_ctx, results, exact_ref):
                         window = decode_window(outs)
                         decode_s = window if window else max(wall - t_first, 1e-6)
                         runs.append((ntok - n_req) / decode_s)
-                    tps = sorted(runs)[len(runs) // 2]  # median (the upper one of an even count)
+                    tps = statistics.median(runs)  # an even count: the mean of the middle two
                     row = {"ctx": ctx, "batch": bsz, "method": name, "requests": n_req,
                            "mode": "steady" if n_req > bsz else "closed", "tokens": ntok, "wall_s": wall,
                            "first_token_s": t_first, "decode_s": decode_s,
