@@ -313,7 +313,8 @@ def byte_floor_ms(args, method: str, sel: str | None, ctx: int, batch: int) -> f
     parallel (the floor divides by ``args.tp``; communication is left out).
     Plain: weights + the whole KV cache. Vegas: the verification (weights + whole KV cache),
     score collection (the keys again, collect2/aggregated), and γ draft steps (weights + the KV
-    budget plus the recent and draft positions). Activations and logits are left out.
+    budget plus the recent and draft positions; quest: plus every page's two key bounds, 2/16
+    of the keys per draft step). Activations and logits are left out.
     """
     cfg = json.loads((Path(args.model) / "config.json").read_text())
     w, kv = model_bytes(cfg)
@@ -326,6 +327,8 @@ def byte_floor_ms(args, method: str, sel: str | None, ctx: int, batch: int) -> f
         if sel in ("collect2", "aggregated"):
             total += batch * ctx * kv / 2
         total += args.gamma * (w + batch * (min(budget, ctx) + args.gamma + 1) * kv)
+        if sel == "quest":  # the page bounds (min and max, 1/16 of the keys each) per draft step
+            total += args.gamma * batch * ctx * kv / 2 * 2 / 16
     return total / HBM_BYTES_PER_S / args.tp * 1e3
 
 
@@ -509,8 +512,8 @@ def engine_jobs(args, methods: list[str]) -> list[tuple[str, argparse.Namespace]
             sched_suffix = f"-{sched}" if sched != scheds[0] else ""
             for tp_sel in tp_sels:
                 tp_suffix = f"-{tp_sel}" if tp_sel != tp_sels[0] else ""
-                # sliding_window has no scores to reduce: one engine (with the first reduction) serves it
-                sels = [s for s in args.selectors if not (tp_suffix and s == "sliding_window")]
+                # sliding_window and quest reduce no scores: one engine (the first reduction) serves each
+                sels = [s for s in args.selectors if not (tp_suffix and s in ("sliding_window", "quest"))]
                 if not sels:
                     continue
                 for mode in modes:

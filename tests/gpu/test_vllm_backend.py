@@ -57,7 +57,8 @@ def test_proposer_config_round_trips_into_the_proposer_settings():
 @pytest.mark.parametrize(
     "selector,config,match",
     [
-        ("quest", VegasConfig(), "not available on the vllm backend"),
+        ("last_token", VegasConfig(), "not available on the vllm backend"),
+        ("quest", VegasConfig(page_size=32), "page_size must be 16"),
         ("collect2", VegasConfig(granularity="kv_head"), "granularity"),
         ("collect2", VegasConfig(score_mode="weight"), "score_mode"),
     ],
@@ -183,6 +184,30 @@ def test_vllm_greedy_equals_plain_with_and_without_async_scheduling(async_schedu
     # the selection is timed in every verification, replayed full CUDA graphs included
     assert stats["full_cuda_graphs"] and stats["select_ms"] > 0
     assert stats["select_timed"] >= stats["proposals"] > 0
+    _assert_equal_up_to_ties(plain, vegas)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_vllm_quest_greedy_equals_plain(tp1_plain, monkeypatch):
+    """Quest on one GPU (page bounds kept by every verification, pages chosen per draft query
+    inside the draft CUDA graph): greedy equals plain vLLM greedy up to bf16 near-ties, Vegas
+    drafts (acceptance length > 1), and the bound updates are timed in every verification."""
+    from vllm import LLM
+
+    from vegas import DEFAULT_MODEL
+    from vegas.vllm_plugin import get_stats, register
+
+    prompts, sp, plain = tp1_plain
+    register()
+    monkeypatch.setenv("VEGAS_VLLM_CONFIG", VllmVegasConfig(selector="quest", min_kv_budget=64).to_json())
+    llm = LLM(**vllm_engine_kwargs(str(DEFAULT_MODEL), num_draft_tokens=4, **TP1))
+    try:
+        vegas = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        stats = llm.collective_rpc(get_stats, args=(True,))[0]
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert stats["acceptance_length"] > 1.0 and len(stats["requests"]) == len(prompts)
+    assert stats["full_cuda_graphs"] and stats["select_timed"] >= stats["proposals"] > 0
     _assert_equal_up_to_ties(plain, vegas)
 
 

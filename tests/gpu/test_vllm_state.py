@@ -251,12 +251,72 @@ def test_proposer_draft_tables_from_selection_buffers():
         p.runner = SimpleNamespace(input_batch=SimpleNamespace(
             block_table=[SimpleNamespace(block_table=SimpleNamespace(gpu=torch.cat([bt, bt])))]))
         b = {"step_in": torch.tensor([[1, 0, 0, 0], [7, 0, 0, 0], [70, 0, 0, 0], [6, 0, 0, 0]])}  # 1 active row of 4
-        tables, base_used = p._draft_tables(b, 4)
+        tables, base_used, quest = p._draft_tables(b, 4)
+        assert quest is None
         sel, ctx_sel, budgets = STATE.selection(4)
         want = build_draft_tables(sel[:, :1], budgets[:1], torch.minimum(ctx_sel[:1], torch.tensor([70])),
                                   torch.tensor([73]), bt[:1], BS, STATE.page_stride, 10)
         assert tables.shape == (2, 4, 12 + 10) and torch.equal(tables[:, :1], want)
         assert base_used.tolist() == [8 + 70 - 65 + 1, 1, 1, 1]
+    finally:
+        for k, v in saved.items():
+            setattr(STATE, k, v)
+
+
+def test_quest_draft_step_attends_the_best_pages_plus_every_later_position():
+    """Quest through the proposer's draft tables: after a verification, draft step j of the
+    active row attends exactly the slots of its best whole pages (by this step's query) plus
+    every position from the page-aligned ctx_sel up to the step's own position."""
+    from types import SimpleNamespace
+
+    from vegas.kernels.quest_pages import group_query, page_scores_reference
+    from vegas.vllm_plugin import proposer as prop
+    from vegas.vllm_plugin.quest import fill_draft_table
+    from vegas.vllm_plugin.state import STATE
+
+    lens = [70, 40]
+    bt, nb = _block_table(lens, 3)
+    qsl = torch.tensor([0, 5, 10], dtype=torch.int32)
+    slots = torch.tensor([_slot(bt, r, p) for r, n in enumerate(lens) for p in range(n - 5, n)])
+    md = SimpleNamespace(query_start_loc=qsl, seq_lens=torch.tensor(lens, dtype=torch.int32),
+                         max_seq_len=70, block_table=bt, slot_mapping=slots)
+    keep = ("config", "gamma", "first_layer", "last_layer", "layers_ready", "sel_buf", "ctx_sel_buf",
+            "budget_buf", "_qbuf", "has_selection", "quest_min", "quest_max", "block_size", "page_stride")
+    saved = {k: getattr(STATE, k) for k in keep}
+    try:
+        STATE.config, STATE.gamma = VllmVegasConfig(selector="quest", kv_budget=40), 4
+        STATE.first_layer, STATE.last_layer, STATE.layers_ready = 0, 1, True
+        STATE.sel_buf = STATE.ctx_sel_buf = STATE.budget_buf = STATE._qbuf = STATE.quest_min = None
+        STATE.reserve(4, 48, 0, torch.float32, torch.device("cpu"))
+        kv = torch.randn(nb, 2, BS, 2, 8)
+        for layer in range(2):  # the verification's KV write only covers the last 5 positions
+            STATE.on_layer(layer, torch.randn(10, 4, 8), kv, md, 0.5)
+        from vegas.kernels.quest_pages import update_page_bounds
+
+        all_slots = torch.tensor([_slot(bt, 0, p) for p in range(70)])
+        for layer in range(2):  # as the prefill would have: bounds of every page of row 0
+            update_page_bounds(STATE.quest_min[layer], STATE.quest_max[layer], kv.unbind(1)[0], all_slots)
+        p = object.__new__(prop.VegasProposer)
+        p.gamma = 4
+        p.runner = SimpleNamespace(input_batch=SimpleNamespace(
+            block_table=[SimpleNamespace(block_table=SimpleNamespace(gpu=torch.cat([bt, bt])))]))
+        pos0 = 67  # 2 of 4 drafts accepted: the new token sits at position 67
+        b = {"step_in": torch.tensor([[1, 0, 0, 0], [7, 0, 0, 0], [pos0, 0, 0, 0], [6, 0, 0, 0]])}
+        tables, base_used, quest = p._draft_tables(b, 4)
+        assert quest is not None and quest.num_pages[0] == 4 and quest.budget_cols.tolist() == [32, 0, 0, 0]
+        assert base_used[0] == 32 + pos0 - 64 + 1
+        q = torch.randn(4, 4, 8)
+        table = tables[1]
+        fill_draft_table(table, q, 2, quest, 1)
+        scores = page_scores_reference(*group_query(q[:1], 2), STATE.quest_min[1].flatten(1),
+                                       STATE.quest_max[1].flatten(1), bt[:1], torch.tensor([4]))
+        best = scores[0].topk(2).indices.tolist()
+        for j in range(4):
+            used = table[0, : int(base_used[0]) + j].tolist()
+            got = {_page_to_slot(pg) for pg in used}
+            want = {_slot(bt, 0, pg * BS + o) for pg in best for o in range(BS)}
+            want |= {_slot(bt, 0, pos) for pos in range(64, pos0 + j + 1)}
+            assert got == want and len(used) == len(want)
     finally:
         for k, v in saved.items():
             setattr(STATE, k, v)

@@ -13,9 +13,10 @@ verification runs in vLLM's full CUDA graphs with the selection captured into th
 selector or budget rebuilds the engine; with ``VEGAS_VERIFY_CUDA_GRAPHS=piecewise`` the engine
 is kept and switched through ``collective_rpc`` (verification attention then runs eagerly).
 
-Selectors here: ``collect2``, ``aggregated``, ``sliding_window``. Not here: ``quest`` (page
-min/max metadata would need a second cache-shaped buffer kept up to date by every KV write),
-``last_token``, ``granularity="kv_head"`` and ``score_mode="weight"`` (the kernel sums logits).
+Selectors here: ``collect2``, ``aggregated``, ``sliding_window`` and ``quest`` (pages are vLLM's
+16-slot KV blocks; their key bounds take ``1/16`` of the key cache per bound, outside vLLM's
+memory profile, see :mod:`vegas.vllm_plugin.quest`). Not here: ``last_token``,
+``granularity="kv_head"`` and ``score_mode="weight"`` (the kernel sums logits).
 
 ``import vegas.backends.vllm`` works without vLLM installed; vLLM is imported when an engine is
 built. Engine options can be set with ``$VEGAS_VLLM_ENGINE_ARGS`` (JSON, passed to ``LLM``), e.g.
@@ -38,7 +39,9 @@ __all__ = ["VLLMBackend", "vllm_engine_kwargs"]
 log = logging.getLogger(__name__)
 
 #: selectors the vLLM backend implements (the proposer's names)
-VLLM_SELECTORS = ("collect2", "aggregated", "sliding_window")
+VLLM_SELECTORS = ("collect2", "aggregated", "sliding_window", "quest")
+#: vLLM's KV block size, the page of Quest on this backend
+VLLM_BLOCK_SIZE = 16
 
 
 def _raise_if_unsupported(selector: str | None, config: VegasConfig) -> None:
@@ -53,6 +56,11 @@ def _raise_if_unsupported(selector: str | None, config: VegasConfig) -> None:
         raise VegasConfigError("the vllm backend selects per layer only; use granularity='layer'")
     if config.score_mode != "logit":
         raise VegasConfigError("the vllm backend ranks by summed logits only; use score_mode='logit'")
+    if selector == "quest" and config.page_size != VLLM_BLOCK_SIZE:
+        raise VegasConfigError(
+            f"quest on the vllm backend uses vLLM's KV blocks as pages: page_size must be "
+            f"{VLLM_BLOCK_SIZE}, got {config.page_size}"
+        )
 
 
 def _raise_if_unavailable() -> None:

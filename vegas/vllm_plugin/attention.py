@@ -4,7 +4,8 @@
 
 - **draft calls** (the forward context carries :class:`DraftMetadata` for the layer): FA3 over
   the same paged cache viewed with page size 1, with this layer's block table of selected
-  pages plus the recent/draft pages (``seqused_k`` = budget + recent count);
+  pages plus the recent/draft pages (``seqused_k`` = budget + recent count); Quest first
+  writes the pages it chooses for this step's query into the table;
 - **every other call with metadata** (prefill and verification of the runner): the normal FA3
   call, then :meth:`vegas.vllm_plugin.state.SelectionState.on_layer` collects the scores of the
   collect queries and selects this layer's top-k.
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .quest import QuestDraft, fill_draft_table
 from .state import STATE
 
 __all__ = ["DraftMetadata", "install", "layer_index", "page_views"]
@@ -40,6 +42,9 @@ class DraftMetadata:
         query_start_loc: ``(num_seqs + 1,)`` int32, ``arange``.
         max_seq_len: host bound of ``seqused_k`` (the table width).
         num_actual_tokens: requests in the step (tokens beyond are padding).
+        quest: Quest only: chooses this step's pages from its query and writes them into
+            ``block_table`` before the attention (see :mod:`vegas.vllm_plugin.quest`).
+        quest_row: the layer's row in the Quest page bounds.
     """
 
     block_table: torch.Tensor
@@ -47,6 +52,8 @@ class DraftMetadata:
     query_start_loc: torch.Tensor
     max_seq_len: int
     num_actual_tokens: int
+    quest: QuestDraft | None = None
+    quest_row: int = 0
 
 
 def layer_index(layer_name: str) -> int:
@@ -87,6 +94,8 @@ def _draft_attention(impl, layer, query, kv_cache, md: DraftMetadata, output):
     from vllm.v1.attention.backends.flash_attn import flash_attn_varlen_func
 
     n = md.num_actual_tokens
+    if md.quest is not None:
+        fill_draft_table(md.block_table, query[:n], impl.num_kv_heads, md.quest, md.quest_row)
     k_view, v_view = page_views(kv_cache)
     descale_shape = (n, impl.num_kv_heads)
     flash_attn_varlen_func(

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from .async_sched import draft_start_positions, next_tokens_and_counts, patch_bookkeeping
+from .quest import QuestDraft
 from .state import STATE, VllmVegasConfig, build_draft_tables
 
 __all__ = ["VegasProposer", "ProposerStats", "stacked_draft_probs"]
@@ -534,18 +535,29 @@ class VegasProposer:
             b["temp"][n:] = 1.0
 
     def _draft_tables(self, b: dict, rows: int):
-        """Page-size-1 draft tables ``(L or 1, rows, width)`` and the pages in use before the
-        first draft (``base_used``), from the selection buffers of the last verification."""
+        """Page-size-1 draft tables ``(L or 1, rows, width)``, the pages in use before the
+        first draft (``base_used``) and, for Quest, the :class:`QuestDraft` that fills the
+        selection columns per draft step (else None), from the last verification's selection."""
         active, _, pos0, _ = b["step_in"].unbind(0)
         sel, ctx_sel, budgets = STATE.selection(rows)
         ctx_sel = torch.minimum(ctx_sel, pos0)
         bt = self.runner.input_batch.block_table[0].block_table.gpu[:rows]
+        quest = STATE.config.selector == "quest"
+        # recent positions from ctx_sel on: the verified chunk and the drafts (Quest: plus the
+        # partial last page)
+        recent_cap = 2 * self.gamma + 2 + (STATE.block_size if quest else 0)
         tables = build_draft_tables(
-            sel, budgets, ctx_sel, pos0 + self.gamma - 1, bt, STATE.block_size, STATE.page_stride,
-            2 * self.gamma + 2,
+            sel, budgets, ctx_sel, pos0 + self.gamma - 1, bt, STATE.block_size, STATE.page_stride, recent_cap,
         )
         base_used = torch.where(active.bool(), budgets + (pos0 - ctx_sel + 1), 1)
-        return tables, base_used
+        qd = None
+        if quest:
+            qd = QuestDraft(
+                STATE.quest_min, STATE.quest_max, bt, ctx_sel // STATE.block_size,
+                torch.where(active.bool(), budgets, 0), sel.shape[2] // STATE.block_size,
+                STATE.block_size, STATE.page_stride,
+            )
+        return tables, base_used, qd
 
     def _draft_steps(self, b, rows, n_in, sampling, mode, desc) -> None:
         """Draft tables, then γ draft forwards over ``rows`` requests (``n_in`` >= rows padded
@@ -557,7 +569,7 @@ class VegasProposer:
         runner = self.runner
         model = runner.model
         bs = STATE.block_size
-        tables, base_used = self._draft_tables(b, rows)
+        tables, base_used, quest = self._draft_tables(b, rows)
         width = tables.shape[-1]
         layer_rows = {idx: 0 for _, idx in self._layers} if tables.shape[0] == 1 else self._layer_pos
         active, tokens, pos0, nblocks = b["step_in"].unbind(0)
@@ -583,7 +595,10 @@ class VegasProposer:
                 positions[rows:n_in] = 0
             b["seqused"].copy_(torch.clamp(base_used + j, max=width))
             attn_md = {
-                name: DraftMetadata(tables[layer_rows[idx]], b["seqused"], b["cu_q"], width, rows)
+                name: DraftMetadata(
+                    tables[layer_rows[idx]], b["seqused"], b["cu_q"], width, rows,
+                    quest=quest, quest_row=layer_rows[idx],
+                )
                 for name, idx in self._layers
             }
             slot_map = {name: slot[:n_in] for name, _ in self._layers}

@@ -35,6 +35,7 @@ from ..kernels import (
     select_topk_layers,
     slots_to_fa_pages,
 )
+from .quest import page_aligned_selection, update_layer
 
 __all__ = [
     "SELECTORS",
@@ -49,7 +50,7 @@ __all__ = [
 ]
 
 #: selectors the vLLM backend implements
-SELECTORS = ("collect2", "aggregated", "sliding_window")
+SELECTORS = ("collect2", "aggregated", "sliding_window", "quest")
 #: how tensor-parallel ranks select (each rank holds a slice of every layer's query and KV heads)
 TP_SELECTIONS = ("all_reduce", "per_rank")
 ENV_VAR = "VEGAS_VLLM_CONFIG"
@@ -343,6 +344,9 @@ class SelectionState:
     _kcaches: list = field(default_factory=list)
     _koffs: tuple | None = None
     _koffs_key: tuple = ()
+    #: Quest page bounds ``(L, num_blocks + 1, kv_heads, head_dim)`` (see :mod:`.quest`)
+    quest_min: torch.Tensor | None = None
+    quest_max: torch.Tensor | None = None
 
     @property
     def num_layers(self) -> int:
@@ -411,7 +415,8 @@ class SelectionState:
         timer = self.timer if query.is_cuda else None
         first = layer_idx == self.first_layer
         last = layer_idx == self.last_layer
-        score_based = cfg.selector != "sliding_window"
+        score_based = cfg.selector in ("collect2", "aggregated")
+        quest = cfg.selector == "quest"
         if first:
             if timer is not None:
                 timer.start()
@@ -430,9 +435,15 @@ class SelectionState:
             nq = plan.q_idx.shape[1] if score_based else 0
             self._ensure(plan.num_seqs, plan.k_max, nq * query.shape[1] * query.shape[2], query.dtype, query.device)
             n = plan.num_seqs
-            self.ctx_sel_buf[:n].copy_(plan.ctx_sel)
-            self.budget_buf[:n].copy_(plan.budgets)
-            if not score_based and plan.k_max > 0:
+            if quest:  # whole pages; the partial last page joins the recent positions
+                ctx_q, budget_q = page_aligned_selection(plan.ctx_sel, plan.budgets, self.block_size)
+                self.ctx_sel_buf[:n].copy_(ctx_q)
+                self.budget_buf[:n].copy_(budget_q)
+                self.has_selection = True
+            else:
+                self.ctx_sel_buf[:n].copy_(plan.ctx_sel)
+                self.budget_buf[:n].copy_(plan.budgets)
+            if cfg.selector == "sliding_window" and plan.k_max > 0:
                 slots = sliding_window_slots(plan, cfg.num_sinks, attn_metadata.block_table, self.block_size)
                 self.sel_buf[0, :n, : plan.k_max].copy_(slots)
                 self.has_selection = True
@@ -443,6 +454,13 @@ class SelectionState:
             if timer is not None:
                 timer.stop()
         plan = self.plan
+        if quest and plan is not None:
+            if timer is not None:
+                timer.start()
+            update_layer(self, layer_idx - self.first_layer, kv_cache, attn_metadata.slot_mapping, capturing)
+            if timer is not None:
+                timer.stop()
+            return
         if plan is None or plan.k_max == 0 or not score_based:
             return
         row = layer_idx - self.first_layer
