@@ -1,4 +1,4 @@
-"""Each bad input named in DEVELOPERS.md gets a clear error naming the parameter."""
+"""Each bad input of the developers guide (empty prompt, too long, γ < 1, sparsity outside (0, 1], negative budget, unknown names, failing plugins) gets a clear error naming the parameter."""
 
 import pytest
 import torch
@@ -125,16 +125,38 @@ def test_cuda_without_gpu_and_vllm_without_vllm():
         Pipeline(selector="collect2", backend="vllm")
 
 
-def test_remote_code_is_off_by_default(pipe):
-    assert pipe.backend.model.config.__class__.__module__.startswith("transformers.")
+def test_remote_code_is_off_by_default(monkeypatch):
+    """Model and tokenizer load with trust_remote_code=False unless the user asks for it."""
+    import vegas.backends.hf as hf
+
+    seen = []
+
+    class Spy:
+        def __init__(self, real):
+            self.real = real
+
+        def from_pretrained(self, *args, **kwargs):
+            seen.append(kwargs.get("trust_remote_code"))
+            return self.real.from_pretrained(*args, **kwargs)
+
+    monkeypatch.setattr(hf, "AutoTokenizer", Spy(hf.AutoTokenizer))
+    monkeypatch.setattr(hf, "AutoModelForCausalLM", Spy(hf.AutoModelForCausalLM))
+    Pipeline(selector=None)
+    assert seen == [False, False]
+    Pipeline(selector=None, trust_remote_code=True)
+    assert seen[2:] == [True, True]
 
 
 def test_integer_temperature_and_numpy_token_ids_work(pipe):
+    """Token ids as numpy arrays (one prompt, or a 2-D batch), numpy integers or a torch tensor."""
     import numpy as np
 
-    out = pipe.generate([np.array([5, 7, 9]).tolist(), [np.int64(5), np.int64(7)]], max_new_tokens=3,
-                        temperature=1, selector="collect2")
+    out = pipe.generate([np.array([5, 7, 9]), [np.int64(5), np.int64(7)], torch.tensor([3, 4])],
+                        max_new_tokens=3, temperature=1, selector="collect2")
     assert all(o.stats.num_generated == 3 for o in out)
+    one = pipe.generate(np.array([5, 7, 9]), max_new_tokens=3, selector=None)
+    batch = pipe.generate(np.array([[5, 7, 9], [5, 7, 9]]), max_new_tokens=3, selector=None)
+    assert len(one) == 1 and len(batch) == 2 and batch[0].token_ids == one[0].token_ids
 
 
 def test_acceptance_length_counts_emitted_tokens(pipe, code_prompts):
@@ -145,3 +167,11 @@ def test_acceptance_length_counts_emitted_tokens(pipe, code_prompts):
 def test_selector_of_wrong_type():
     with pytest.raises(VegasConfigError, match="selector must be one of"):
         Pipeline(selector=["collect2"])
+
+
+def test_tiny_temperature_decodes_greedily(pipe, code_prompts):
+    """Temperatures below 1e-5 (as in vLLM) decode greedily instead of overflowing the logits."""
+    prompt = [code_prompts[0][:200]]
+    ref = pipe.generate(prompt, max_new_tokens=8, selector=None)
+    for t in (1e-40, 5e-324, 1e-6):
+        assert pipe.generate(prompt, max_new_tokens=8, temperature=t, selector="collect2")[0].token_ids == ref[0].token_ids

@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 from click.testing import CliRunner
 
@@ -63,3 +64,43 @@ def test_bench_names_bad_options(tmp_path):
     binary.write_bytes(b"\x7fELF\0\0\1binary")
     result = CliRunner().invoke(main, ["bench", "--prompts", str(binary), "--context", "64"])
     assert result.exit_code == 2 and "binary file" in result.output
+
+
+def test_generate_prompt_files_and_literal_at_sign(tmp_path):
+    """'@@' starts a literal '@' (a decorator); '@path' of a missing file says how to escape;
+    a file too large for the model's context is refused from its size, before it is read."""
+    result = CliRunner().invoke(main, ["generate", "@@dataclass\nclass Point:", "--max-new-tokens", "4",
+                                       "--temperature", "0"])
+    assert result.exit_code == 0, result.output
+    result = CliRunner().invoke(main, ["generate", "@dataclass\nclass Point:", "--max-new-tokens", "4"])
+    assert result.exit_code == 2 and "'@@' starts a literal '@'" in result.output
+    big = tmp_path / "big.py"
+    big.write_text("x = 1\n" * 2_000_000)  # 12 MB: more tokens than the 32K context can hold
+    result = CliRunner().invoke(main, ["generate", f"@{big}", "--max-new-tokens", "4"])
+    assert result.exit_code == 2 and "bytes can fit the model's context" in " ".join(result.output.split())
+
+
+def test_bench_checks_sampling_options_and_json_path_before_the_run(tmp_path, monkeypatch):
+    import vegas.bench
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(vegas.bench, "Pipeline", no_model)
+    for args, match in ((["--temperature", "-0.5"], "temperature must be"), (["--top-p", "0"], "top_p must be")):
+        result = CliRunner().invoke(main, ["bench", "--selectors", "collect2", *args])
+        assert result.exit_code == 2 and match in result.output, result.output
+    target = Path("/proc/vegas-bench-results.json")  # an existing directory nobody can write to
+    assert not _writable(target)
+    result = CliRunner().invoke(main, ["bench", "--selectors", "collect2", "--json", str(target)])
+    assert result.exit_code == 2 and "cannot be written" in result.output, result.output
+    assert not target.exists()
+
+
+def _writable(path):
+    try:
+        path.open("a").close()
+    except OSError:
+        return False
+    path.unlink()
+    return True

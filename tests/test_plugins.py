@@ -5,10 +5,18 @@ import sys
 
 import pytest
 
-from vegas import VegasConfig, VegasConfigError, hookspecs, plugins
+from vegas import Pipeline, VegasConfig, VegasConfigError, VegasPluginError, hookspecs, plugins
 from vegas.strategies import Collect2Selector
 
-from .plugins.fixture_plugins import GoodPlugin, RaisingPlugin, ShadowingPlugin
+from .plugins.fixture_plugins import (
+    FactoryRaisingBackendPlugin,
+    FailingSelectorsPlugin,
+    GoodPlugin,
+    NotAClassPlugin,
+    NotADictPlugin,
+    RaisingPlugin,
+    ShadowingPlugin,
+)
 
 
 @pytest.fixture
@@ -51,6 +59,36 @@ def test_raising_plugin_is_reported_and_others_still_work(registered, caplog):
         names = plugins.selector_names()
     assert "sinks_only" in names and "collect2" in names
     assert any("'raising'" in m and "boom" in m for m in caplog.messages)
+
+
+def test_plugin_returning_no_dict_or_no_classes_is_skipped(registered, caplog):
+    """A hook that returns a list, or maps names to non-classes, is logged by name and skipped;
+    plain decoding and the built-ins keep working."""
+    registered(NotADictPlugin(), "notadict")
+    registered(NotAClassPlugin(), "notaclass")
+    registered(GoodPlugin(), "good")
+    with caplog.at_level("WARNING"):
+        names = plugins.selector_names()
+        backends = plugins.backend_names()
+    assert "sinks_only" in names and "badvalue" not in names and "notabackend" not in backends
+    assert any("'notadict'" in m and "must return a dict" in m for m in caplog.messages)
+    assert any("'notaclass'" in m and "Selector subclass" in m for m in caplog.messages)
+    with pytest.raises(VegasConfigError, match="selector must be one of"):
+        plugins.create_selector("badvalue", VegasConfig())
+
+
+def test_failing_selectors_and_backends_name_themselves_and_their_plugin(pipe, code_prompts, registered):
+    """A selector that raises when built or when selecting, and a backend factory that raises,
+    give a VegasPluginError naming the selector/backend and the plugin (the CLI prints it)."""
+    registered(FailingSelectorsPlugin(), "failing")
+    registered(FactoryRaisingBackendPlugin(), "boomplugin")
+    with pytest.raises(VegasPluginError, match="selector 'initraise' \\(plugin 'failing'\\) failed to build: RuntimeError: init boom"):
+        pipe.generate([code_prompts[0][:100]], max_new_tokens=4, selector="initraise")
+    with pytest.raises(VegasPluginError, match="selector 'selectraise' \\(plugin 'failing'\\) raised in select\\(\\): RuntimeError: select boom"):
+        pipe.generate([code_prompts[0][:100]], max_new_tokens=4, selector="selectraise")
+    with pytest.raises(VegasPluginError, match="backend 'boombackend' \\(plugin 'boomplugin'\\) failed to load"):
+        Pipeline(selector=None, backend="boombackend")
+    assert pipe.generate([code_prompts[0][:100]], max_new_tokens=4, selector="collect2")[0].token_ids
 
 
 def test_plugin_cannot_shadow_a_builtin(registered):

@@ -1,6 +1,6 @@
 """vegas: lossless self-speculative decoding with verification-guided sparse attention."""
 
-from .config import VegasConfig, VegasConfigError
+from .config import VegasConfig, VegasConfigError, VegasPluginError
 from .hookspecs import hookimpl
 from .interfaces import Drafter, Selection, SelectionInput, Selector, Verifier
 from .pipeline import DEFAULT_MODEL, Pipeline
@@ -18,6 +18,7 @@ __all__ = [
     "Selector",
     "VegasConfig",
     "VegasConfigError",
+    "VegasPluginError",
     "Verifier",
     "hookimpl",
 ]

@@ -1,7 +1,7 @@
 """The main job: plain decoding and each selector on the same prompts, one table.
 
 Throughput runs sample (temperature 0.8, top-p 0.95 by default): greedy decoding of the
-small embedded model falls into repetition loops (design notes §7), which makes greedy
+small embedded model falls into repetition loops (design notes (docs/design-notes.md) §7), which makes greedy
 throughput meaningless. Every run also checks exactness: a short greedy generation per
 selector must equal plain greedy decoding on the same prompts, token for token.
 """
@@ -18,10 +18,11 @@ from rich.progress import Progress
 from rich.table import Table
 
 from .backends.base import RequestOutput
+from .config import VegasConfigError, VegasPluginError, kv_budget_for
 from .pipeline import Pipeline
-from .config import VegasConfigError, kv_budget_for
 from .plugins import create_selector, selector_names
 from .prompts import cut_contexts, package_source, read_text_source
+from .sampling import SamplingParams
 
 __all__ = ["BenchOptions", "run_bench", "summarize"]
 
@@ -94,10 +95,15 @@ def _raise_if_bad_options(opts: BenchOptions, pipe: Pipeline) -> None:
 def run_bench(opts: BenchOptions, console: Console | None = None) -> dict:
     """Run the benchmark and return the results (also what ``--json`` writes).
 
+    With every selector (``opts.selectors`` None), a plugin selector that fails to build or
+    raises is skipped, with its error under ``results["skipped"]``; a named one fails the run.
+
     Raises:
         VegasConfigError: a bad option (named in the message).
+        VegasPluginError: a selector named in ``opts.selectors`` failed.
     """
     console = console or Console(stderr=True)
+    SamplingParams(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)  # before any work
     config = {"num_draft_tokens": opts.num_draft_tokens, "sparsity_ratio": opts.sparsity_ratio}
     if opts.kv_budget is not None:
         config["kv_budget"] = opts.kv_budget
@@ -105,10 +111,19 @@ def run_bench(opts: BenchOptions, console: Console | None = None) -> dict:
         opts.model, selector=None, backend=opts.backend, dtype=opts.dtype, device=opts.device, **config
     )
     _raise_if_bad_options(opts, pipe)
-    if opts.selectors is None:
+    every = opts.selectors is None  # "all": a failing plugin selector is skipped, not fatal
+    if every:
         opts.selectors = selector_names()
-    for name in opts.selectors:  # fail on an unknown name before any work
-        create_selector(name, pipe.config)
+    skipped: dict[str, str] = {}
+    for name in list(opts.selectors):  # fail on an unknown name before any work
+        try:
+            create_selector(name, pipe.config)
+        except VegasPluginError as exc:
+            if not every:
+                raise
+            skipped[name] = str(exc)
+            opts.selectors.remove(name)
+            console.print(f"[yellow]skipped: {exc}[/yellow]")
     prompts = _prompts(pipe, opts)
     sampled = dict(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)
     results: dict = {
@@ -116,6 +131,7 @@ def run_bench(opts: BenchOptions, console: Console | None = None) -> dict:
         "config": asdict(pipe.config),
         "kv_budget": kv_budget_for(pipe.config, opts.context),
         "selectors": {},
+        "skipped": skipped,
     }
 
     runs = [None, *opts.selectors]
@@ -126,12 +142,19 @@ def run_bench(opts: BenchOptions, console: Console | None = None) -> dict:
         progress.advance(task)
         for name in runs:
             label = name or "plain"
-            if name is not None:  # the check also warms the selector up before it is timed
-                progress.update(task, description=f"{label}: greedy exactness check")
-                greedy = pipe.generate(prompts, max_new_tokens=opts.check_tokens, selector=name)
-            progress.advance(task)
-            progress.update(task, description=f"{label}: sampling")
-            row = summarize(pipe.generate(prompts, max_new_tokens=opts.new_tokens, selector=name, **sampled))
+            try:
+                if name is not None:  # the check also warms the selector up before it is timed
+                    progress.update(task, description=f"{label}: greedy exactness check")
+                    greedy = pipe.generate(prompts, max_new_tokens=opts.check_tokens, selector=name)
+                progress.advance(task)
+                progress.update(task, description=f"{label}: sampling")
+                row = summarize(pipe.generate(prompts, max_new_tokens=opts.new_tokens, selector=name, **sampled))
+            except VegasPluginError as exc:
+                if not every or name is None:
+                    raise
+                results["skipped"][name] = str(exc)
+                console.print(f"[yellow]skipped: {exc}[/yellow]")
+                continue
             progress.advance(task)
             if name is None:
                 results["plain"] = row
@@ -162,7 +185,8 @@ def render(results: dict) -> Table:
         f"{greedy_tau_cap(check, gamma):.2f}; raise --check-tokens for a finer greedy τ",
     )
     table.add_column("method", no_wrap=True)
-    for col in ("τ sampled", "τ greedy*", "tok/s", "speedup", "selection", "lossless"):
+    timed = "τ greedy" if o["temperature"] == 0 else "τ sampled"  # the timed run's acceptance length
+    for col in (timed, "τ greedy*", "tok/s", "speedup", "selection", "lossless"):
         table.add_column(col, justify="right", no_wrap=True)
     plain = results["plain"]
     table.add_row("plain", "1.00", "1.00", f"{plain['tokens_per_second']:.1f}", "1.00×", "-", "ref")
@@ -176,6 +200,8 @@ def render(results: dict) -> Table:
             f"{100 * r['selection_overhead']:.1f} %",
             "yes" if r["lossless"] else "NO",
         )
+    for name in results.get("skipped", {}):
+        table.add_row(name, "-", "-", "-", "-", "-", "skipped (plugin error)")
     return table
 
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 import sys
+from pathlib import Path
 
 import click
 from rich.console import Console
@@ -61,6 +61,8 @@ def bench(json_path, selectors, **kwargs) -> None:
             raise VegasConfigError("selectors (--selectors) must name at least one selector, or 'all'")
         if json_path and (Path(json_path).is_dir() or not Path(json_path).resolve().parent.is_dir()):
             raise VegasConfigError(f"--json {json_path!r} must be a file path in an existing directory")
+        if json_path:
+            _check_writable(Path(json_path))
         opts = BenchOptions(selectors=names, **kwargs)
         results = run_bench(opts, Console(stderr=True))
     except VegasConfigError as exc:
@@ -73,22 +75,46 @@ def bench(json_path, selectors, **kwargs) -> None:
         raise click.ClickException("greedy exactness check failed for some selector")
 
 
+def _check_writable(path: Path) -> None:
+    """Fail before the run, not after it, when ``path`` cannot be written (leaves no file behind)."""
+    existed = path.exists()
+    try:
+        with path.open("a"):
+            pass
+    except OSError as exc:
+        raise VegasConfigError(f"--json {str(path)!r} cannot be written: {exc.strerror}") from None
+    if not existed:
+        path.unlink()
+
+
 @main.command()
 @_config_options
 @click.argument("prompt")
 @click.option("--selector", default="collect2", show_default=True, help="Selector name, or 'none' for plain decoding.")
 @click.option("--max-new-tokens", default=64, show_default=True, type=int)
 def generate(prompt, selector, max_new_tokens, model, backend, dtype, device, temperature, top_p, seed, **config) -> None:
-    """Generate after PROMPT (text; '@path' reads it from a file) and print text and statistics."""
+    """Generate after PROMPT and print text and statistics.
+
+    PROMPT is text; '@path' reads it from a file (or the text files under a directory), and
+    '@@' starts a text that begins with '@' (e.g. a Python decorator).
+    """
     from .pipeline import Pipeline
     from .prompts import read_text_source
 
     try:
-        text = read_text_source(prompt[1:]) if prompt.startswith("@") else prompt
         if config["kv_budget"] is None:
             config.pop("kv_budget")
         pipe = Pipeline(model, selector=None if selector == "none" else selector, backend=backend,
                         dtype=dtype, device=device, **config)
+        if prompt.startswith("@@"):
+            text = prompt[1:]
+        elif prompt.startswith("@"):
+            # a token covers at most the longest vocabulary entry: more bytes cannot fit the context
+            longest = max(len(t) for t in pipe.tokenizer.get_vocab())
+            text = read_text_source(prompt[1:], what="PROMPT file ('@@' starts a literal '@')",
+                                    max_bytes=pipe.backend.max_context * longest)
+        else:
+            text = prompt
         out = pipe.generate(text, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)[0]
     except VegasConfigError as exc:
         raise click.UsageError(str(exc)) from exc

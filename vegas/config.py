@@ -17,6 +17,11 @@ class VegasConfigError(ValueError):
     """A parameter of a Vegas run is outside its allowed values."""
 
 
+class VegasPluginError(VegasConfigError):
+    """A selector or backend failed to build or raised while running; the message names it and
+    the plugin that registered it (the original exception is chained as ``__cause__``)."""
+
+
 def _raise_if_not_int(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise VegasConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")

@@ -1,6 +1,6 @@
 """The three abstract roles of self-speculative decoding: Selector, Drafter, Verifier.
 
-One iteration of the Vegas loop (design notes §1; gpt-fast's ``speculative_decode`` in shape):
+One iteration of the Vegas loop (design notes (docs/design-notes.md) §1; gpt-fast's ``speculative_decode`` in shape):
 
 1. ``Drafter.draft``: γ tokens with sparse attention over each layer's selected KV entries
    plus the positions appended since the selection.

@@ -63,7 +63,7 @@ def speculative_decode(
     eos_token_id: int | None = None,
     clock=time.perf_counter,
 ) -> tuple[list[list[int]], list[RequestStats]]:
-    """Vegas decoding (design notes §1): draft γ, verify, accept, roll back, select.
+    """Vegas decoding (design notes (docs/design-notes.md) §1): draft γ, verify, accept, roll back, select.
 
     Args:
         prompts: token ids per sequence (non-empty).
@@ -75,13 +75,15 @@ def speculative_decode(
 
     Returns:
         emitted token ids and :class:`~vegas.backends.base.RequestStats` per sequence;
-        ``selection_seconds`` is read from ``verifier.selection_seconds``.
+        ``selection_seconds`` is the part of ``verifier.selection_seconds`` spent after the
+        prefill (the decode phase, as ``decode_seconds``).
     """
     sample = make_sampler(sampling, generator)
     out = _Outputs(len(prompts), max_new_tokens, eos_token_id)
     start = clock()
     verifier.prefill(prompts)
     prefill_end = clock()
+    prefill_selection = verifier.selection_seconds  # the first selection: reported with prefill
     while not all(out.done):
         # 1. Draft γ tokens with sparse attention.
         draft_tokens, draft_probs = drafter.draft(num_draft_tokens, sample)  # [B, γ], [B, γ, V]
@@ -102,7 +104,7 @@ def speculative_decode(
         for b, n in enumerate(accepted):
             out.emit(b, drafts[b][:n] + [nexts[b]], num_draft_tokens, n)
     end = clock()
-    return out.finish(prefill_end - start, end - prefill_end, verifier.selection_seconds)
+    return out.finish(prefill_end - start, end - prefill_end, verifier.selection_seconds - prefill_selection)
 
 
 def plain_decode(

@@ -8,7 +8,7 @@ from typing import Sequence
 
 from .backends.base import Backend, RequestOutput
 from .config import VegasConfig, VegasConfigError
-from .plugins import create_selector, get_backend_class
+from .plugins import create_selector, get_backend_class, owner, plugin_failure
 from .sampling import SamplingParams
 
 __all__ = ["Pipeline", "DEFAULT_MODEL"]
@@ -16,6 +16,11 @@ __all__ = ["Pipeline", "DEFAULT_MODEL"]
 #: The embedded default model: vegas-tiny-code (Qwen3 architecture, 15.7M parameters,
 #: trained on Python source without click, docutils and jinja2).
 DEFAULT_MODEL = str(Path(__file__).parent / "model")
+
+
+def _is_array(x) -> bool:
+    """A numpy array or torch tensor (token ids), by duck typing."""
+    return hasattr(x, "tolist") and hasattr(x, "ndim") and not isinstance(x, (str, bytes))
 
 
 class Pipeline:
@@ -64,21 +69,33 @@ class Pipeline:
             create_selector(selector, self.config)  # fail fast on an unknown name or type
         self.selector = selector
         backend_cls = get_backend_class(backend)
-        self.backend: Backend = backend_cls(
-            model or DEFAULT_MODEL, dtype=dtype, device=device, trust_remote_code=trust_remote_code
-        )
+        try:
+            self.backend: Backend = backend_cls(
+                model or DEFAULT_MODEL, dtype=dtype, device=device, trust_remote_code=trust_remote_code
+            )
+        except VegasConfigError:
+            raise
+        except Exception as exc:
+            if owner("backends", backend) == "vegas.builtins":
+                raise
+            raise plugin_failure("backends", backend, "failed to build", exc) from exc
 
     @property
     def tokenizer(self):
         return self.backend.tokenizer
 
     def encode(self, prompts: str | Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
-        """Token ids of ``prompts`` (texts are tokenised, token-id lists kept).
+        """Token ids of ``prompts`` (texts are tokenised, token-id lists kept; numpy arrays and
+        torch tensors of ids count as lists: 1-D one prompt, 2-D a batch).
 
         Raises:
             VegasConfigError: no prompt, or an empty one.
         """
         kinds = "a text, a list of texts, or a list of token-id lists"
+        if _is_array(prompts):  # numpy / torch token ids: 1-D one prompt, 2-D a batch
+            prompts = prompts.tolist()
+        if isinstance(prompts, (list, tuple)):
+            prompts = [p.tolist() if _is_array(p) else p for p in prompts]
         if isinstance(prompts, str) or (
             isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, numbers.Integral) for t in prompts)
         ):

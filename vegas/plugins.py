@@ -2,13 +2,16 @@
 
 Environment switches (read when the registry is first built):
 
-* ``VEGAS_DISABLE_PLUGIN_AUTOLOAD=1``: load no entry-point plugins (tests do this and
+* ``VEGAS_DISABLE_PLUGIN_AUTOLOAD=1`` (or ``true``, ``yes``, ``on``): load no entry-point plugins (tests do this and
   register their fixture plugins explicitly with :func:`register`).
 * ``VEGAS_PLUGINS=name1,name2``: load only these entry points of the group ``vegas``.
 * ``VEGAS_TRACE_PLUGINS=1``: log every hook call (pluggy's tracing).
 
-A plugin that fails to import, or raises in a hook, is logged with its name and skipped;
-the others still load.
+A plugin that fails to import, raises in a hook, or returns anything but a dict of names to
+classes (selectors: :class:`~vegas.interfaces.Selector` subclasses; backends:
+:class:`~vegas.backends.base.Backend` subclasses or factories returning one) is logged with its
+name and skipped; the others still load. A selector or backend that raises when it is built or
+run gives a :class:`~vegas.config.VegasPluginError` naming it and its plugin.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 import pluggy
 
 from . import hookspecs
-from .config import VegasConfig, VegasConfigError
+from .config import VegasConfig, VegasConfigError, VegasPluginError
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +32,8 @@ ENTRY_POINT_GROUP = "vegas"
 
 _manager: pluggy.PluginManager | None = None
 _registry: dict[str, dict[str, Any]] | None = None
+#: (kind, name) -> the plugin that registered it ("vegas.builtins" for the built-ins)
+_owners: dict[tuple[str, str], str] = {}
 plugin_errors: list[str] = []
 
 
@@ -51,8 +56,12 @@ class _Builtins:
         return {"hf": HFBackend, "vllm": vllm}
 
 
+def _autoload_disabled() -> bool:
+    return os.environ.get("VEGAS_DISABLE_PLUGIN_AUTOLOAD", "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def _load_entry_points(pm: pluggy.PluginManager) -> None:
-    if os.environ.get("VEGAS_DISABLE_PLUGIN_AUTOLOAD", "").lower() in ("1", "true", "yes"):
+    if _autoload_disabled():
         return
     only = {n.strip() for n in os.environ.get("VEGAS_PLUGINS", "").split(",") if n.strip()}
     entry_points = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
@@ -106,7 +115,21 @@ def unregister(name: str) -> None:
     _registry = None
 
 
-def _collect(hook_name: str) -> dict[str, Any]:
+def _bad_entry(kind: str, name: object, obj: object) -> str | None:
+    """Why ``name -> obj`` cannot be a ``kind`` ("selectors" or "backends"), or None."""
+    if not isinstance(name, str) or not name:
+        return f"names must be non-empty strings, got {name!r}"
+    if kind == "selectors":
+        from .interfaces import Selector
+
+        if not (isinstance(obj, type) and issubclass(obj, Selector)):
+            return f"selector {name!r} must be a vegas.interfaces.Selector subclass, got {obj!r}"
+    elif not callable(obj):
+        return f"backend {name!r} must be a vegas.backends.base.Backend subclass or a factory, got {obj!r}"
+    return None
+
+
+def _collect(hook_name: str, kind: str) -> dict[str, Any]:
     pm = get_plugin_manager()
     merged: dict[str, Any] = {}
     # Call each implementation on its own so that one raising plugin is skipped, not fatal.
@@ -115,15 +138,52 @@ def _collect(hook_name: str) -> dict[str, Any]:
     for impl in sorted(impls, key=lambda impl: impl.plugin_name != "vegas.builtins"):
         try:
             provided = impl.function()
+            if provided is None:
+                continue
+            if not isinstance(provided, dict):
+                raise TypeError(f"{hook_name}() must return a dict of names to classes, got {type(provided).__name__}")
+            problems = [p for p in (_bad_entry(kind, n, o) for n, o in provided.items()) if p]
+            if problems:
+                raise TypeError(f"{hook_name}(): " + "; ".join(problems))
         except Exception as exc:
             _report(impl.plugin_name, exc)
             continue
-        for name, obj in (provided or {}).items():
+        for name, obj in provided.items():
             if name in merged:
                 log.warning("plugin %r: %s %r already registered, ignored", impl.plugin_name, hook_name, name)
                 continue
             merged[name] = obj
+            _owners[(kind, name)] = impl.plugin_name
     return merged
+
+
+def owner(kind: str, name: str) -> str:
+    """The plugin that registered selector or backend ``name`` (``kind``: "selectors" or "backends")."""
+    registry()
+    return _owners.get((kind, name), "?")
+
+
+def run_selector(selector, method: str, *args):
+    """``selector.<method>(*args)``; an exception other than :class:`VegasConfigError` becomes a
+    :class:`VegasPluginError` naming the selector and its plugin.
+
+    Raises:
+        VegasPluginError: the selector raised.
+    """
+    try:
+        return getattr(selector, method)(*args)
+    except VegasConfigError:
+        raise
+    except Exception as exc:
+        name = getattr(selector, "name", type(selector).__name__)
+        raise plugin_failure("selectors", name, f"raised in {method}()", exc) from exc
+
+
+def plugin_failure(kind: str, name: str, what: str, exc: BaseException) -> VegasPluginError:
+    """The error for a selector or backend that raised (``what``: e.g. "failed to build")."""
+    return VegasPluginError(
+        f"{kind[:-1]} {name!r} (plugin {owner(kind, name)!r}) {what}: {type(exc).__name__}: {exc}"
+    )
 
 
 def registry() -> dict[str, dict[str, Any]]:
@@ -131,8 +191,8 @@ def registry() -> dict[str, dict[str, Any]]:
     global _registry
     if _registry is None:
         _registry = {
-            "selectors": _collect("vegas_selectors"),
-            "backends": _collect("vegas_backends"),
+            "selectors": _collect("vegas_selectors", "selectors"),
+            "backends": _collect("vegas_backends", "backends"),
         }
     return _registry
 
@@ -146,7 +206,7 @@ def backend_names() -> list[str]:
 
 
 def _autoload_hint() -> str:
-    if os.environ.get("VEGAS_DISABLE_PLUGIN_AUTOLOAD", "").lower() in ("1", "true", "yes"):
+    if _autoload_disabled():
         return " (third-party plugins are not loaded: VEGAS_DISABLE_PLUGIN_AUTOLOAD is set)"
     if os.environ.get("VEGAS_PLUGINS"):
         return f" (only the plugins in VEGAS_PLUGINS={os.environ['VEGAS_PLUGINS']!r} are loaded)"
@@ -158,11 +218,17 @@ def create_selector(name: str, config: VegasConfig):
 
     Raises:
         VegasConfigError: no selector of that name (the message lists the known ones).
+        VegasPluginError: the selector's constructor raised.
     """
     selectors = registry()["selectors"]
     if not isinstance(name, str) or name not in selectors:
         raise VegasConfigError(f"selector must be one of {sorted(selectors)}, got {name!r}{_autoload_hint()}")
-    return selectors[name](config)
+    try:
+        return selectors[name](config)
+    except VegasConfigError:
+        raise
+    except Exception as exc:
+        raise plugin_failure("selectors", name, "failed to build", exc) from exc
 
 
 def get_backend_class(name: str):
@@ -170,6 +236,7 @@ def get_backend_class(name: str):
 
     Raises:
         VegasConfigError: no backend of that name (the message lists the known ones).
+        VegasPluginError: its factory raised or returned no Backend subclass.
     """
     from .backends.base import Backend
 
@@ -178,5 +245,13 @@ def get_backend_class(name: str):
         raise VegasConfigError(f"backend must be one of {sorted(backends)}, got {name!r}{_autoload_hint()}")
     cls = backends[name]
     if not (isinstance(cls, type) and issubclass(cls, Backend)):
-        cls = cls()  # lazy factory
+        try:
+            cls = cls()  # lazy factory
+        except VegasConfigError:
+            raise
+        except Exception as exc:
+            raise plugin_failure("backends", name, "failed to load", exc) from exc
+        if not (isinstance(cls, type) and issubclass(cls, Backend)):
+            raise plugin_failure("backends", name, "failed to load",
+                                 TypeError(f"its factory returned {cls!r}, not a Backend subclass"))
     return cls

@@ -1,7 +1,7 @@
 """Long-context prompts: built at run time from installed source the model never saw.
 
 The embedded model was trained on Python source without docutils, jinja2 and click
-(design notes §7). ``click`` is vegas's CLI library, so it is always installed: its
+(design notes (docs/design-notes.md) §7). ``click`` is vegas's CLI library, so it is always installed: its
 modules, concatenated in a fixed order, form one long document from which contexts of
 the requested length are cut. Users pass their own file or directory instead; files are
 read as text, never executed.
@@ -28,24 +28,40 @@ def package_source(package: str = "click") -> str:
     return _concatenate(sorted(root.rglob("*.py")), root.parent)
 
 
-def read_text_source(path: str | Path) -> str:
+def read_text_source(path: str | Path, *, what: str = "prompts path", max_bytes: int | None = None) -> str:
     """Text of a file, or of every text file under a directory (sorted), concatenated.
 
+    Args:
+        path: a file or a directory.
+        what: how error messages name the path (e.g. the CLI option).
+        max_bytes: refuse, before reading anything, files that together hold more bytes.
+
     Raises:
-        VegasConfigError: the path does not exist, is a binary file, or holds no text file.
+        VegasConfigError: the path does not exist, is a binary file, holds no text file, or
+            holds more than ``max_bytes`` bytes.
     """
     path = Path(path)
     if path.is_file():
+        files = [path]
+    elif path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+    else:
+        files = []
+    if max_bytes is not None:
+        size = sum(f.stat().st_size for f in files)
+        if size > max_bytes:
+            raise VegasConfigError(
+                f"{what} {str(path)!r} holds {size} bytes of text; at most {max_bytes} bytes can fit "
+                "the model's context"
+            )
+    if path.is_file():
         if _is_binary(path):
-            raise VegasConfigError(f"prompts path {str(path)!r} is a binary file, not text")
+            raise VegasConfigError(f"{what} {str(path)!r} is a binary file, not text")
         return path.read_text(encoding="utf-8", errors="replace")
-    if path.is_dir():
-        files = sorted(
-            p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES and not _is_binary(p)
-        )
-        if files:
-            return _concatenate(files, path)
-    raise VegasConfigError(f"prompts path {str(path)!r} is not a file or a directory with text files")
+    files = [f for f in files if not _is_binary(f)]
+    if files:
+        return _concatenate(files, path)
+    raise VegasConfigError(f"{what} {str(path)!r} is not a file or a directory with text files")
 
 
 def _is_binary(path: Path) -> bool:

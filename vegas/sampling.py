@@ -21,12 +21,18 @@ __all__ = ["SamplingParams", "SampleFn", "make_sampler"]
 SampleFn = Callable[[torch.Tensor], tuple[torch.Tensor, "torch.Tensor | None"]]
 
 
+#: temperatures below this decode greedily (as in vLLM's sampler)
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How tokens are chosen.
 
     Args:
-        temperature: 0 for greedy decoding, else > 0.
+        temperature: 0 for greedy decoding, else > 0. Temperatures below
+            :data:`GREEDY_BELOW` (1e-5, vLLM's threshold) decode greedily: dividing logits by
+            them overflows float32.
         top_p: nucleus mass in (0, 1]; 1 switches it off.
         seed: seed of the ``torch.Generator`` used for sampling and acceptance draws.
 
@@ -50,7 +56,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """Sampling distribution ``(..., vocab)`` float32 of ``logits`` ``(..., vocab)``."""

@@ -1,7 +1,7 @@
 """Selection maths shared by the selectors and the backends; pure tensor code, no model.
 
 * :func:`collect_scores`: aggregated attention scores of a few query rows (the Vegas
-  oracle, seed §"Verification-guided selection"; design notes §1 step 4).
+  oracle, seed §"Verification-guided selection"; design notes (docs/design-notes.md) §1 step 4).
 * :func:`topk_selection`: per-sequence top-k under a per-sequence budget.
 """
 

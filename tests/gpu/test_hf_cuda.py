@@ -1,7 +1,7 @@
 """HF backend on CUDA: greedy Vegas equals plain greedy of the same dtype (skipped without a GPU).
 
 float32: token-identical. bfloat16: verification runs γ+1 queries through other kernels than
-a one-query decode step, so rounding differs and near-ties can flip (design notes §5); there
+a one-query decode step, so rounding differs and near-ties can flip (design notes (docs/design-notes.md) §5); there
 the test requires every first divergence to be a bf16 near-tie: the plain model's top-2 logit
 gap at that position is at most ``BF16_TIE`` (two bf16 steps at logit magnitudes up to 32).
 """

@@ -30,3 +30,48 @@ class ShadowingPlugin:
     @vegas.hookimpl
     def vegas_selectors(self):
         return {"collect2": SinksOnlySelector}
+
+
+class NotADictPlugin:
+    @vegas.hookimpl
+    def vegas_selectors(self):
+        return ["x"]
+
+
+class NotAClassPlugin:
+    @vegas.hookimpl
+    def vegas_selectors(self):
+        return {"badvalue": 3}
+
+    @vegas.hookimpl
+    def vegas_backends(self):
+        return {"notabackend": 3}
+
+
+class InitRaisingSelector(SlidingWindowSelector):
+    name = "initraise"
+
+    def __init__(self, config):
+        raise RuntimeError("init boom")
+
+
+class SelectRaisingSelector(SlidingWindowSelector):
+    name = "selectraise"
+
+    def select(self, inputs):
+        raise RuntimeError("select boom")
+
+
+class FactoryRaisingBackendPlugin:
+    @vegas.hookimpl
+    def vegas_backends(self):
+        def factory():
+            raise RuntimeError("backend factory boom")
+
+        return {"boombackend": factory}
+
+
+class FailingSelectorsPlugin:
+    @vegas.hookimpl
+    def vegas_selectors(self):
+        return {"initraise": InitRaisingSelector, "selectraise": SelectRaisingSelector}

@@ -23,7 +23,8 @@ class RequestStats:
         num_accepted: draft tokens accepted.
         decode_seconds: wall time of the batch's decode phase, after prefill (seconds).
         prefill_seconds: wall time of the batch's prefill (seconds).
-        selection_seconds: time in score collection, top-k and index building (seconds).
+        selection_seconds: time in score collection, top-k and index building during the
+            decode phase (seconds; the selection made at prefill counts with the prefill).
     """
 
     num_generated: int = 0

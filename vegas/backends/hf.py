@@ -18,11 +18,17 @@ import logging
 from typing import Any
 
 import torch
-from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import (
+    AttentionInterface,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DynamicCache,
+)
 
 from ..config import VegasConfig, VegasConfigError, kv_budget_for
 from ..interfaces import Drafter, Selection, SelectionInput, Selector, Verifier
 from ..loop import plain_decode, speculative_decode
+from ..plugins import run_selector
 from ..sampling import SampleFn, SamplingParams
 from .base import Backend, RequestOutput
 from .hf_attention import ATTENTION_NAME, AttentionContext, clock, vegas_attention
@@ -137,13 +143,13 @@ class HFSession(Drafter, Verifier):
                 budget=budget,
                 keys=self.cache.layers[layer].keys,
             )
-            self.selections.append(self.selector.select(inputs))
+            self.selections.append(run_selector(self.selector, "select", inputs))
         self.selection_len = num_slots
         self.selection_seconds += self._tick() - start
 
     def _full_context(self, chunk_len: int, num_new: int) -> AttentionContext:
         """Full-attention context collecting the selector's rows among the last ``chunk_len``."""
-        rows = self.selector.score_rows(chunk_len) if self.selector is not None else []
+        rows = run_selector(self.selector, "score_rows", chunk_len) if self.selector is not None else []
         rows = [num_new - chunk_len + r for r in rows]
         return AttentionContext(
             mode="full",

@@ -23,6 +23,7 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 from ..interfaces import Selection, Selector
+from ..plugins import run_selector
 from ..selection import collect_scores
 
 ATTENTION_NAME = "vegas"
@@ -80,7 +81,7 @@ def _draft_attention(module, query, key, value, scaling, ctx: AttentionContext):
     sel = ctx.selections[layer]
     if ctx.selector is not None and ctx.selector.query_aware:
         start = ctx._tick()
-        sel = ctx.selector.select_for_query(layer, query, sel)
+        sel = run_selector(ctx.selector, "select_for_query", layer, query, sel)
         ctx.selection_seconds += ctx._tick() - start
     n = ctx.selection_len
     k = torch.cat([_gather_slots(key, sel), key[:, :, n:]], dim=2)

@@ -1,4 +1,4 @@
-"""Aggregated-logit selection (Vegas, seed; design notes §1 step 4).
+"""Aggregated-logit selection (Vegas, seed; design notes (docs/design-notes.md) §1 step 4).
 
 ``score_l[i] = Σ_{t ∈ chunk} Σ_{h ∈ heads(l)} logit_l^{(h)}[t, i]`` over all γ+1 queries
 of the verified chunk, rejected ones included; ``S_l = top-k(score_l)``.

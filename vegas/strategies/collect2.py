@@ -1,4 +1,4 @@
-"""Collect-2-Query selection (Vegas, seed; design notes §1 step 4).
+"""Collect-2-Query selection (Vegas, seed; design notes (docs/design-notes.md) §1 step 4).
 
 Aggregates only the two queries of the verified chunk furthest apart: row 0 (``x_last``,
 it predicts the first draft token) and row γ (the last draft, it predicts the bonus

@@ -1,4 +1,4 @@
-"""Last-token selection (ablation, design notes §2): the logits of ``x_last`` alone.
+"""Last-token selection (ablation, design notes (docs/design-notes.md) §2): the logits of ``x_last`` alone.
 
 Row 0 of the verified chunk is the last token accepted before it was drafted.
 """
