@@ -104,3 +104,31 @@ def _writable(path):
         return False
     path.unlink()
     return True
+
+
+def test_bench_repeats_interleave_and_failing_plugin_selectors_are_skipped(tmp_path):
+    """--repeats N times every method N times (median row, every run kept); with every
+    selector, a plugin selector that fails is skipped and reported, the others still run."""
+    from vegas import plugins
+
+    from .plugins.fixture_plugins import FailingSelectorsPlugin
+
+    plugins.register(FailingSelectorsPlugin(), name="failing")
+    try:
+        out = tmp_path / "r.json"
+        result = CliRunner().invoke(main, [
+            "bench", "--context", "128", "--new-tokens", "4", "--check-tokens", "4", "--batch-size", "1",
+            "--repeats", "2", "--json", str(out),
+        ])
+        assert result.exit_code == 0, result.output
+        data = json.loads(out.read_text())
+        assert set(data["skipped"]) == {"initraise", "selectraise"}
+        assert "failed to build" in data["skipped"]["initraise"] and "select boom" in data["skipped"]["selectraise"]
+        assert "collect2" in data["selectors"] and "initraise" not in data["selectors"]
+        assert len(data["plain"]["tokens_per_second_runs"]) == 2
+        assert all(len(r["tokens_per_second_runs"]) == 2 for r in data["selectors"].values())
+        assert "skipped (plugin error)" in result.output
+        result = CliRunner().invoke(main, ["bench", "--context", "128", "--selectors", "initraise"])
+        assert result.exit_code == 2 and "selector 'initraise' (plugin 'failing') failed to build" in result.output
+    finally:
+        plugins.unregister("failing")

@@ -47,6 +47,7 @@ class BenchOptions:
     dtype: str = "float32"
     device: str | None = None
     seed: int = 0
+    repeats: int = 1  # timed runs per method, interleaved across methods; rows report the median
 
 
 def summarize(outputs: list[RequestOutput]) -> dict:
@@ -79,7 +80,7 @@ def _prompts(pipe: Pipeline, opts: BenchOptions) -> list[list[int]]:
 
 
 def _raise_if_bad_options(opts: BenchOptions, pipe: Pipeline) -> None:
-    for name in ("batch_size", "new_tokens", "check_tokens"):
+    for name in ("batch_size", "new_tokens", "check_tokens", "repeats"):
         value = getattr(opts, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise VegasConfigError(f"{name} (--{name.replace('_', '-')}) must be an integer >= 1, got {value!r}")
@@ -134,36 +135,55 @@ def run_bench(opts: BenchOptions, console: Console | None = None) -> dict:
         "skipped": skipped,
     }
 
-    runs = [None, *opts.selectors]
+    def skip(name: str, exc: VegasPluginError) -> None:
+        if not every:
+            raise exc
+        results["skipped"][name] = str(exc)
+        console.print(f"[yellow]skipped: {exc}[/yellow]")
+
     with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("vegas bench", total=2 * len(runs) + 1)
+        total = 1 + len(opts.selectors) + opts.repeats * (1 + len(opts.selectors))
+        task = progress.add_task("vegas bench", total=total)
         progress.update(task, description="plain greedy (reference)")
         reference = pipe.generate(prompts, max_new_tokens=opts.check_tokens, selector=None)
         progress.advance(task)
-        for name in runs:
-            label = name or "plain"
+        greedy: dict[str, list[RequestOutput]] = {}
+        for name in opts.selectors:  # the check also warms each selector up before it is timed
+            progress.update(task, description=f"{name}: greedy exactness check")
             try:
-                if name is not None:  # the check also warms the selector up before it is timed
-                    progress.update(task, description=f"{label}: greedy exactness check")
-                    greedy = pipe.generate(prompts, max_new_tokens=opts.check_tokens, selector=name)
-                progress.advance(task)
-                progress.update(task, description=f"{label}: sampling")
-                row = summarize(pipe.generate(prompts, max_new_tokens=opts.new_tokens, selector=name, **sampled))
+                greedy[name] = pipe.generate(prompts, max_new_tokens=opts.check_tokens, selector=name)
             except VegasPluginError as exc:
-                if not every or name is None:
-                    raise
-                results["skipped"][name] = str(exc)
-                console.print(f"[yellow]skipped: {exc}[/yellow]")
-                continue
+                skip(name, exc)
             progress.advance(task)
-            if name is None:
-                results["plain"] = row
-                continue
-            row["greedy_acceptance_length"] = summarize(greedy)["acceptance_length"]
-            row["lossless"] = all(g.token_ids == r.token_ids for g, r in zip(greedy, reference))
+        timed: dict[str | None, list[dict]] = {None: [], **{name: [] for name in greedy}}
+        for r in range(opts.repeats):  # interleaved: a load that drifts meets every method alike
+            for name in list(timed):
+                progress.update(task, description=f"{name or 'plain'}: sampling, run {r + 1}/{opts.repeats}")
+                try:
+                    out = pipe.generate(prompts, max_new_tokens=opts.new_tokens, selector=name, **sampled)
+                except VegasPluginError as exc:
+                    skip(name, exc)
+                    del timed[name]
+                    continue
+                timed[name].append(summarize(out))
+                progress.advance(task)
+        results["plain"] = _median_row(timed.pop(None))
+        for name, rows in timed.items():
+            row = _median_row(rows)
+            row["greedy_acceptance_length"] = summarize(greedy[name])["acceptance_length"]
+            row["lossless"] = all(g.token_ids == r.token_ids for g, r in zip(greedy[name], reference))
             row["speedup"] = row["tokens_per_second"] / results["plain"]["tokens_per_second"]
             results["selectors"][name] = row
     return results
+
+
+def _median_row(rows: list[dict]) -> dict:
+    """The run with the median tok/s (the lower middle one of an even count), plus every
+    run's tok/s under ``tokens_per_second_runs``."""
+    order = sorted(rows, key=lambda row: row["tokens_per_second"])
+    row = dict(order[(len(order) - 1) // 2])
+    row["tokens_per_second_runs"] = [r["tokens_per_second"] for r in rows]
+    return row
 
 
 def greedy_tau_cap(check_tokens: int, num_draft_tokens: int) -> float:

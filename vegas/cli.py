@@ -32,6 +32,7 @@ def _config_options(fn):
 
 
 @click.group()
+@click.version_option(package_name="vegas")
 @click.option("-v", "--verbose", is_flag=True, help="Log at INFO level.")
 def main(verbose: bool) -> None:
     """vegas: lossless self-speculative decoding with verification-guided sparse attention."""
@@ -49,6 +50,8 @@ def main(verbose: bool) -> None:
               help="Tokens of the greedy exactness check per selector.")
 @click.option("--prompts", default=None, type=click.Path(exists=True),
               help="Text file or directory to cut prompts from (default: installed click source).")
+@click.option("--repeats", default=1, show_default=True, type=int,
+              help="Timed runs per method, interleaved across methods; rows report the median tok/s.")
 @click.option("--json", "json_path", default=None, type=click.Path(), help="Write results as JSON here.")
 def bench(json_path, selectors, **kwargs) -> None:
     """Plain decoding vs each selector on the same long prompts: τ, tok/s, speedup, exactness."""

@@ -42,7 +42,9 @@ class VegasConfig:
         min_kv_budget: lower bound of the budget derived from ``sparsity_ratio`` (tokens).
         num_sinks: attention sinks kept by the sliding-window selector (tokens).
         window: recent positions kept by the sliding-window selector (tokens); None means
-            ``budget - num_sinks`` so that baselines compare at equal budget.
+            ``budget - num_sinks`` so that baselines compare at equal budget. A window that is
+            set overrides the KV budget for that selector: it keeps ``num_sinks + window``
+            positions whatever ``kv_budget`` or ``sparsity_ratio`` say.
         page_size: Quest page size P (tokens).
         recent_window: the last committed positions every score-based selector keeps inside
             its budget (tokens, at most half the budget), on top of the top-k of the rest;
