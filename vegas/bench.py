@@ -116,15 +116,19 @@ def run_bench(opts: BenchOptions, console: Console | None = None) -> dict:
     if every:
         opts.selectors = selector_names()
     skipped: dict[str, str] = {}
+
+    def skip(name: str, exc: VegasPluginError) -> None:
+        if not every:
+            raise exc
+        skipped[name] = str(exc)
+        console.print(f"[yellow]skipped: {exc}[/yellow]")
+
     for name in list(opts.selectors):  # fail on an unknown name before any work
         try:
             create_selector(name, pipe.config)
         except VegasPluginError as exc:
-            if not every:
-                raise
-            skipped[name] = str(exc)
+            skip(name, exc)
             opts.selectors.remove(name)
-            console.print(f"[yellow]skipped: {exc}[/yellow]")
     prompts = _prompts(pipe, opts)
     sampled = dict(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)
     results: dict = {
@@ -134,12 +138,6 @@ def run_bench(opts: BenchOptions, console: Console | None = None) -> dict:
         "selectors": {},
         "skipped": skipped,
     }
-
-    def skip(name: str, exc: VegasPluginError) -> None:
-        if not every:
-            raise exc
-        results["skipped"][name] = str(exc)
-        console.print(f"[yellow]skipped: {exc}[/yellow]")
 
     with Progress(console=console, transient=True) as progress:
         total = 1 + len(opts.selectors) + opts.repeats * (1 + len(opts.selectors))
