@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import numbers
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Sequence
 
 from .backends.base import Backend, RequestOutput
 from .config import VegasConfig, VegasConfigError
-from .plugins import create_selector, get_backend_class, owner, plugin_failure
+from .plugins import blame, create_selector, get_backend_class, owner
 from .sampling import SamplingParams
 
 __all__ = ["Pipeline", "DEFAULT_MODEL"]
@@ -69,16 +70,11 @@ class Pipeline:
             create_selector(selector, self.config)  # fail fast on an unknown name or type
         self.selector = selector
         backend_cls = get_backend_class(backend)
-        try:
+        builtin = owner("backends", backend) == "vegas.builtins"  # its own errors stay as they are
+        with nullcontext() if builtin else blame("backends", backend, "failed to build"):
             self.backend: Backend = backend_cls(
                 model or DEFAULT_MODEL, dtype=dtype, device=device, trust_remote_code=trust_remote_code
             )
-        except VegasConfigError:
-            raise
-        except Exception as exc:
-            if owner("backends", backend) == "vegas.builtins":
-                raise
-            raise plugin_failure("backends", backend, "failed to build", exc) from exc
 
     @property
     def tokenizer(self):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import os
+from contextlib import contextmanager
 from typing import Any
 
 import pluggy
@@ -170,13 +171,8 @@ def run_selector(selector, method: str, *args):
     Raises:
         VegasPluginError: the selector raised.
     """
-    try:
+    with blame("selectors", getattr(selector, "name", type(selector).__name__), f"raised in {method}()"):
         return getattr(selector, method)(*args)
-    except VegasConfigError:
-        raise
-    except Exception as exc:
-        name = getattr(selector, "name", type(selector).__name__)
-        raise plugin_failure("selectors", name, f"raised in {method}()", exc) from exc
 
 
 def plugin_failure(kind: str, name: str, what: str, exc: BaseException) -> VegasPluginError:
@@ -184,6 +180,18 @@ def plugin_failure(kind: str, name: str, what: str, exc: BaseException) -> Vegas
     return VegasPluginError(
         f"{kind[:-1]} {name!r} (plugin {owner(kind, name)!r}) {what}: {type(exc).__name__}: {exc}"
     )
+
+
+@contextmanager
+def blame(kind: str, name: str, what: str):
+    """Turn an exception other than :class:`VegasConfigError` inside the block into a
+    :class:`VegasPluginError` naming selector or backend ``name`` and its plugin."""
+    try:
+        yield
+    except VegasConfigError:
+        raise
+    except Exception as exc:
+        raise plugin_failure(kind, name, what, exc) from exc
 
 
 def registry() -> dict[str, dict[str, Any]]:
@@ -223,12 +231,8 @@ def create_selector(name: str, config: VegasConfig):
     selectors = registry()["selectors"]
     if not isinstance(name, str) or name not in selectors:
         raise VegasConfigError(f"selector must be one of {sorted(selectors)}, got {name!r}{_autoload_hint()}")
-    try:
+    with blame("selectors", name, "failed to build"):
         return selectors[name](config)
-    except VegasConfigError:
-        raise
-    except Exception as exc:
-        raise plugin_failure("selectors", name, "failed to build", exc) from exc
 
 
 def get_backend_class(name: str):
@@ -245,12 +249,8 @@ def get_backend_class(name: str):
         raise VegasConfigError(f"backend must be one of {sorted(backends)}, got {name!r}{_autoload_hint()}")
     cls = backends[name]
     if not (isinstance(cls, type) and issubclass(cls, Backend)):
-        try:
+        with blame("backends", name, "failed to load"):
             cls = cls()  # lazy factory
-        except VegasConfigError:
-            raise
-        except Exception as exc:
-            raise plugin_failure("backends", name, "failed to load", exc) from exc
         if not (isinstance(cls, type) and issubclass(cls, Backend)):
             raise plugin_failure("backends", name, "failed to load",
                                  TypeError(f"its factory returned {cls!r}, not a Backend subclass"))

@@ -32,14 +32,14 @@ from typing import Any
 
 from ..config import VegasConfig, VegasConfigError
 from ..sampling import SamplingParams
+from ..vllm_plugin.state import SELECTORS as VLLM_SELECTORS
 from .base import Backend, RequestOutput, RequestStats
 
 __all__ = ["VLLMBackend", "vllm_engine_kwargs"]
 
 log = logging.getLogger(__name__)
+# VLLM_SELECTORS: the proposer's selector names (vegas.vllm_plugin.state imports no vLLM)
 
-#: selectors the vLLM backend implements (the proposer's names)
-VLLM_SELECTORS = ("collect2", "aggregated", "sliding_window", "quest")
 #: vLLM's KV block size, the page of Quest on this backend
 VLLM_BLOCK_SIZE = 16
 
