@@ -69,3 +69,15 @@ def test_identical_distributions_accept_everything():
     p = torch.tensor([[0.2, 0.3, 0.5], [0.6, 0.2, 0.2], [0.1, 0.1, 0.8]])
     _, _, n = _emitted(p[:2], p, 1000, seed=3)
     assert (n == 2).all()
+
+
+def test_a_zero_probability_draft_is_never_accepted(monkeypatch):
+    """r = 0.0 exactly (torch.rand can return it) must not accept a token the target gives p = 0."""
+    draft = torch.tensor([[2]])
+    q = torch.tensor([[[0.0, 0.2, 0.8, 0.0]]])
+    p = torch.tensor([[[0.5, 0.5, 0.0, 0.0], [0.25] * 4]])
+    real_rand = torch.rand
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.zeros_like(real_rand(*a, **k)))
+    num_accepted, next_tokens = speculative_sampling(draft, q, p)
+    assert num_accepted.tolist() == [0]
+    assert next_tokens.item() in (0, 1)  # resampled from max(0, p - q), never token 2

@@ -64,7 +64,9 @@ def speculative_sampling(
     p = target_probs[:, :gamma].gather(2, draft_tokens[..., None]).squeeze(2)  # [batch_size, γ]
     q = draft_probs.gather(2, draft_tokens[..., None]).squeeze(2)  # [batch_size, γ]
     r = torch.rand(p.shape, generator=generator, device=p.device, dtype=p.dtype)
-    num_accepted = _accepted_prefix(r * q <= p)  # r <= p/q without dividing by q
+    # r <= p/q without dividing by q; never where p = 0 (r can be exactly 0.0, and a top-p
+    # draft can propose a token outside the target's nucleus)
+    num_accepted = _accepted_prefix((r * q <= p) & (p > 0))
 
     rows = torch.arange(batch_size, device=p.device)
     p_next = target_probs[rows, num_accepted]  # [batch_size, vocab]

@@ -40,6 +40,10 @@ FULL_BUDGET_LOGGED = False
 
 AttentionInterface.register(ATTENTION_NAME, vegas_attention)
 
+#: prompt tokens per prefill forward: bounds the attention mask to (batch, chunk, context)
+#: booleans and the activations to one chunk, so memory grows linearly with the prompt
+PREFILL_CHUNK_TOKENS = 1024
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -60,16 +64,21 @@ class HFSession(Drafter, Verifier):
         self.config = config
         self.selector = selector
         self.device = model.device
-        self.num_layers = model.config.num_hidden_layers
-        self.layer_types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
-        self.cache = DynamicCache(config=model.config)
-        self.cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.num_layers = model.config.get_text_config().num_hidden_layers
+        # No config: every layer keeps every slot (sliding-window layers are windowed by the
+        # attention mask, so that slots, positions and selections line up on every layer).
+        self.cache = DynamicCache()
+        params = inspect.signature(model.forward).parameters
+        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.keeps_logits = "logits_to_keep" in params
         self.sync = self.device.type == "cuda"
         self.valid = torch.zeros(0, 0, dtype=torch.bool, device=self.device)  # [B, num_slots]
+        self.slot_pos = torch.zeros(0, 0, dtype=torch.long, device=self.device)  # [B, num_slots]
         self.num_committed = torch.zeros(0, dtype=torch.long, device=self.device)  # [B]
         self.last_tokens = torch.zeros(0, dtype=torch.long, device=self.device)  # [B] x_last
         self.pending = 0  # slots appended since the last commit
-        self.selections: list[Selection] = []
+        self.layer_windows: dict[int, int | None] = {}  # learnt from the first forward
+        self.selections: list[Selection | None] = []
         self.selection_len = 0
         self.selection_seconds = 0.0
 
@@ -78,47 +87,56 @@ class HFSession(Drafter, Verifier):
         return clock(self.sync)
 
     def _forward(
-        self, input_ids: torch.Tensor, input_valid: torch.Tensor, ctx: AttentionContext
-    ) -> torch.Tensor:
-        """Append ``input_ids`` ``(B, T)`` to the cache; returns logits ``(B, T, V)`` float32."""
-        num_prev, num_new = self.valid.shape[1], input_ids.shape[1]
-        valid = torch.cat([self.valid, input_valid], dim=1)  # [B, num_prev + T]
+        self, input_ids: torch.Tensor, input_valid: torch.Tensor, ctx: AttentionContext,
+        num_logits: int = 0,
+    ) -> torch.Tensor | None:
+        """Append ``input_ids`` ``(B, T)`` to the cache.
+
+        Returns:
+            logits ``(B, num_logits or T, V)`` float32 of the last ``num_logits`` positions
+            (0: all), or None when ``num_logits`` is -1 (prefill: no logits needed).
+        """
         offsets = (input_valid.long().cumsum(dim=1) - 1).clamp(min=0)
         position_ids = self.num_committed[:, None] + self.pending + offsets  # [B, T]
-        mask = None
-        if ctx.mode == "full":
-            slots = torch.arange(num_prev + num_new, device=self.device)
-            query_slots = num_prev + torch.arange(num_new, device=self.device)
-            allowed = valid[:, None, :] & (slots[None, None, :] <= query_slots[None, :, None])
-            if ctx.score_rows:
-                ctx.score_allowed = allowed[:, ctx.score_rows] & input_valid[:, ctx.score_rows, None]
-            # Padding queries attend to everything (finite garbage, never read).
-            mask = (allowed | ~input_valid[:, :, None])[:, None]  # [B, 1, T, num_prev + T]
+        ctx.query_pos, ctx.query_valid = position_ids, input_valid
+        ctx.key_pos = torch.cat([self.slot_pos, position_ids], dim=1)  # [B, num_prev + T]
+        ctx.key_valid = torch.cat([self.valid, input_valid], dim=1)
+        extra = {}
+        if self.keeps_logits and num_logits:
+            extra["logits_to_keep"] = max(num_logits, 1)
         out = self.model(
             input_ids=input_ids,
             position_ids=position_ids,
-            attention_mask={layer_type: mask for layer_type in self.layer_types},
+            attention_mask=None,  # vegas_attention builds every layer's mask from ctx
             use_cache=True,
             vegas_ctx=ctx,
+            **extra,
             **{self.cache_kwarg: self.cache},
         )
-        self.valid = valid
-        self.pending += num_new
+        self.valid, self.slot_pos = ctx.key_valid, ctx.key_pos
+        self.pending += input_ids.shape[1]
         self.selection_seconds += ctx.selection_seconds
-        return out.logits.float()
+        self.layer_windows.update(ctx.layer_windows)
+        if num_logits < 0:
+            return None
+        logits = out.logits if num_logits == 0 else out.logits[:, -num_logits:]
+        return logits.float()
 
     def _crop(self, num_slots: int) -> None:
         if num_slots > 0:
             self.cache.crop(-num_slots)  # negative: remove, in transformers 5.17 and 5.24
             self.valid = self.valid[:, :-num_slots]
+            self.slot_pos = self.slot_pos[:, :-num_slots]
 
     def _select(self, scores: dict[int, torch.Tensor]) -> None:
+        """Index sets of every full-attention layer for the next drafting phase.
+
+        Sliding-window layers get None: they draft within their own window.
+        """
         start = self._tick()
         num_slots = self.valid.shape[1]
         if num_slots == 0:  # one-token prompts only: nothing to select from yet
-            empty = torch.zeros(self.valid.shape[0], 1, 0, dtype=torch.long, device=self.device)
-            self.selections = [Selection(empty, empty.bool())] * self.num_layers
-            self.selection_len = 0
+            self.selections, self.selection_len = [None] * self.num_layers, 0
             return
         counts = self.valid.sum(dim=1)  # [B]
         wanted = torch.tensor([kv_budget_for(self.config, int(c)) for c in counts], device=self.device)
@@ -135,6 +153,9 @@ class HFSession(Drafter, Verifier):
         budget = torch.minimum(wanted, counts)
         self.selections = []
         for layer in range(self.num_layers):
+            if self.layer_windows.get(layer) is not None:
+                self.selections.append(None)
+                continue
             layer_scores = scores.get(layer)
             inputs = SelectionInput(
                 layer_idx=layer,
@@ -148,8 +169,9 @@ class HFSession(Drafter, Verifier):
         self.selection_seconds += self._tick() - start
 
     def _full_context(self, chunk_len: int, num_new: int) -> AttentionContext:
-        """Full-attention context collecting the selector's rows among the last ``chunk_len``."""
-        rows = run_selector(self.selector, "score_rows", chunk_len) if self.selector is not None else []
+        """Full-attention context collecting the selector's rows among the last ``chunk_len``
+        of ``num_new`` queries (none when ``chunk_len`` is 0)."""
+        rows = run_selector(self.selector, "score_rows", chunk_len) if self.selector and chunk_len else []
         rows = [num_new - chunk_len + r for r in rows]
         return AttentionContext(
             mode="full",
@@ -161,11 +183,14 @@ class HFSession(Drafter, Verifier):
 
     def _groups(self) -> int:
         if self.config.granularity == "kv_head":
-            return self.model.config.num_key_value_heads
+            return self.model.config.get_text_config().num_key_value_heads
         return 1
 
     # -- Verifier --------------------------------------------------------------------------
+    @torch.inference_mode()
     def prefill(self, prompts: list[list[int]]) -> None:
+        """Prefill all but the last prompt token, in chunks of at most
+        ``max(PREFILL_CHUNK_TOKENS, γ + 1)`` tokens (no logits; masks ``(B, chunk, context)``)."""
         batch_size = len(prompts)
         width = max(len(p) for p in prompts) - 1
         input_ids = torch.zeros(batch_size, width, dtype=torch.long)
@@ -177,16 +202,23 @@ class HFSession(Drafter, Verifier):
                 input_valid[b, width - n:] = True
         input_ids, input_valid = input_ids.to(self.device), input_valid.to(self.device)
         self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device)
+        self.slot_pos = torch.zeros(batch_size, 0, dtype=torch.long, device=self.device)
         self.num_committed = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+        self.pending = 0
         self.last_tokens = torch.tensor([p[-1] for p in prompts], device=self.device)
-        # The last min(γ + 1, width) prompt positions stand in for a verified chunk.
-        ctx = self._full_context(min(self.config.num_draft_tokens + 1, width), width)
-        if width:
-            self._forward(input_ids, input_valid, ctx)
+        # Chunks end at the prompt's end, so the last one holds every score row: the last
+        # min(γ + 1, width) prompt positions stand in for a verified chunk.
+        chunk = max(PREFILL_CHUNK_TOKENS, self.config.num_draft_tokens + 1)
+        ctx = None
+        for end in range(width % chunk or chunk, width + 1, chunk) if width else ():
+            start = max(0, end - chunk)
+            last = end == width
+            ctx = self._full_context(min(self.config.num_draft_tokens + 1, width) if last else 0, end - start)
+            self._forward(input_ids[:, start:end], input_valid[:, start:end], ctx, num_logits=-1)
         self.num_committed = input_valid.sum(dim=1)
         self.pending = 0
         if self.selector is not None:
-            self._select(ctx.scores)
+            self._select(ctx.scores if ctx is not None else {})
 
     @torch.inference_mode()
     def verify(self, draft_tokens: torch.Tensor) -> torch.Tensor:
@@ -213,19 +245,18 @@ class HFSession(Drafter, Verifier):
     # -- Drafter ---------------------------------------------------------------------------
     @torch.inference_mode()
     def draft(self, num_draft_tokens: int, sample: SampleFn):
-        ctx = AttentionContext(
-            mode="draft",
-            selections=self.selections,
-            selection_len=self.selection_len,
-            selector=self.selector if self.selection_len else None,
-            sync=self.sync,
-        )
         tokens, probs = [], []
         x = self.last_tokens
         ones = torch.ones(x.shape[0], 1, dtype=torch.bool, device=self.device)
         for _ in range(num_draft_tokens):
-            ctx.selection_seconds = 0.0
-            logits = self._forward(x[:, None], ones, ctx)[:, -1]  # [B, V]
+            ctx = AttentionContext(
+                mode="draft",
+                selections=self.selections,
+                selection_len=self.selection_len,
+                selector=self.selector if self.selection_len else None,
+                sync=self.sync,
+            )
+            logits = self._forward(x[:, None], ones, ctx, num_logits=1)[:, -1]  # [B, V]
             x, p = sample(logits)
             tokens.append(x)
             probs.append(p)

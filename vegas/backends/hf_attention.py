@@ -4,14 +4,23 @@ transformers calls it for every attention layer with the layer's post-RoPE ``que
 ``(batch_size, num_heads, q_len, head_dim)`` and the cached ``key``/``value``
 ``(batch_size, num_kv_heads, num_slots, head_dim)`` (the new tokens included, before GQA
 repetition). The per-call :class:`AttentionContext` travels as the keyword ``vegas_ctx``
-of ``model(...)``; without it the function is plain masked attention.
+of ``model(...)``; without it the function is plain causal attention.
 
-* ``full``: full attention under ``attention_mask`` (prefill, verification, plain
-  decoding). When ``ctx.score_rows`` is set, the logits of those query rows are reduced
-  with :func:`vegas.selection.collect_scores` and stored in ``ctx.scores[layer]``: only
-  ``(batch_size, num_heads, len(score_rows), num_slots)`` is materialised for it.
-* ``draft``: sparse attention over the layer's selected slots (gathered, so the work is
-  proportional to the budget) plus every slot appended since the selection.
+Masks never come from the model. The name ``"vegas"`` has no entry in transformers'
+``AttentionMaskInterface``, so every architecture's mask builder returns None for it (no
+``T x T`` mask is materialised by transformers); this function builds each layer's mask from
+the context's per-slot positions and validity instead. That is one mask path for every
+architecture: causal by position, padding and rolled-back slots hidden, and, on layers that
+transformers calls with ``sliding_window=W``, only keys with ``query_pos - key_pos < W``
+(transformers' ``sliding_window_overlay``).
+
+* ``full``: full attention (prefill, verification, plain decoding). When
+  ``ctx.score_rows`` is set, the logits of those query rows are reduced with
+  :func:`vegas.selection.collect_scores` into ``ctx.scores[layer]`` (full-attention layers
+  only: a sliding-window layer drafts within its own window and needs no selection).
+* ``draft``: on full-attention layers, sparse attention over the layer's selected slots
+  (gathered, so the work is proportional to the KV budget) plus every slot appended since
+  the selection; on sliding-window layers, the layer's own window.
 """
 
 from __future__ import annotations
@@ -22,11 +31,16 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
+from ..config import VegasConfigError
 from ..interfaces import Selection, Selector
 from ..plugins import run_selector
 from ..selection import collect_scores
 
 ATTENTION_NAME = "vegas"
+
+#: keyword arguments of transformers' attention call that change the attention maths and that
+#: this SDPA-based function does not implement; a model passing any of them is refused
+UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks", "attention_chunk_size")
 
 
 def clock(sync: bool) -> float:
@@ -42,11 +56,17 @@ class AttentionContext:
 
     Attributes:
         mode: ``"full"`` or ``"draft"``.
+        query_pos: ``(batch_size, q_len)`` int64 absolute positions of this forward's queries.
+        query_valid: ``(batch_size, q_len)`` bool; False for left padding (its output is
+            finite garbage, never read).
+        key_pos: ``(batch_size, num_slots)`` int64 absolute position of every cache slot
+            after this forward's append.
+        key_valid: ``(batch_size, num_slots)`` bool; padding and rolled-back slots are False.
         score_rows: query rows (of this forward's ``q_len``) whose scores to collect.
-        score_allowed: ``(batch_size, len(score_rows), num_slots)`` bool visibility.
         score_mode, groups: see :func:`vegas.selection.collect_scores`.
-        scores: filled per layer, ``(batch_size, groups, num_slots)`` float32.
-        selections: per layer, the drafting index sets (draft mode).
+        scores: filled per full-attention layer, ``(batch_size, groups, num_slots)`` float32.
+        layer_windows: filled per layer: its sliding window (tokens), or None (full attention).
+        selections: per layer, the drafting index sets (draft mode; None on sliding layers).
         selection_len: cache length at selection time; later slots are always attended.
         selector: the query-aware selector to refine selections per draft step, or None.
         selection_seconds: time spent collecting / refining (seconds), accumulated.
@@ -54,19 +74,47 @@ class AttentionContext:
     """
 
     mode: str = "full"
+    query_pos: torch.Tensor | None = None
+    query_valid: torch.Tensor | None = None
+    key_pos: torch.Tensor | None = None
+    key_valid: torch.Tensor | None = None
     score_rows: list[int] | None = None
-    score_allowed: torch.Tensor | None = None
     score_mode: str = "logit"
     groups: int = 1
     scores: dict[int, torch.Tensor] = field(default_factory=dict)
-    selections: list[Selection] | None = None
+    layer_windows: dict[int, int | None] = field(default_factory=dict)
+    selections: list[Selection | None] | None = None
     selection_len: int = 0
     selector: Selector | None = None
     selection_seconds: float = 0.0
     sync: bool = False
+    _masks: dict = field(default_factory=dict, repr=False)
 
     def _tick(self) -> float:
         return clock(self.sync)
+
+    def mask(self, window: int | None) -> tuple[int, torch.Tensor]:
+        """``(start, allowed)``: the slots ``start:`` that any query of this forward may see,
+        and ``allowed`` ``(batch_size, q_len, num_slots - start)`` bool. Cached per window."""
+        if window not in self._masks:
+            self._masks[window] = self._build_mask(window)
+        return self._masks[window]
+
+    def _build_mask(self, window: int | None) -> tuple[int, torch.Tensor]:
+        key_pos, key_valid, query_pos = self.key_pos, self.key_valid, self.query_pos
+        start = 0
+        if window is not None:
+            # the first slot that some query's window reaches (slots before it are skipped)
+            lowest = query_pos.masked_fill(~self.query_valid, torch.iinfo(query_pos.dtype).max)
+            needed = key_valid & (key_pos > lowest.amin(dim=1, keepdim=True) - window)  # [B, L]
+            first = torch.where(needed.any(dim=1), needed.int().argmax(dim=1), key_pos.shape[1])
+            start = int(first.min()) if first.numel() else 0
+            key_pos, key_valid = key_pos[:, start:], key_valid[:, start:]
+        allowed = key_valid[:, None, :] & (key_pos[:, None, :] <= query_pos[:, :, None])
+        if window is not None:
+            allowed &= query_pos[:, :, None] - key_pos[:, None, :] < window
+        # Padding queries attend to everything (finite garbage, never read).
+        return start, allowed | ~self.query_valid[:, :, None]
 
 
 def _gather_slots(x: torch.Tensor, sel: Selection) -> torch.Tensor:
@@ -76,9 +124,20 @@ def _gather_slots(x: torch.Tensor, sel: Selection) -> torch.Tensor:
     return x.gather(2, idx[..., None].expand(-1, -1, -1, head_dim))
 
 
+def _masked_attention(query, key, value, scaling, ctx: AttentionContext, window: int | None):
+    """Attention of this forward's queries under ``ctx.mask(window)``."""
+    start, allowed = ctx.mask(window)
+    return scaled_dot_product_attention(
+        query, key[:, :, start:], value[:, :, start:], attn_mask=allowed[:, None],
+        scale=scaling, enable_gqa=True,
+    )
+
+
 def _draft_attention(module, query, key, value, scaling, ctx: AttentionContext):
     layer = module.layer_idx
-    sel = ctx.selections[layer]
+    sel = ctx.selections[layer] if ctx.selections is not None else None
+    if sel is None:  # nothing selected yet (one-token prompts): attend to everything
+        return _masked_attention(query, key, value, scaling, ctx, None)
     if ctx.selector is not None and ctx.selector.query_aware:
         start = ctx._tick()
         sel = run_selector(ctx.selector, "select_for_query", layer, query, sel)
@@ -93,6 +152,16 @@ def _draft_attention(module, query, key, value, scaling, ctx: AttentionContext):
     return scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
 
 
+def _check_supported(module: torch.nn.Module, kwargs: dict) -> None:
+    for name in UNSUPPORTED_KWARGS:
+        if kwargs.get(name) is not None:
+            raise VegasConfigError(
+                f"model: {type(module).__name__} calls attention with {name}={kwargs[name]!r}, which the "
+                f"vegas HF backend does not implement (supported: causal attention with optional "
+                f"sliding_window); this architecture is not supported"
+            )
+
+
 def vegas_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -102,31 +171,43 @@ def vegas_attention(
     scaling: float | None = None,
     dropout: float = 0.0,
     vegas_ctx: AttentionContext | None = None,
+    sliding_window: int | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Attention for transformers models; see the module docstring.
 
     Args:
-        attention_mask: ``torch.BoolTensor (batch_size, 1, q_len, num_slots)`` (True =
-            attend), or None for plain causal attention.
+        attention_mask: ignored when ``vegas_ctx`` is given (the context's positions define
+            the mask); else a mask as transformers' SDPA takes it, or None for causal.
+        sliding_window: the layer's window W (tokens) when transformers passes one.
 
     Returns:
         ``(attn_output (batch_size, q_len, num_heads, head_dim), None)``.
+
+    Raises:
+        VegasConfigError: the model passes an attention option this function does not
+            implement (:data:`UNSUPPORTED_KWARGS`, e.g. Gemma 2's logit soft-capping).
     """
+    _check_supported(module, kwargs)
     ctx = vegas_ctx
-    if ctx is not None and ctx.mode == "draft":
-        out = _draft_attention(module, query, key, value, scaling, ctx)
-    else:
+    if ctx is None:  # plain transformers use: causal, the model's own mask
         is_causal = attention_mask is None and query.shape[2] > 1
         out = scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask, is_causal=is_causal,
-            scale=scaling, enable_gqa=True,
+            query, key, value, attn_mask=attention_mask, is_causal=is_causal, scale=scaling, enable_gqa=True
         )
-        if ctx is not None and ctx.score_rows:
+        return out.transpose(1, 2).contiguous(), None
+    layer = module.layer_idx
+    ctx.layer_windows[layer] = sliding_window
+    if sliding_window is not None:  # drafting and verifying alike: the layer's own window
+        out = _masked_attention(query, key, value, scaling, ctx, sliding_window)
+    elif ctx.mode == "draft":
+        out = _draft_attention(module, query, key, value, scaling, ctx)
+    else:
+        out = _masked_attention(query, key, value, scaling, ctx, None)
+        if ctx.score_rows:
             start = ctx._tick()
             rows = query[:, :, ctx.score_rows]  # [B, H, m, D]
-            ctx.scores[module.layer_idx] = collect_scores(
-                rows, key, ctx.score_allowed, scaling, ctx.groups, ctx.score_mode
-            )
+            allowed = ctx.mask(None)[1][:, ctx.score_rows] & ctx.query_valid[:, ctx.score_rows, None]
+            ctx.scores[layer] = collect_scores(rows, key, allowed, scaling, ctx.groups, ctx.score_mode)
             ctx.selection_seconds += ctx._tick() - start
     return out.transpose(1, 2).contiguous(), None

@@ -16,7 +16,9 @@ from ..selection import topk_selection
 
 
 def page_bounds(keys: torch.Tensor, valid: torch.Tensor, page_size: int):
-    """Per-page element-wise key minimum and maximum.
+    """Per-page element-wise key minimum and maximum; page ``p`` of a sequence holds its valid
+    slots of rank ``p * page_size .. (p + 1) * page_size - 1`` (rank = order among the valid
+    slots, i.e. the token position), whatever padding or rolled-back slots lie between them.
 
     Args:
         keys: ``(batch_size, num_kv_heads, num_slots, head_dim)``.
@@ -25,20 +27,78 @@ def page_bounds(keys: torch.Tensor, valid: torch.Tensor, page_size: int):
     Returns:
         ``key_min``, ``key_max``: ``torch.FloatTensor (batch_size, num_kv_heads, num_pages,
         head_dim)`` (0 on empty pages), ``page_valid`` ``(batch_size, num_pages)`` bool and
-        ``slot_valid`` ``(batch_size, num_pages * page_size)`` bool.
+        ``page_slots`` ``(batch_size, num_pages, page_size)`` int64 (-1 where a page has no slot).
     """
-    batch_size, num_kv_heads, num_slots, head_dim = keys.shape
-    num_pages = -(-num_slots // page_size)
-    pad = num_pages * page_size - num_slots
-    k = torch.nn.functional.pad(keys.float(), (0, 0, 0, pad))
-    slot_valid = torch.nn.functional.pad(valid, (0, pad), value=False)
-    k = k.view(batch_size, num_kv_heads, num_pages, page_size, head_dim)
-    v = slot_valid.view(batch_size, 1, num_pages, page_size, 1)
-    page_valid = slot_valid.view(batch_size, num_pages, page_size).any(dim=-1)
-    key_min = k.masked_fill(~v, float("inf")).amin(dim=3)
-    key_max = k.masked_fill(~v, float("-inf")).amax(dim=3)
-    empty = ~page_valid[:, None, :, None]
-    return key_min.masked_fill(empty, 0.0), key_max.masked_fill(empty, 0.0), page_valid, slot_valid
+    table = PageTable.empty(keys, page_size)
+    table.append(keys, valid)
+    return (*table.finite_bounds(), table.page_valid, table.page_slots)
+
+
+class PageTable:
+    """Quest pages of one layer, built incrementally as committed slots are appended.
+
+    Attributes:
+        key_min, key_max: ``(batch_size, num_kv_heads, num_pages, head_dim)`` float32, +inf /
+            -inf on empty pages (so that appending is a plain min / max).
+        page_slots: ``(batch_size, num_pages, page_size)`` int64 cache slot of each page entry, -1
+            where empty.
+        count: ``(batch_size,)`` int64 valid slots seen (tokens).
+        num_slots: cache slots seen; slots before it are never read again (committed slots
+            do not change, and slots rolled back before a selection stay invalid).
+    """
+
+    def __init__(self, key_min, key_max, page_slots, count, num_slots: int) -> None:
+        self.key_min, self.key_max, self.page_slots = key_min, key_max, page_slots
+        self.count, self.num_slots = count, num_slots
+
+    @classmethod
+    def empty(cls, keys: torch.Tensor, page_size: int) -> "PageTable":
+        batch_size, num_kv_heads, _, head_dim = keys.shape
+        bound = keys.new_empty(batch_size, num_kv_heads, 0, head_dim, dtype=torch.float32)
+        slots = torch.empty(batch_size, 0, page_size, dtype=torch.long, device=keys.device)
+        return cls(bound, bound.clone(), slots, torch.zeros(batch_size, dtype=torch.long, device=keys.device), 0)
+
+    @property
+    def page_size(self) -> int:
+        return self.page_slots.shape[2]
+
+    @property
+    def page_valid(self) -> torch.Tensor:
+        """``(batch_size, num_pages)`` bool: pages holding at least one slot."""
+        return self.page_slots[:, :, 0] >= 0
+
+    def finite_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``key_min``, ``key_max`` with 0 on empty pages."""
+        empty = ~self.page_valid[:, None, :, None]
+        return self.key_min.masked_fill(empty, 0.0), self.key_max.masked_fill(empty, 0.0)
+
+    def append(self, keys: torch.Tensor, valid: torch.Tensor) -> None:
+        """Add the slots ``self.num_slots:`` of ``keys`` ``(B, KVH, num_slots, D)`` / ``valid``."""
+        new_keys, new_valid = keys[:, :, self.num_slots:].float(), valid[:, self.num_slots:]
+        batch_size, num_kv_heads, num_new, head_dim = new_keys.shape
+        size = self.page_size
+        rank = self.count[:, None] + new_valid.long().cumsum(dim=1) - 1  # [B, n]
+        self.count = self.count + new_valid.sum(dim=1)
+        num_pages = -(-int(self.count.max()) // size) if batch_size else 0
+        grow = num_pages - self.key_min.shape[2]
+        if grow > 0:
+            pad = (0, 0, 0, grow)
+            self.key_min = torch.nn.functional.pad(self.key_min, pad, value=float("inf"))
+            self.key_max = torch.nn.functional.pad(self.key_max, pad, value=float("-inf"))
+            self.page_slots = torch.nn.functional.pad(self.page_slots, (0, 0, 0, grow), value=-1)
+        # invalid slots go to a scratch page / entry past the end, dropped afterwards
+        page = torch.where(new_valid, rank // size, num_pages)  # [B, n]
+        index = page[:, None, :, None].expand(batch_size, num_kv_heads, num_new, head_dim)
+        for name, reduce, fill in (("key_min", "amin", float("inf")), ("key_max", "amax", float("-inf"))):
+            bound = torch.nn.functional.pad(getattr(self, name), (0, 0, 0, 1), value=fill)
+            bound.scatter_reduce_(2, index, new_keys, reduce, include_self=True)
+            setattr(self, name, bound[:, :, :num_pages])
+        entry = torch.where(new_valid, rank, num_pages * size)  # [B, n]
+        flat = torch.nn.functional.pad(self.page_slots.flatten(1), (0, 1), value=-1)
+        slots = self.num_slots + torch.arange(num_new, device=keys.device)
+        flat.scatter_(1, entry, slots.expand(batch_size, -1))
+        self.page_slots = flat[:, :-1].view(batch_size, num_pages, size)
+        self.num_slots = keys.shape[2]
 
 
 def page_scores(query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor, groups: int):
@@ -69,43 +129,38 @@ class QuestSelector(Selector):
 
     def __init__(self, config) -> None:
         super().__init__(config)
-        self._pages: dict[int, tuple] = {}
+        self._pages: dict[int, PageTable] = {}
+        self._num_pages: dict[int, torch.Tensor] = {}
 
     def select(self, inputs: SelectionInput) -> Selection:
         """Update the page bounds of one layer; the pages are chosen per draft query.
 
-        Committed slots never change and new slots are appended, so the pages wholly
-        before the previous selection's length are reused and only the tail is recomputed:
-        O((γ + 1 + P) · head_dim) per layer and iteration instead of O(context · head_dim).
+        Pages follow token positions (ranks among valid slots), so a sequence's pages do not
+        depend on its batch neighbours' padding or rolled-back slots. Committed slots never
+        change, so only the slots appended since the last call are added:
+        O((γ + 1) · head_dim) per layer and iteration instead of O(context · head_dim).
         """
-        size = self.config.page_size
-        num_slots = inputs.valid.shape[1]
-        cached = self._pages.get(inputs.layer_idx)
-        start = 0 if cached is None else min(cached[-1], num_slots) // size
-        key_min, key_max, page_valid, slot_valid = page_bounds(
-            inputs.keys[:, :, start * size :], inputs.valid[:, start * size :], size
-        )
-        if start:  # reuse the pages that lie wholly before the previous selection's length
-            old_min, old_max, old_page_valid, old_slot_valid = cached[:4]
-            key_min = torch.cat([old_min[:, :, :start], key_min], dim=2)
-            key_max = torch.cat([old_max[:, :, :start], key_max], dim=2)
-            page_valid = torch.cat([old_page_valid[:, :start], page_valid], dim=1)
-            slot_valid = torch.cat([old_slot_valid[:, : start * size], slot_valid], dim=1)
+        table = self._pages.get(inputs.layer_idx)
+        if table is None or table.num_slots > inputs.valid.shape[1]:  # a new batch
+            table = self._pages[inputs.layer_idx] = PageTable.empty(inputs.keys, self.config.page_size)
+        table.append(inputs.keys, inputs.valid)
         # Whole pages within the budget; a budget that covers every valid slot takes every page.
-        all_pages = page_valid.sum(dim=1)
-        covers_all = inputs.budget >= inputs.valid.sum(dim=1)
-        num_pages = torch.where(covers_all, all_pages, (inputs.budget // size).minimum(all_pages))
-        self._pages[inputs.layer_idx] = (key_min, key_max, page_valid, slot_valid, num_pages, num_slots)
+        all_pages = table.page_valid.sum(dim=1)
+        covers_all = inputs.budget >= table.count
+        self._num_pages[inputs.layer_idx] = torch.where(
+            covers_all, all_pages, (inputs.budget // self.config.page_size).minimum(all_pages)
+        )
         empty = inputs.budget.new_zeros(inputs.budget.shape[0], 1, 0)
         return Selection(indices=empty, mask=empty.bool())
 
     def select_for_query(self, layer_idx: int, query: torch.Tensor, selection: Selection) -> Selection:
-        key_min, key_max, page_valid, slot_valid, num_pages, _ = self._pages[layer_idx]
+        table = self._pages[layer_idx]
+        key_min, key_max = table.finite_bounds()
         groups = 1 if self.config.granularity == "layer" else key_min.shape[1]
-        pages = topk_selection(page_scores(query, key_min, key_max, groups), page_valid, num_pages)
-        size = self.config.page_size
-        offsets = torch.arange(size, device=query.device)
-        slots = (pages.indices[..., None] * size + offsets).flatten(2)  # [B, G, k_pages * P]
-        in_page = slot_valid.gather(1, slots.flatten(1)).view_as(slots)
-        mask = pages.mask[..., None].expand(*pages.mask.shape, size).flatten(2) & in_page
-        return Selection(indices=slots.masked_fill(~mask, 0), mask=mask)
+        scores = page_scores(query, key_min, key_max, groups)  # [B, G, num_pages]
+        pages = topk_selection(scores, table.page_valid, self._num_pages[layer_idx])
+        batch_size, num_groups, k = pages.indices.shape
+        slots = table.page_slots.gather(1, pages.indices.flatten(1)[..., None].expand(-1, -1, table.page_size))
+        slots = slots.view(batch_size, num_groups, k * table.page_size)  # ascending: pages in order
+        mask = pages.mask.repeat_interleave(table.page_size, dim=2) & (slots >= 0)
+        return Selection(indices=slots.clamp(min=0), mask=mask)
