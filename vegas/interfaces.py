@@ -110,6 +110,10 @@ class Selector(ABC):
     def observe(self, num_accepted: torch.Tensor, num_draft_tokens: int) -> None:
         """Learn from an iteration's outcome: ``num_accepted`` ``(batch_size,)`` int64."""
 
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """The batch shrank to ``rows`` (``torch.LongTensor (new_batch_size,)``, indices into
+        the old batch, ascending): finished sequences left it. Index any per-sequence state."""
+
 
 class Drafter(ABC):
     """Proposes γ tokens with sparse attention over the selector's index sets."""
@@ -158,6 +162,17 @@ class Verifier(ABC):
         Returns:
             target logits ``torch.FloatTensor (batch_size, γ + 1, vocab)``.
         """
+
+    def keep_rows(self, rows: torch.Tensor) -> bool:
+        """Drop finished sequences: keep the batch rows ``rows`` (``torch.LongTensor
+        (new_batch_size,)``, ascending) and free the others. A Drafter that shares the
+        Verifier's sequences sees the same rows.
+
+        Returns:
+            True if the batch shrank; False if this verifier keeps every row (then the loop
+            keeps decoding the finished rows and discards their tokens).
+        """
+        return False
 
     @abstractmethod
     def commit(self, num_accepted: torch.Tensor, next_tokens: torch.Tensor) -> None:

@@ -7,28 +7,36 @@ Backend-agnostic: they drive a :class:`~vegas.interfaces.Drafter` and a
 from __future__ import annotations
 
 import time
+from typing import Collection
 
 import torch
 
 from .acceptance import greedy_accept, speculative_sampling
-from .backends.base import RequestStats
 from .interfaces import Drafter, Selector, Verifier
+from .outputs import RequestStats
 from .sampling import SamplingParams, make_sampler
 
 __all__ = ["speculative_decode", "plain_decode"]
 
 
 class _Outputs:
-    """Emitted tokens per sequence, truncated at ``max_new_tokens`` or after EOS."""
+    """Emitted tokens per sequence, truncated at ``max_new_tokens`` or after an EOS token.
 
-    def __init__(self, batch_size: int, max_new_tokens: int, eos_token_id: int | None):
+    ``active`` maps the decoding batch's rows to sequence indices; :meth:`retire` drops the
+    finished ones from the verifier's batch so that no draft is spent past a sequence's end.
+    """
+
+    def __init__(self, batch_size: int, max_new_tokens: int, eos_token_ids: Collection[int]):
         self.tokens: list[list[int]] = [[] for _ in range(batch_size)]
         self.stats = [RequestStats() for _ in range(batch_size)]
         self.done = [max_new_tokens == 0] * batch_size
+        self.active = list(range(batch_size))
         self.max_new_tokens = max_new_tokens
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = frozenset(eos_token_ids)
 
-    def emit(self, b: int, tokens: list[int], num_drafted: int, num_accepted: int) -> None:
+    def emit(self, row: int, tokens: list[int], num_drafted: int, num_accepted: int) -> None:
+        """Append ``tokens`` to the sequence at batch row ``row``."""
+        b = self.active[row]
         if self.done[b]:
             return
         stats = self.stats[b]
@@ -37,10 +45,25 @@ class _Outputs:
         stats.num_accepted += num_accepted
         for token in tokens:
             self.tokens[b].append(token)
-            if token == self.eos_token_id or len(self.tokens[b]) == self.max_new_tokens:
+            if token in self.eos_token_ids or len(self.tokens[b]) == self.max_new_tokens:
                 self.done[b] = True
                 break
         stats.num_generated = len(self.tokens[b])
+
+    @property
+    def finished(self) -> bool:
+        return all(self.done)
+
+    def retire(self, verifier: Verifier, selector: Selector | None) -> None:
+        """Drop finished sequences from the batch (when the verifier can)."""
+        keep = [row for row, b in enumerate(self.active) if not self.done[b]]
+        if not keep or len(keep) == len(self.active):
+            return
+        rows = torch.tensor(keep, dtype=torch.long)
+        if verifier.keep_rows(rows):
+            if selector is not None:
+                selector.keep_rows(rows)
+            self.active = [self.active[row] for row in keep]
 
     def finish(self, prefill_seconds: float, decode_seconds: float, selection_seconds: float):
         for stats in self.stats:
@@ -60,7 +83,7 @@ def speculative_decode(
     max_new_tokens: int,
     sampling: SamplingParams,
     generator: torch.Generator | None = None,
-    eos_token_id: int | None = None,
+    eos_token_ids: Collection[int] = (),
     clock=time.perf_counter,
 ) -> tuple[list[list[int]], list[RequestStats]]:
     """Vegas decoding (design notes (docs/design-notes.md) §1): draft γ, verify, accept, roll back, select.
@@ -71,20 +94,21 @@ def speculative_decode(
         max_new_tokens: tokens to emit per sequence (fewer after EOS).
         sampling: greedy (temperature 0) or temperature / top-p sampling.
         generator: random source for drafting and acceptance.
+        eos_token_ids: token ids that end a sequence (emitted, then the sequence leaves the batch).
         clock: returns seconds; backends on GPUs pass one that synchronises.
 
     Returns:
-        emitted token ids and :class:`~vegas.backends.base.RequestStats` per sequence;
+        emitted token ids and :class:`~vegas.outputs.RequestStats` per sequence;
         ``selection_seconds`` is the part of ``verifier.selection_seconds`` spent after the
         prefill (the decode phase, as ``decode_seconds``).
     """
     sample = make_sampler(sampling, generator)
-    out = _Outputs(len(prompts), max_new_tokens, eos_token_id)
+    out = _Outputs(len(prompts), max_new_tokens, eos_token_ids)
     start = clock()
     verifier.prefill(prompts)
     prefill_end = clock()
     prefill_selection = verifier.selection_seconds  # the first selection: reported with prefill
-    while not all(out.done):
+    while not out.finished:
         # 1. Draft γ tokens with sparse attention.
         draft_tokens, draft_probs = drafter.draft(num_draft_tokens, sample)  # [B, γ], [B, γ, V]
         # 2. Verify [x_last, d_1..d_γ] with full attention (scores collected on the way).
@@ -101,8 +125,9 @@ def speculative_decode(
         verifier.commit(num_accepted, next_tokens)
         selector.observe(num_accepted, num_draft_tokens)
         drafts, accepted, nexts = draft_tokens.tolist(), num_accepted.tolist(), next_tokens.tolist()
-        for b, n in enumerate(accepted):
-            out.emit(b, drafts[b][:n] + [nexts[b]], num_draft_tokens, n)
+        for row, n in enumerate(accepted):
+            out.emit(row, drafts[row][:n] + [nexts[row]], num_draft_tokens, n)
+        out.retire(verifier, selector)
     end = clock()
     return out.finish(prefill_end - start, end - prefill_end, verifier.selection_seconds - prefill_selection)
 
@@ -114,7 +139,7 @@ def plain_decode(
     max_new_tokens: int,
     sampling: SamplingParams,
     generator: torch.Generator | None = None,
-    eos_token_id: int | None = None,
+    eos_token_ids: Collection[int] = (),
     clock=time.perf_counter,
 ) -> tuple[list[list[int]], list[RequestStats]]:
     """Plain autoregressive decoding with full attention, through the same verifier.
@@ -123,17 +148,17 @@ def plain_decode(
     ``x_last``, whose next token is sampled from the target and committed.
     """
     sample = make_sampler(sampling, generator)
-    out = _Outputs(len(prompts), max_new_tokens, eos_token_id)
+    out = _Outputs(len(prompts), max_new_tokens, eos_token_ids)
     start = clock()
     verifier.prefill(prompts)
     prefill_end = clock()
-    batch_size = len(prompts)
-    no_drafts = torch.empty(batch_size, 0, dtype=torch.long)
-    while not all(out.done):
-        logits = verifier.verify(no_drafts)  # [B, 1, V]
+    while not out.finished:
+        batch_size = len(out.active)
+        logits = verifier.verify(torch.empty(batch_size, 0, dtype=torch.long))  # [B, 1, V]
         next_tokens, _ = sample(logits[:, -1])
         verifier.commit(torch.zeros(batch_size, dtype=torch.long), next_tokens)
-        for b, token in enumerate(next_tokens.tolist()):
-            out.emit(b, [token], 0, 0)
+        for row, token in enumerate(next_tokens.tolist()):
+            out.emit(row, [token], 0, 0)
+        out.retire(verifier, None)
     end = clock()
     return out.finish(prefill_end - start, end - prefill_end, 0.0)

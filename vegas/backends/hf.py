@@ -230,6 +230,17 @@ class HFSession(Drafter, Verifier):
         self._verify_scores = ctx.scores
         return logits
 
+    def keep_rows(self, rows: torch.Tensor) -> bool:
+        rows = rows.to(self.device)
+        self.cache.batch_select_indices(rows)
+        self.valid, self.slot_pos = self.valid[rows], self.slot_pos[rows]
+        self.num_committed, self.last_tokens = self.num_committed[rows], self.last_tokens[rows]
+        self.selections = [
+            None if sel is None else Selection(sel.indices[rows], sel.mask[rows]) for sel in self.selections
+        ]
+        # slots that no remaining sequence uses (its left padding) stay: the cache crops from the end only
+        return True
+
     def commit(self, num_accepted: torch.Tensor, next_tokens: torch.Tensor) -> None:
         num_kept = num_accepted.to(self.device) + 1  # x_last, d_1..d_n  [B]
         max_kept = int(num_kept.max())
@@ -331,6 +342,16 @@ class HFBackend(Backend):
     def vocab_size(self) -> int:
         return int(self.model.config.vocab_size)
 
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Token ids that end a sequence: the model's ``generation_config.eos_token_id`` (an
+        int or a list) and the tokenizer's ``eos_token_id``."""
+        ids = getattr(self.model.generation_config, "eos_token_id", None)
+        ids = [ids] if isinstance(ids, int) else list(ids or [])
+        if self._tokenizer.eos_token_id is not None:
+            ids.append(self._tokenizer.eos_token_id)
+        return frozenset(int(i) for i in ids)
+
     @torch.inference_mode()
     def generate(self, prompts, *, max_new_tokens, sampling: SamplingParams, selector, config):
         from ..plugins import create_selector
@@ -342,7 +363,7 @@ class HFBackend(Backend):
             max_new_tokens=max_new_tokens,
             sampling=sampling,
             generator=generator,
-            eos_token_id=self._tokenizer.eos_token_id,
+            eos_token_ids=self.eos_token_ids,
             clock=session._tick,
         )
         if selector_obj is None:

@@ -72,6 +72,11 @@ class PageTable:
         empty = ~self.page_valid[:, None, :, None]
         return self.key_min.masked_fill(empty, 0.0), self.key_max.masked_fill(empty, 0.0)
 
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep batch rows ``rows`` (int64 indices)."""
+        self.key_min, self.key_max = self.key_min[rows], self.key_max[rows]
+        self.page_slots, self.count = self.page_slots[rows], self.count[rows]
+
     def append(self, keys: torch.Tensor, valid: torch.Tensor) -> None:
         """Add the slots ``self.num_slots:`` of ``keys`` ``(B, KVH, num_slots, D)`` / ``valid``."""
         new_keys, new_valid = keys[:, :, self.num_slots:].float(), valid[:, self.num_slots:]
@@ -79,7 +84,8 @@ class PageTable:
         size = self.page_size
         rank = self.count[:, None] + new_valid.long().cumsum(dim=1) - 1  # [B, n]
         self.count = self.count + new_valid.sum(dim=1)
-        num_pages = -(-int(self.count.max()) // size) if batch_size else 0
+        needed = -(-int(self.count.max()) // size) if batch_size else 0
+        num_pages = max(needed, self.key_min.shape[2])  # rows that left the batch may have held more
         grow = num_pages - self.key_min.shape[2]
         if grow > 0:
             pad = (0, 0, 0, grow)
@@ -164,3 +170,8 @@ class QuestSelector(Selector):
         slots = slots.view(batch_size, num_groups, k * table.page_size)  # ascending: pages in order
         mask = pages.mask.repeat_interleave(table.page_size, dim=2) & (slots >= 0)
         return Selection(indices=slots.clamp(min=0), mask=mask)
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        for table in self._pages.values():
+            table.keep_rows(rows)
+        self._num_pages = {layer: n[rows] for layer, n in self._num_pages.items()}

@@ -43,6 +43,9 @@ class H2OSelector(vegas.Selector):
         )
         return topk_selection(scores.masked_fill(recent[:, None, :], float("inf")), inputs.valid, inputs.budget)
 
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        self._acc = {layer: acc[rows] for layer, acc in self._acc.items()}
+
 
 @vegas.hookimpl
 def vegas_selectors():

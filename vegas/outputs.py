@@ -1,0 +1,53 @@
+"""What a decode returns per request: token ids, text and statistics (core; no backend)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["RequestOutput", "RequestStats"]
+
+
+@dataclass
+class RequestStats:
+    """Per-request statistics of one ``generate`` call.
+
+    Attributes:
+        num_generated: tokens emitted (after truncation to ``max_new_tokens``/EOS).
+        iterations: draft/verify iterations (plain decoding: decode steps).
+        num_drafted: draft tokens proposed (γ per iteration).
+        num_accepted: draft tokens accepted.
+        decode_seconds: wall time of the batch's decode phase, after prefill (seconds).
+        prefill_seconds: wall time of the batch's prefill (seconds).
+        selection_seconds: time in score collection, top-k and index building during the
+            decode phase (seconds; the selection made at prefill counts with the prefill).
+    """
+
+    num_generated: int = 0
+    iterations: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+    decode_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    selection_seconds: float = 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        """τ: tokens emitted per iteration (accepted drafts + the bonus/correction token).
+
+        Counts emitted tokens, so an iteration cut short by ``max_new_tokens`` or EOS counts
+        what it emitted; ``num_accepted`` counts every draft the verification accepted.
+        """
+        return self.num_generated / self.iterations if self.iterations else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.__dict__, "acceptance_length": self.acceptance_length}
+
+
+@dataclass
+class RequestOutput:
+    """One request's result: generated ``token_ids``, decoded ``text``, and ``stats``."""
+
+    token_ids: list[int]
+    text: str | None = None
+    stats: RequestStats = field(default_factory=RequestStats)
