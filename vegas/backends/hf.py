@@ -31,6 +31,7 @@ from ..loop import plain_decode, speculative_decode
 from ..plugins import run_selector
 from ..sampling import SampleFn, SamplingParams
 from .base import Backend, RequestOutput
+from .hf_architectures import refuse_unsupported
 from .hf_attention import ATTENTION_NAME, AttentionContext, clock, vegas_attention
 
 log = logging.getLogger(__name__)
@@ -129,10 +130,8 @@ class HFSession(Drafter, Verifier):
             self.slot_pos = self.slot_pos[:, :-num_slots]
 
     def _select(self, scores: dict[int, torch.Tensor]) -> None:
-        """Index sets of every full-attention layer for the next drafting phase.
-
-        Sliding-window layers get None: they draft within their own window.
-        """
+        """Index sets of every layer for the next drafting phase (on a sliding-window layer,
+        among the slots inside ``x_last``'s window)."""
         start = self._tick()
         num_slots = self.valid.shape[1]
         if num_slots == 0:  # one-token prompts only: nothing to select from yet
@@ -153,15 +152,17 @@ class HFSession(Drafter, Verifier):
         budget = torch.minimum(wanted, counts)
         self.selections = []
         for layer in range(self.num_layers):
-            if self.layer_windows.get(layer) is not None:
-                self.selections.append(None)
-                continue
+            valid, layer_budget = self.valid, budget
+            window = self.layer_windows.get(layer)
+            if window is not None:  # a sliding layer selects among the slots x_last can see
+                valid = valid & (self.num_committed[:, None] - self.slot_pos < window)
+                layer_budget = torch.minimum(budget, valid.sum(dim=1))
             layer_scores = scores.get(layer)
             inputs = SelectionInput(
                 layer_idx=layer,
                 scores=None if layer_scores is None else layer_scores[..., :num_slots],
-                valid=self.valid,
-                budget=budget,
+                valid=valid,
+                budget=layer_budget,
                 keys=self.cache.layers[layer].keys,
             )
             self.selections.append(run_selector(self.selector, "select", inputs))
@@ -329,6 +330,7 @@ class HFBackend(Backend):
                 f"the local Hugging Face cache ({type(exc).__name__}: {str(exc).splitlines()[0]})"
             ) from exc
         self.model = self.model.to(device).eval()
+        refuse_unsupported(self.model)
 
     @property
     def tokenizer(self):

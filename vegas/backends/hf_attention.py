@@ -16,11 +16,12 @@ transformers calls with ``sliding_window=W``, only keys with ``query_pos - key_p
 
 * ``full``: full attention (prefill, verification, plain decoding). When
   ``ctx.score_rows`` is set, the logits of those query rows are reduced with
-  :func:`vegas.selection.collect_scores` into ``ctx.scores[layer]`` (full-attention layers
-  only: a sliding-window layer drafts within its own window and needs no selection).
-* ``draft``: on full-attention layers, sparse attention over the layer's selected slots
-  (gathered, so the work is proportional to the KV budget) plus every slot appended since
-  the selection; on sliding-window layers, the layer's own window.
+  :func:`vegas.selection.collect_scores` into ``ctx.scores[layer]`` (on a sliding-window
+  layer, over the slots inside the rows' windows; 0 elsewhere).
+* ``draft``: sparse attention over the layer's selected slots (gathered, so the work is
+  proportional to the KV budget) plus every slot appended since the selection; on a
+  sliding-window layer the selection is made among the slots inside the window, and the
+  slots a draft query's window has left are masked out.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class AttentionContext:
         score_mode, groups: see :func:`vegas.selection.collect_scores`.
         scores: filled per full-attention layer, ``(batch_size, groups, num_slots)`` float32.
         layer_windows: filled per layer: its sliding window (tokens), or None (full attention).
-        selections: per layer, the drafting index sets (draft mode; None on sliding layers).
+        selections: per layer, the drafting index sets (draft mode).
         selection_len: cache length at selection time; later slots are always attended.
         selector: the query-aware selector to refine selections per draft step, or None.
         selection_seconds: time spent collecting / refining (seconds), accumulated.
@@ -133,11 +134,11 @@ def _masked_attention(query, key, value, scaling, ctx: AttentionContext, window:
     )
 
 
-def _draft_attention(module, query, key, value, scaling, ctx: AttentionContext):
+def _draft_attention(module, query, key, value, scaling, ctx: AttentionContext, window: int | None):
     layer = module.layer_idx
-    sel = ctx.selections[layer] if ctx.selections is not None else None
+    sel = ctx.selections[layer] if ctx.selections else None
     if sel is None:  # nothing selected yet (one-token prompts): attend to everything
-        return _masked_attention(query, key, value, scaling, ctx, None)
+        return _masked_attention(query, key, value, scaling, ctx, window)
     if ctx.selector is not None and ctx.selector.query_aware:
         start = ctx._tick()
         sel = run_selector(ctx.selector, "select_for_query", layer, query, sel)
@@ -147,6 +148,10 @@ def _draft_attention(module, query, key, value, scaling, ctx: AttentionContext):
     v = torch.cat([_gather_slots(value, sel), value[:, :, n:]], dim=2)
     recent = sel.mask.new_ones(sel.mask.shape[0], sel.mask.shape[1], key.shape[2] - n)
     mask = torch.cat([sel.mask, recent], dim=2)  # [B, G, k + recent]
+    if window is not None:  # the draft query's own window: selected slots it has left drop out
+        positions = torch.cat([ctx.key_pos.gather(1, sel.indices.flatten(1)).view_as(sel.indices),
+                               ctx.key_pos[:, None, n:].expand(-1, sel.indices.shape[1], -1)], dim=2)
+        mask = mask & (ctx.query_pos[:, :, None] - positions < window)  # query_pos: [B, 1]
     num_heads, groups = query.shape[1], mask.shape[1]
     mask = mask.repeat_interleave(num_heads // groups, dim=1)[:, :, None, :]  # [B, H, 1, ...]
     return scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
@@ -156,7 +161,7 @@ def _check_supported(module: torch.nn.Module, kwargs: dict) -> None:
     for name in UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
             raise VegasConfigError(
-                f"model: {type(module).__name__} calls attention with {name}={kwargs[name]!r}, which the "
+                f"{type(module).__name__} calls attention with {name}={kwargs[name]!r}, which the "
                 f"vegas HF backend does not implement (supported: causal attention with optional "
                 f"sliding_window); this architecture is not supported"
             )
@@ -198,16 +203,16 @@ def vegas_attention(
         return out.transpose(1, 2).contiguous(), None
     layer = module.layer_idx
     ctx.layer_windows[layer] = sliding_window
-    if sliding_window is not None:  # drafting and verifying alike: the layer's own window
-        out = _masked_attention(query, key, value, scaling, ctx, sliding_window)
-    elif ctx.mode == "draft":
-        out = _draft_attention(module, query, key, value, scaling, ctx)
+    if ctx.mode == "draft":
+        out = _draft_attention(module, query, key, value, scaling, ctx, sliding_window)
     else:
-        out = _masked_attention(query, key, value, scaling, ctx, None)
+        out = _masked_attention(query, key, value, scaling, ctx, sliding_window)
         if ctx.score_rows:
             start = ctx._tick()
+            first, allowed = ctx.mask(sliding_window)
+            allowed = allowed[:, ctx.score_rows] & ctx.query_valid[:, ctx.score_rows, None]
             rows = query[:, :, ctx.score_rows]  # [B, H, m, D]
-            allowed = ctx.mask(None)[1][:, ctx.score_rows] & ctx.query_valid[:, ctx.score_rows, None]
-            ctx.scores[layer] = collect_scores(rows, key, allowed, scaling, ctx.groups, ctx.score_mode)
+            scores = collect_scores(rows, key[:, :, first:], allowed, scaling, ctx.groups, ctx.score_mode)
+            ctx.scores[layer] = torch.nn.functional.pad(scores, (first, 0))  # slots before the window: 0
             ctx.selection_seconds += ctx._tick() - start
     return out.transpose(1, 2).contiguous(), None

@@ -144,10 +144,15 @@ class QuestSelector(Selector):
         Pages follow token positions (ranks among valid slots), so a sequence's pages do not
         depend on its batch neighbours' padding or rolled-back slots. Committed slots never
         change, so only the slots appended since the last call are added:
-        O((γ + 1) · head_dim) per layer and iteration instead of O(context · head_dim).
+        O((γ + 1) · head_dim) per layer and iteration instead of O(context · head_dim). On a
+        sliding-window layer old slots leave ``valid``; its pages are rebuilt (O(window)).
         """
         table = self._pages.get(inputs.layer_idx)
-        if table is None or table.num_slots > inputs.valid.shape[1]:  # a new batch
+        if (
+            table is None
+            or table.num_slots > inputs.valid.shape[1]  # a new batch
+            or not torch.equal(inputs.valid[:, : table.num_slots].sum(dim=1), table.count)  # a window moved
+        ):
             table = self._pages[inputs.layer_idx] = PageTable.empty(inputs.keys, self.config.page_size)
         table.append(inputs.keys, inputs.valid)
         # Whole pages within the budget; a budget that covers every valid slot takes every page.
