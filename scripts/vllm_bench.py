@@ -327,7 +327,7 @@ HBM_BYTES_PER_S = 4.3e12  # H200 peak
 
 
 def model_bytes(cfg: dict) -> tuple[int, int]:
-    """(weight bytes one forward reads, KV-cache bytes per token) of a Qwen3 config in bf16."""
+    """(weight bytes one forward reads, KV-cache bytes per token) of a Llama/Qwen3-style config in bf16."""
     h, d = cfg["hidden_size"], cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     hq, hkv, layers = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]
     per_layer = h * (hq + 2 * hkv) * d + hq * d * h + 3 * h * cfg["intermediate_size"]
