@@ -1,16 +1,31 @@
 #!/usr/bin/env bash
-# One device call: kernel-vs-reference tests, CUDA tests of the whole suite, then the vLLM
-# benchmark (greedy exactness + throughput table). Keeps going after a failure; logs in $OUT.
+# Device checks in one script: GPU tests, then the vLLM benchmark (greedy exactness + throughput and τ
+# tables) on the benchmark model SmolLM2-135M (9 query / 3 KV heads of 64, 30 layers, 8K context).
+# Keeps going after a failure; logs in $OUT. Phases (PHASES, in order): env smollm2 kernels cuda kbench
+# profile bench.
 #
-# Before it, in back-to-back device calls (the machine stays warm ~30 s), unpack the vLLM bundle
-# built here by `bash ../shared/device/make_vllm_bundle.sh .device/vllm`:
-#   run(command="bash .device/vllm/pN/unpack.sh", carry=[".device/vllm/pN"])   for N = 0..6
-# then:
-#   run(command="bash scripts/device_check.sh")            (BENCH_ARGS / BENCH_S / PHASES to adjust)
+# The plan: build here once, then device calls made back to back (the machine stays warm only ~30 s
+# after a call; a carried folder is removed there when the next call does not carry it):
+#   bash ../shared/device/make_vllm_bundle.sh .device/vllm       # here: .device/vllm/p0..p6 (26 MB each)
+#   bash scripts/make_smollm2_parts.sh .device/smollm2            # here: .device/smollm2/p0..p3 (26 MB each)
+#   calls 1-7:   run(command="bash .device/vllm/pN/unpack.sh", carry=[".device/vllm/pN"])         N = 0..6
+#   calls 8-10:  run(command="bash .device/smollm2/pN/unpack.sh", carry=[".device/smollm2/pN"])    N = 0..2
+#   call 11:     run(command="bash .device/smollm2/p3/unpack.sh && bash scripts/device_smollm2.sh",
+#                    carry=[".device/smollm2/p3"])      # reassembles the GGUF (sha256), converts it (~1 min)
+#                                                       # into the HF checkpoint /tmp/smollm2-hf
+#   call 12 (GPU tests, ~7-8 min):
+#     run(command="KTEST_S=480 PHASES='env smollm2 kernels cuda' bash scripts/device_check.sh", carry=[])
+#   call 13 (benchmark, ~7-8 min; plain + 4 selectors x 2 budgets = 9 engines; greedy exactness of 32
+#   prompts x 64 tokens against plain greedy; batches 32 and 128 at T = 0.8; τ table at 5 % and 2 %):
+#     run(command="PHASES=bench BENCH_S=480 bash scripts/device_check.sh", carry=[])
+#   (call 13's BENCH_ARGS are the default below; call 12 alone takes the PHASES default's place.)
+# The smollm2 phase is a no-op once /tmp/smollm2-hf exists; without the SmolLM2 parts it says what to carry.
 # Tensor parallelism (kind nvidia-h200-x2; NVLink multicast stays off, NCCL_NVLS_ENABLE=0):
 #   KTEST_S=480 PHASES="env kernels bench" BENCH_ARGS="--tp 2 --tp-selection all_reduce,per_rank ..." \
 #     bash scripts/device_check.sh
 # A subset of the GPU tests: KTEST_ARGS="-k 'async or smoke'" (passed to pytest).
+# The embedded tiny model instead of SmolLM2: BENCH_ARGS="--methods vegas,plain,ngram --contexts 16384,8192 ..."
+#   (no --model: scripts/vllm_bench.py defaults to vegas/model).
 # The dummy Qwen3-8B latency table (plain step vs sparse draft step, verify step, selection):
 #   PHASES=bench BENCH_S=250 BENCH_ARGS="--methods= --exact-prompts 0 --batches 4 --contexts 8192 \
 #     --latency-8b --latency-contexts 32768,131072 --latency-batches 1,4" bash scripts/device_check.sh
@@ -20,9 +35,12 @@ export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=
 export VLLM_ALLOW_INSECURE_SERIALIZATION=1 TOKENIZERS_PARALLELISM=false
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
 OUT=${OUT:-/tmp/vegas_out}; mkdir -p "$OUT"
-PHASES=${PHASES:-"env kernels cuda bench"}
-BENCH_S=${BENCH_S:-420}
-BENCH_ARGS=${BENCH_ARGS:-"--methods vegas,plain,ngram --contexts 16384,8192 --batches 1,8,32,128 --new-tokens 128"}
+PHASES=${PHASES:-"env smollm2 kernels cuda bench"}
+BENCH_S=${BENCH_S:-480}
+SMOLLM2=${SMOLLM2_HF:-/tmp/smollm2-hf}
+BENCH_ARGS=${BENCH_ARGS:-"--model $SMOLLM2 --contexts 7680 --batches 32,128 --methods plain,vegas \
+  --selectors collect2,aggregated,sliding_window,quest --sparsity 0.05,0.02 --min-kv-budget 0 --new-tokens 256 \
+  --exact-prompts 32"}
 T0=$(date +%s)
 say() { echo "=== [$(( $(date +%s) - T0 ))s] $*"; }
 
@@ -43,6 +61,10 @@ for phase in $PHASES; do
       python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" 2>&1 | tee -a "$OUT/env.log"
       nvidia-smi topo -m 2>&1 | head -6 | tee -a "$OUT/env.log"
       python3 -c "import vllm; print('vllm', vllm.__version__)" 2>&1 | tail -1 | tee -a "$OUT/env.log"
+      ;;
+    smollm2)
+      say "SmolLM2 HF checkpoint (scripts/device_smollm2.sh)"
+      timeout 300 bash scripts/device_smollm2.sh 2>&1 | grep -v "it/s]" | tee "$OUT/smollm2.log" | tail -3
       ;;
     kernels)
       say "kernel vs reference tests (tests/gpu)"
@@ -74,7 +96,7 @@ for phase in $PHASES; do
       timeout $(( left + 60 )) python3 scripts/vllm_bench.py $BENCH_ARGS --time-budget "$left" \
         --out "$OUT/bench.json" > "$OUT/bench.log" 2>&1
       echo "bench rc=$?"
-      grep -E "^\[|^\||exactness|errors|Error|error|Traceback|FAILED" "$OUT/bench.log" | grep -v "WARNING" | tail -80
+      grep -E "^\[|^\||^τ|exactness|errors|Error|error|Traceback|FAILED" "$OUT/bench.log" | grep -v "WARNING" | tail -80
       ;;
   esac
 done

@@ -6,9 +6,20 @@ Run on the GPU machine after the vLLM bundle is unpacked (see scripts/device_che
     PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python scripts/vllm_bench.py \
         --contexts 16384,8192 --batches 1,8,32,128 --out $OUT/bench.json
 
+Model: ``--model DIR``, an HF checkpoint directory (default: the embedded vegas-tiny-code). The
+benchmark model is SmolLM2-135M (Llama, 9 query / 3 KV heads of 64, 30 layers, 8K context):
+``--model /tmp/smollm2-hf --contexts 7680``, converted on the device by scripts/device_smollm2.sh
+(see scripts/device_check.sh). A model with sliding-window layers is refused before any engine
+is built when vegas runs.
+
 Prompts: windows of held-out code (benchmarks/data/heldout_code_dev.jsonl.xz, packages the
-model never saw), tokenized with the model's tokenizer; window i starts at a different offset
+embedded model never saw; SmolLM2 may have seen public code), tokenized with the model's own
+tokenizer (its ``tokenizer.json``), no special tokens; window i starts at a different offset
 of the concatenated documents, the shorter context is a prefix of the longer one.
+
+KV budget: ``--sparsity 0.05,0.02`` builds one vegas engine per share (rows of all but the first
+get the suffix ``-kvP%``); ``--min-kv-budget 0`` lets a small share below 256 positions count
+(2 % of 7,680 is 154).
 
 Per engine and context, every prompt is first prefilled once (max_tokens=1) so that prefix
 caching holds it; the timed run then decodes ``--new-tokens`` tokens per request
@@ -62,14 +73,29 @@ def log(*a):
     print(f"[{time.time() - T_START:7.1f}s]", *a, flush=True)
 
 
-def load_prompts(model_dir: str, num: int, length: int, data: Path) -> list[list[int]]:
-    from tokenizers import Tokenizer
+def model_encoder(model_dir: str):
+    """``text -> token ids`` with the model's own tokenizer, no special tokens: its
+    ``tokenizer.json`` (``tokenizers``), else transformers' ``AutoTokenizer`` (no remote code)."""
+    path = Path(model_dir) / "tokenizer.json"
+    if path.is_file():
+        from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+        tok = Tokenizer.from_file(str(path))
+        return lambda text: tok.encode(text, add_special_tokens=False).ids
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+    return lambda text: hf(text, add_special_tokens=False).input_ids
+
+
+def load_prompts(model_dir: str, num: int, length: int, data: Path) -> list[list[int]]:
+    """``num`` windows of ``length`` token ids of the held-out code in ``data`` (xz JSON lines
+    with a ``text`` field), tokenized with the model's tokenizer (:func:`model_encoder`)."""
+    encode = model_encoder(model_dir)
     docs = [json.loads(line)["text"] for line in lzma.open(data, "rt")]
     ids: list[int] = []
     for d in docs:
-        ids.extend(tok.encode(d).ids)
+        ids.extend(encode(d))
     span = len(ids) - length
     if span <= 0:
         ids = ids * (length // len(ids) + 2)
@@ -251,6 +277,9 @@ def run_engine(method: str, args, prompts_by_ctx, results, exact_ref):
                            "ms_per_token_step": bsz / tps * 1e3}
                     row["floor_ms"] = byte_floor_ms(args, method, sel, ctx, bsz)
                     if method == "vegas":
+                        row["selector"] = sel
+                        row["sparsity"] = args.sparsity
+                        row["kv_budget"] = min(kv_budget_tokens(args, ctx), ctx)
                         st = llm.collective_rpc(get_stats)[0]
                         row["acceptance_length"] = st.get("acceptance_length")
                         row["batch_steps"] = st.get("proposals", 0)
@@ -298,12 +327,18 @@ HBM_BYTES_PER_S = 4.3e12  # H200 peak
 
 
 def model_bytes(cfg: dict) -> tuple[int, int]:
-    """(weight bytes one forward reads, KV-cache bytes per token) of a Qwen3 config in bf16."""
+    """(weight bytes one forward reads, KV-cache bytes per token) of a Llama/Qwen3-style config in bf16."""
     h, d = cfg["hidden_size"], cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     hq, hkv, layers = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]
     per_layer = h * (hq + 2 * hkv) * d + hq * d * h + 3 * h * cfg["intermediate_size"]
     weights = 2 * (layers * per_layer + cfg["vocab_size"] * h)  # layers + lm_head
     return weights, 2 * layers * 2 * hkv * d
+
+
+def kv_budget_tokens(args, ctx: int) -> int:
+    """KV budget of a vegas engine at context ``ctx`` (tokens, before clamping to the context):
+    ``--kv-budget`` if set, else ``max(ceil(ctx x sparsity), min_kv_budget)`` (the proposer's rule)."""
+    return args.kv_budget if args.kv_budget else max(math.ceil(ctx * args.sparsity), args.min_kv_budget)
 
 
 def byte_floor_ms(args, method: str, sel: str | None, ctx: int, batch: int) -> float:
@@ -323,7 +358,7 @@ def byte_floor_ms(args, method: str, sel: str | None, ctx: int, batch: int) -> f
         return full / HBM_BYTES_PER_S / args.tp * 1e3
     total = full
     if method == "vegas":
-        budget = max(math.ceil(ctx * args.sparsity), args.min_kv_budget) if not args.kv_budget else args.kv_budget
+        budget = kv_budget_tokens(args, ctx)
         if sel in ("collect2", "aggregated"):
             total += batch * ctx * kv / 2
         total += args.gamma * (w + batch * (min(budget, ctx) + args.gamma + 1) * kv)
@@ -392,7 +427,7 @@ def latency_8b(args, prompts_long: list[list[int]], results) -> None:
                     ntok = sum(len(o.outputs[0].token_ids) for o in outs)
                     dec = decode_window(outs) or (wall - t1)
                     w, kv = model_bytes(QWEN3_8B)
-                    budget = max(math.ceil(ctx * args.sparsity), args.min_kv_budget)
+                    budget = kv_budget_tokens(args, ctx)
                     row = {"model": "qwen3-8b-dummy", "ctx": ctx, "batch": bsz, "method": label, "tp": args.tp,
                            "prefill_s": t_pref, "decode_s": dec,
                            "ms_per_token_step": dec * 1e3 / (ntok / bsz - 1),
@@ -491,6 +526,28 @@ def table(results) -> str:
     return "\n".join(lines)
 
 
+def tau_table(results) -> str:
+    """Acceptance length τ of the vegas rows by KV budget: one line per context, batch, mode and
+    selector, one column per budget (share of the context and tokens); empty without vegas rows."""
+    rows = [r for r in results["rows"] if r.get("selector") and r.get("kv_budget") is not None]
+    if not rows:
+        return ""
+    budgets = sorted({(r["sparsity"], r["kv_budget"]) for r in rows}, reverse=True)
+    lines = ["| ctx | batch | selector | " + " | ".join(f"τ at {100 * sp:g} % ({k})" for sp, k in budgets) + " |",
+             "|---:|---:|---|" + "---:|" * len(budgets)]
+    keys = []
+    for r in rows:
+        key = (r["ctx"], r["batch"], r.get("mode", "closed"), r["selector"])
+        if key not in keys:
+            keys.append(key)
+    for ctx, batch, mode, sel in keys:
+        tau = {(r["sparsity"], r["kv_budget"]): r.get("acceptance_length") for r in rows
+               if (r["ctx"], r["batch"], r.get("mode", "closed"), r["selector"]) == (ctx, batch, mode, sel)}
+        b = batch if mode == "closed" else f"{batch} open"
+        lines.append(f"| {ctx} | {b} | {sel} | " + " | ".join(_fmt(tau.get(k), "{:.2f}") for k in budgets) + " |")
+    return "\n".join(lines)
+
+
 def engine_jobs(args, methods: list[str]) -> list[tuple[str, argparse.Namespace]]:
     """One entry per engine to build: (method, args). Vegas with full verification graphs needs
     one engine per selector (the selection is captured into the graphs); with piecewise graphs
@@ -504,25 +561,30 @@ def engine_jobs(args, methods: list[str]) -> list[tuple[str, argparse.Namespace]
     # with tensor parallelism, one engine per score reduction (rows '-per_rank' for the other)
     tp_sels = args.tp_selections if args.tp > 1 else [args.tp_selection]
     scheds = args.vegas_schedulings
+    shares = getattr(args, "sparsities", None) or [args.sparsity]
     for method in methods:
         if method != "vegas":
             jobs.append((method, sub()))
             continue
-        for sched in scheds:
-            sched_suffix = f"-{sched}" if sched != scheds[0] else ""
-            for tp_sel in tp_sels:
-                tp_suffix = f"-{tp_sel}" if tp_sel != tp_sels[0] else ""
-                # sliding_window and quest reduce no scores: one engine (the first reduction) serves each
-                sels = [s for s in args.selectors if not (tp_suffix and s in ("sliding_window", "quest"))]
-                if not sels:
-                    continue
-                for mode in modes:
-                    suffix = ("-pw" if (mode == "piecewise" and len(modes) > 1) else "") + tp_suffix + sched_suffix
-                    kw = dict(verify_graphs=mode, name_suffix=suffix, tp_selection=tp_sel, vegas_scheduling=sched)
-                    if mode == "full":
-                        jobs += [("vegas", sub(selectors=[s], **kw)) for s in sels]
-                    else:
-                        jobs.append(("vegas", sub(selectors=sels, **kw)))
+        for share in shares:
+            share_suffix = sparsity_suffix(share) if share != shares[0] else ""
+            for sched in scheds:
+                sched_suffix = f"-{sched}" if sched != scheds[0] else ""
+                for tp_sel in tp_sels:
+                    tp_suffix = f"-{tp_sel}" if tp_sel != tp_sels[0] else ""
+                    # sliding_window and quest reduce no scores: one engine (the first reduction) serves each
+                    sels = [s for s in args.selectors if not (tp_suffix and s in ("sliding_window", "quest"))]
+                    if not sels:
+                        continue
+                    for mode in modes:
+                        suffix = (("-pw" if (mode == "piecewise" and len(modes) > 1) else "") + tp_suffix
+                                  + sched_suffix + share_suffix)
+                        kw = dict(verify_graphs=mode, name_suffix=suffix, tp_selection=tp_sel,
+                                  vegas_scheduling=sched, sparsity=share)
+                        if mode == "full":
+                            jobs += [("vegas", sub(selectors=[s], **kw)) for s in sels]
+                        else:
+                            jobs.append(("vegas", sub(selectors=sels, **kw)))
     for g in [int(x) for x in args.extra_gammas.split(",") if x]:
         for s in args.extra_gamma_selectors.split(","):
             jobs.append(("vegas", sub(gamma=g, exact_prompts=0, selectors=[s], name_suffix=f"-g{g}",
@@ -531,6 +593,45 @@ def engine_jobs(args, methods: list[str]) -> list[tuple[str, argparse.Namespace]
         jobs = [(m, _with(a, batches=[b], exact_prompts=a.exact_prompts if i == 0 else 0))
                 for i, b in enumerate(args.batches) for m, a in jobs]
     return jobs
+
+
+def sparsity_suffix(share: float) -> str:
+    """Row suffix of a vegas engine at KV-budget share ``share``: 0.02 -> ``-kv2%``."""
+    return f"-kv{round(share * 100, 4):g}%"
+
+
+def parse_sparsities(raw: str) -> list[float]:
+    """``--sparsity`` as a list of shares of the context, each in (0, 1].
+
+    Raises:
+        ValueError: naming ``--sparsity`` and the bad value.
+    """
+    out = []
+    for x in raw.split(","):
+        try:
+            v = float(x)
+        except ValueError:
+            raise ValueError(f"--sparsity must be a comma list of numbers in (0, 1], got {x!r}") from None
+        if not 0 < v <= 1:
+            raise ValueError(f"--sparsity must be a comma list of numbers in (0, 1], got {x!r}")
+        out.append(v)
+    return out
+
+
+def check_model(model: str, vegas: bool) -> None:
+    """Refuse, before the prompts and any engine: a ``--model`` that is not a checkpoint
+    directory (``config.json``), and (when ``vegas`` runs) a model with sliding-window layers.
+
+    Raises:
+        ValueError: naming ``--model`` (and for a sliding-window model, its layers).
+    """
+    if not (Path(model) / "config.json").is_file():
+        hint = " (on the device: PHASES=smollm2, scripts/device_smollm2.sh)" if "smollm2" in model else ""
+        raise ValueError(f"--model {model!r} is not a checkpoint directory with a config.json{hint}")
+    if vegas:
+        from vegas.backends.vllm import raise_if_sliding_window
+
+        raise_if_sliding_window(model)
 
 
 def _with(ns: argparse.Namespace, **kw) -> argparse.Namespace:
@@ -554,7 +655,10 @@ def run_job(method: str, args, prompts_by_ctx, results, exact_ref) -> None:
         pass
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with lists split (``contexts``, ``batches``, ``selectors``,
+    ``sparsities``, ``methods`` ...) and the model checked (:func:`check_model`); a bad value
+    exits with argparse's usage error naming it."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=str(ROOT / "vegas" / "model"))
     ap.add_argument("--load-format", default=None, help="e.g. dummy")
@@ -570,7 +674,9 @@ def main() -> int:
     ap.add_argument("--extra-gamma-selectors", default="collect2")
     ap.add_argument("--verify-graphs", default="full", choices=["full", "piecewise", "both"],
                     help="CUDA graphs of Vegas verification (VEGAS_VERIFY_CUDA_GRAPHS); both: rows '-pw' too")
-    ap.add_argument("--sparsity", type=float, default=0.05)
+    ap.add_argument("--sparsity", default="0.05",
+                    help="KV budget as a share of the context; a comma list builds one vegas engine per share "
+                         "(rows of all but the first get the suffix '-kvP%%')")
     ap.add_argument("--min-kv-budget", type=int, default=256)
     ap.add_argument("--kv-budget", type=int, default=0)
     ap.add_argument("--temperature", type=float, default=0.8)
@@ -596,7 +702,14 @@ def main() -> int:
                     help="comma list of vLLM scheduling modes for the vegas engines (async, sync), one "
                          "engine each; rows of all but the first get the suffix '-NAME'")
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    args.method_list = methods = [m for m in args.methods.split(",") if m]
+    try:
+        args.sparsities = parse_sparsities(args.sparsity)
+        check_model(args.model, "vegas" in methods)
+    except ValueError as e:
+        ap.error(str(e))
+    args.sparsity = args.sparsities[0]
     args.tp_selections = args.tp_selection.split(",")
     args.tp_selection = args.tp_selections[0]
     args.vegas_schedulings = args.vegas_scheduling.split(",")
@@ -607,8 +720,12 @@ def main() -> int:
     if args.greedy:
         args.temperature = 0.0
     args.name_suffix = ""
-    methods = [m for m in args.methods.split(",") if m]
+    return args
 
+
+def main() -> int:
+    args = parse_args()
+    methods = args.method_list
     t = time.time()
     n_prompts = max([b * max(args.steady, 1) for b in args.batches] + [args.exact_prompts])
     longest = load_prompts(args.model, n_prompts, max(args.contexts), Path(args.data))
@@ -657,6 +774,8 @@ def main() -> int:
             if name not in ("plain", "plain_logprobs"):
                 results["exactness"][name] = compare(toks, exact_ref)
     print(table(results), flush=True)
+    if tau_table(results):
+        print("\nτ by KV budget:\n" + tau_table(results), flush=True)
     for r in results["rows"]:
         if "per_iteration_ms" in r:
             print(f"{r['ctx']} b{r['batch']} {r['method']} per-iteration ms:",

@@ -137,3 +137,109 @@ def test_table_has_speedup_and_byte_bound(vb):
     ]
     text = vb.table({"rows": rows})
     assert "| 16384 | 32 | vegas-collect2 | 15000 | 5.80 | 3.00 | 0.90 | 3.60 |  | 1.50x | 2.00x |" in text
+
+
+def test_kv_budget_shares_build_one_vegas_engine_each(vb):
+    """--sparsity 0.05,0.02: every vegas engine once per share, the second share's rows suffixed
+    '-kv2%', and each engine's proposer config and byte floor use its own share."""
+    args = _args(sparsities=[0.05, 0.02], selectors=["collect2", "quest"], min_kv_budget=0)
+    jobs = vb.engine_jobs(args, ["plain", "vegas"])
+    got = [(m, tuple(a.selectors) if m == "vegas" else None, a.sparsity, a.name_suffix) for m, a in jobs]
+    assert got == [
+        ("plain", None, 0.05, ""),
+        ("vegas", ("collect2",), 0.05, ""),
+        ("vegas", ("quest",), 0.05, ""),
+        ("vegas", ("collect2",), 0.02, "-kv2%"),
+        ("vegas", ("quest",), 0.02, "-kv2%"),
+    ]
+    assert vb.vegas_cfg(jobs[3][1], "collect2")["sparsity_ratio"] == 0.02
+    assert vb.kv_budget_tokens(jobs[3][1], 7680) == 154 and vb.kv_budget_tokens(jobs[1][1], 7680) == 384
+    assert vb.kv_budget_tokens(_args(sparsity=0.02), 7680) == 256  # the default floor wins without --min-kv-budget 0
+    assert vb.byte_floor_ms(jobs[3][1], "vegas", "collect2", 7680, 32) < vb.byte_floor_ms(jobs[1][1], "vegas",
+                                                                                        "collect2", 7680, 32)
+    assert vb.sparsity_suffix(0.005) == "-kv0.5%"
+
+
+@pytest.mark.parametrize("raw", ["0", "0.05,x", "1.5", ""])
+def test_bad_sparsity_is_named(vb, raw):
+    with pytest.raises(ValueError, match="--sparsity must be a comma list of numbers in \\(0, 1\\]"):
+        vb.parse_sparsities(raw)
+
+
+def test_tau_table_has_one_column_per_budget(vb):
+    def row(sel, sp, k, tau):
+        return {"ctx": 7680, "batch": 32, "method": f"vegas-{sel}", "selector": sel, "sparsity": sp, "kv_budget": k,
+                "acceptance_length": tau, "mode": "closed"}
+
+    rows = [row("collect2", 0.05, 384, 3.9), row("quest", 0.05, 384, 4.0), row("collect2", 0.02, 154, 3.5)]
+    text = vb.tau_table({"rows": rows + [{"ctx": 7680, "batch": 32, "method": "plain"}]})
+    assert text.splitlines()[0] == "| ctx | batch | selector | τ at 5 % (384) | τ at 2 % (154) |"
+    assert "| 7680 | 32 | collect2 | 3.90 | 3.50 |" in text and "| 7680 | 32 | quest | 4.00 |  |" in text
+    assert vb.tau_table({"rows": []}) == ""
+
+
+def test_model_is_checked_before_any_engine(vb, tmp_path):
+    with pytest.raises(ValueError, match="--model .* is not a checkpoint directory"):
+        vb.check_model(str(tmp_path / "smollm2-hf"), vegas=True)
+    llama = tmp_path / "smol"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2,
+                                                   "num_attention_heads": 9, "num_key_value_heads": 3}))
+    vb.check_model(str(llama), vegas=True)
+    gemma = tmp_path / "gemma"
+    gemma.mkdir()
+    (gemma / "config.json").write_text(json.dumps({"model_type": "gemma2", "num_hidden_layers": 2}))
+    vb.check_model(str(gemma), vegas=False)  # plain vLLM runs sliding-window models
+    with pytest.raises(ValueError, match="sliding-window attention .* backend='hf'"):
+        vb.check_model(str(gemma), vegas=True)
+
+
+def test_prompts_use_the_models_own_tokenizer(vb, tmp_path):
+    """Two models with different tokenizers get different token ids for the same held-out code;
+    no special tokens are added, and each window is a slice of the model's own tokenization."""
+    import lzma
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    data = tmp_path / "code.jsonl.xz"
+    with lzma.open(data, "wt") as f:
+        for text in ("def add(a, b):\n    return a + b\n", "class Point:\n    x = 0\n    y = 1\n"):
+            f.write(json.dumps({"text": text}) + "\n")
+    words = sorted({w for t in ("def add(a, b):\n    return a + b\n", "class Point:\n    x = 0\n    y = 1\n")
+                    for w, _ in pre_tokenizers.Whitespace().pre_tokenize_str(t)})
+    model = tmp_path / "wordlevel"
+    model.mkdir()
+    tok = Tokenizer(models.WordLevel({w: i + 5 for i, w in enumerate(words)} | {"[UNK]": 0, "[BOS]": 1},
+                                     unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="[BOS] $A", special_tokens=[("[BOS]", 1)])
+    tok.save(str(model / "tokenizer.json"))
+    mine = vb.load_prompts(str(model), 2, 6, data)
+    full = [i for t in ("def add(a, b):\n    return a + b\n", "class Point:\n    x = 0\n    y = 1\n")
+            for i in tok.encode(t, add_special_tokens=False).ids]
+    assert all(len(p) == 6 for p in mine) and 1 not in {i for p in mine for i in p}
+    assert all(any(full[j : j + 6] == p for j in range(len(full))) for p in mine)
+    embedded = vb.load_prompts(str(ROOT / "vegas" / "model"), 2, 6, data)
+    assert embedded != mine
+
+
+def test_device_check_default_bench_is_the_smollm2_plan(vb, tmp_path):
+    """scripts/device_check.sh's default BENCH_ARGS parse, and plan plain plus the four selectors
+    at 5 % and 2 % KV budgets (nine engines) on the SmolLM2 checkpoint at 7,680 tokens."""
+    import re
+    import shlex
+
+    text = (ROOT / "scripts" / "device_check.sh").read_text()
+    raw = re.search(r'BENCH_ARGS=\$\{BENCH_ARGS:-"(.*?)"\}', text, re.S).group(1).replace("\\\n", " ")
+    model = tmp_path / "smollm2-hf"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 30,
+                                                   "num_attention_heads": 9, "num_key_value_heads": 3}))
+    args = vb.parse_args(shlex.split(raw.replace("$SMOLLM2", str(model))))
+    assert args.contexts == [7680] and args.batches == [32, 128] and args.temperature == 0.8
+    assert args.exact_prompts == 32 and args.min_kv_budget == 0
+    jobs = vb.engine_jobs(args, args.method_list)
+    got = [m + a.name_suffix + (f":{a.selectors[0]}" if m == "vegas" else "") for m, a in jobs]
+    sels = ["collect2", "aggregated", "sliding_window", "quest"]
+    assert got == ["plain"] + [f"vegas:{s}" for s in sels] + [f"vegas-kv2%:{s}" for s in sels]
+    assert [vb.kv_budget_tokens(a, 7680) for _, a in jobs[1:]] == [384] * 4 + [154] * 4

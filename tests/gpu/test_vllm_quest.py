@@ -1,18 +1,15 @@
 """Quest on the vLLM backend: page bounds kept in step with a paged cache through prefill,
 verification and rejected drafts; page scores and draft tables against the HF backend's Quest
-maths (CPU, no vLLM); the Triton page-score kernel against the reference (CUDA)."""
+maths (CPU, no vLLM); the Triton page-score kernel against the reference for every head shape (CUDA)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from tests.kernel_cases import HEAD_SHAPES, check_quest_kernel, shape_id
 from vegas.kernels import slots_to_fa_pages
 from vegas.kernels.quest_pages import (
     group_query,
@@ -164,46 +161,9 @@ def test_on_layer_keeps_quest_bounds_and_page_aligned_budgets():
             assert torch.equal(st.quest_max[layer, int(bt[0, p])], want_max[0, :, p])
 
 
-def check_triton_page_scores(device: str, cases) -> None:
-    """The Triton page-score kernel against the reference on ``device`` (also run on the CPU
-    under Triton's interpreter, ``TRITON_INTERPRET=1``)."""
-    from vegas.kernels.triton_quest import page_scores_triton
-
-    for hkv, d, pages in cases:
-        g = torch.Generator().manual_seed(5)
-        n = 5
-        nb = n * pages + 3  # distinct blocks for every request's table
-        kmin = torch.randn(nb + 1, hkv * d, generator=g).to(torch.bfloat16)
-        kmax = (kmin.float() + torch.rand(nb + 1, hkv * d, generator=g)).to(torch.bfloat16)
-        bt = torch.randperm(nb, generator=g)[: n * pages].view(n, pages).to(torch.int32)
-        q = torch.randn(n, hkv * 3, d, generator=g).to(torch.bfloat16)
-        num_pages = torch.tensor([pages, pages - 7, 1, 0, pages // 2])
-        kmin, kmax, bt, q, num_pages = (t.to(device) for t in (kmin, kmax, bt, q, num_pages))
-        qp, qn = group_query(q, hkv)
-        want = page_scores_reference(qp, qn, kmin, kmax, bt, num_pages)
-        got = page_scores_triton(qp, qn, kmin, kmax, bt, num_pages)
-        finite = torch.isfinite(want)
-        assert torch.equal(finite, torch.isfinite(got)) and finite.sum() == 2 * pages - 7 + 1 + pages // 2
-        torch.testing.assert_close(got[finite], want[finite], rtol=1e-4, atol=1e-3)
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_triton_page_scores_match_the_reference():
-    check_triton_page_scores("cuda", [(2, 64, 1100), (8, 128, 300)])
-
-
-def test_triton_page_scores_match_the_reference_in_the_interpreter():
-    """The same check on the CPU, the kernel run by Triton's interpreter (a subprocess: the
-    interpreter is chosen when the kernel is defined)."""
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[2]
-    code = (
-        "import sys; sys.path.insert(0, sys.argv[1])\n"
-        "from tests.gpu.test_vllm_quest import check_triton_page_scores\n"
-        "check_triton_page_scores('cpu', [(2, 64, 70), (8, 128, 20)])\n"
-        "print('kernel ok')\n"
-    )
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run([sys.executable, "-c", code, str(root)], env=env, cwd=root, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0 and "kernel ok" in run.stdout, run.stderr[-3000:]
+@pytest.mark.parametrize("shape", HEAD_SHAPES, ids=shape_id)
+def test_triton_page_scores_match_the_reference(shape):
+    """The Triton page-score kernel against the reference for every head shape (on the CPU
+    under Triton's interpreter: tests/test_kernels_interpreted.py)."""
+    check_quest_kernel("cuda", shape, 1100 if shape[1] * shape[2] <= 1024 else 300)

@@ -123,9 +123,12 @@ def test_draft_tables_cover_selection_plus_recent():
             assert got == sorted(_slot(bt, i, p) for p in want_pos)
 
 
-def test_on_layer_batched_selection_matches_per_layer():
+@pytest.mark.parametrize("selector", ["collect2", "aggregated"])
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 8), (9, 3, 64), (7, 1, 96), (32, 32, 128)])
+def test_on_layer_batched_selection_matches_per_layer(hq, hkv, d, selector):
     """The state's all-layers selection (stash queries, select at the last layer) equals a
-    per-layer selection done layer by layer."""
+    per-layer selection done layer by layer, for any head shape; the buffers the proposer
+    reserves from the model's heads (``(γ+1) x heads x head_dim`` query elements) fit it."""
     from types import SimpleNamespace
 
     from vegas.vllm_plugin.state import SelectionState
@@ -135,15 +138,18 @@ def test_on_layer_batched_selection_matches_per_layer():
     qsl = torch.tensor([0, 5, 10], dtype=torch.int32)
     md = SimpleNamespace(query_start_loc=qsl, seq_lens=torch.tensor(lens, dtype=torch.int32),
                          max_seq_len=70, block_table=bt)
-    cfg = VllmVegasConfig(selector="collect2", kv_budget=7)
+    cfg = VllmVegasConfig(selector=selector, kv_budget=7)
     st = SelectionState(config=cfg, gamma=4, enabled=True)
-    st.on_layer(1, torch.randn(10, 4, 8), torch.randn(nb, 2, BS, 2, 8), md, 0.5)
+    st.on_layer(1, torch.randn(10, hq, d), torch.randn(nb, 2, BS, hkv, d), md, 0.5)
     assert st.plan is None  # layers unknown yet (first prefill before the proposer learned them)
     st.first_layer, st.last_layer, st.layers_ready = 0, 2, True
-    kvs = [torch.randn(nb, 2, BS, 2, 8) for _ in range(3)]
-    queries = [torch.randn(10, 4, 8) for _ in range(3)]
+    st.reserve(2, cfg.budget(70), (4 + 1) * hq * d, torch.float32, torch.device("cpu"))  # as the proposer does
+    generation = st.generation
+    kvs = [torch.randn(nb, 2, BS, hkv, d) for _ in range(3)]
+    queries = [torch.randn(10, hq, d) for _ in range(3)]
     for layer in range(3):
         st.on_layer(layer, queries[layer], kvs[layer], md, 0.5)
+    assert st.generation == generation and st._qbuf.numel() == 3 * 2 * 5 * hq * d  # nothing regrown
     plan = make_plan(qsl, md.seq_lens, 70, 4, cfg)
     sel, ctx_sel, budgets = st.selection(2)
     assert torch.equal(ctx_sel, plan.ctx_sel) and torch.equal(budgets, plan.budgets)

@@ -13,6 +13,10 @@ verification runs in vLLM's full CUDA graphs with the selection captured into th
 selector or budget rebuilds the engine; with ``VEGAS_VERIFY_CUDA_GRAPHS=piecewise`` the engine
 is kept and switched through ``collective_rpc`` (verification attention then runs eagerly).
 
+Models with sliding-window layers (Gemma 2/3, Mistral-style ``sliding_window``, Qwen2 with
+``use_sliding_window``) are refused by name before a Vegas engine is built
+(:func:`raise_if_sliding_window`); the HF backend supports them.
+
 Selectors here: ``collect2``, ``aggregated``, ``sliding_window`` and ``quest`` (pages are vLLM's
 16-slot KV blocks; their key bounds take ``1/16`` of the key cache per bound, outside vLLM's
 memory profile, see :mod:`vegas.vllm_plugin.quest`). Not here: ``last_token``,
@@ -35,7 +39,7 @@ from ..sampling import SamplingParams
 from ..vllm_plugin.state import SELECTORS as VLLM_SELECTORS
 from .base import Backend, RequestOutput, RequestStats
 
-__all__ = ["VLLMBackend", "vllm_engine_kwargs"]
+__all__ = ["VLLMBackend", "raise_if_sliding_window", "sliding_window_layers", "vllm_engine_kwargs"]
 
 log = logging.getLogger(__name__)
 # VLLM_SELECTORS: the proposer's selector names (vegas.vllm_plugin.state imports no vLLM)
@@ -61,6 +65,70 @@ def _raise_if_unsupported(selector: str | None, config: VegasConfig) -> None:
             f"quest on the vllm backend uses vLLM's KV blocks as pages: page_size must be "
             f"{VLLM_BLOCK_SIZE}, got {config.page_size}"
         )
+
+
+def sliding_window_layers(config: Any) -> list[int]:
+    """Indices of the layers of a transformers config that attend through a sliding window.
+
+    ``layer_types`` entries ``"sliding_attention"`` (Gemma 2/3, Qwen2 with
+    ``use_sliding_window``, ...) when the config has them; else every layer when
+    ``sliding_window`` is set and ``use_sliding_window`` is not false (Mistral-style configs,
+    where the window applies to all layers). Multimodal configs are read through their text
+    config.
+    """
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    types = getattr(text, "layer_types", None)
+    if types:
+        return [i for i, t in enumerate(types) if t == "sliding_attention"]
+    window = getattr(text, "sliding_window", None)
+    if window and getattr(text, "use_sliding_window", True) is not False:
+        return list(range(int(getattr(text, "num_hidden_layers", 0) or 0)))
+    return []
+
+
+def _spans(indices: list[int]) -> str:
+    """``[0, 1, 2, 4, 6, 7]`` -> ``"0-2, 4, 6-7"``."""
+    out: list[str] = []
+    start = prev = None
+    for i in indices + [None]:
+        if start is not None and i == prev + 1:
+            prev = i
+            continue
+        if start is not None:
+            out.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = i
+    return ", ".join(out)
+
+
+def raise_if_sliding_window(model: str) -> None:
+    """Refuse a model with sliding-window layers before a Vegas engine is built.
+
+    Reads the model's transformers config (``AutoConfig``, ``trust_remote_code`` off, so no
+    code of the model runs). A config that cannot be read that way is let through: vLLM's own
+    loading names the problem, and the proposer checks every attention layer when it starts.
+
+    Raises:
+        VegasConfigError: naming the model, its sliding-window layers and the window, and
+            pointing to the HF backend, which supports them.
+    """
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model, trust_remote_code=False)
+    except Exception as e:  # a hub id offline, remote code, no config.json: vLLM reports it
+        log.debug("vllm backend: config of %r not read for the sliding-window check: %r", model, e)
+        return
+    layers = sliding_window_layers(config)
+    if not layers:
+        return
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    total = int(getattr(text, "num_hidden_layers", 0) or len(layers))
+    raise VegasConfigError(
+        f"model {model!r} has sliding-window attention (window {getattr(text, 'sliding_window', None)}) "
+        f"in {len(layers)} of its {total} layers ({_spans(layers)}); the vllm backend drafts over "
+        "compressed page tables that cannot express a sliding window and supports full-attention "
+        "models only. Use backend='hf', which supports sliding-window models."
+    )
 
 
 def _raise_if_unavailable() -> None:
@@ -162,6 +230,7 @@ class VLLMBackend(Backend):
         self._key: tuple | None = None
         self._tokenizer = None
         self._max_context: int | None = None
+        self._checked_model = False  # sliding-window check done (at the first Vegas generate)
 
     # ---- engine -----------------------------------------------------------------------------
     def _engine(self, key: tuple, selector: str | None, config: VegasConfig):
@@ -227,7 +296,17 @@ class VLLMBackend(Backend):
         selector: str | None,
         config: VegasConfig,
     ) -> list[RequestOutput]:
+        """See :meth:`vegas.backends.base.Backend.generate`.
+
+        Raises:
+            VegasConfigError: a selector or setting this backend lacks, or (with a selector) a
+                model with sliding-window layers (:func:`raise_if_sliding_window`), before any
+                engine is built.
+        """
         _raise_if_unsupported(selector, config)
+        if selector is not None and not self._checked_model:
+            raise_if_sliding_window(self.model)
+            self._checked_model = True
         from vllm import SamplingParams as VllmSamplingParams
 
         from ..vllm_plugin import configure, get_stats

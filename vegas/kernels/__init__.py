@@ -5,6 +5,9 @@ Two implementations of one computation:
 - :mod:`vegas.kernels.reference`: pure PyTorch, any device, the specification.
 - :mod:`vegas.kernels.triton_score`: a Triton kernel (GPU only; imported lazily).
 
+Both accept any head shape vLLM's FlashAttention takes (any ``num_kv_heads x head_dim``, any
+GQA ratio); :func:`check_head_shape` names what they refuse.
+
 :func:`collect_scores` picks the Triton kernel for CUDA tensors when Triton imports, else the
 reference. :func:`select_topk` is shared (``torch.topk`` plus index arithmetic).
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .reference import (
+    check_head_shape,
     collect_scores_layers_reference,
     collect_scores_reference,
     select_topk,
@@ -22,6 +26,7 @@ from .reference import (
 )
 
 __all__ = [
+    "check_head_shape",
     "collect_scores",
     "collect_scores_layers_reference",
     "collect_scores_reference",

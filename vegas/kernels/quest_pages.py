@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from .reference import check_head_shape
+
 __all__ = ["group_query", "last_in_block", "page_scores_reference", "select_pages", "update_page_bounds"]
 
 
@@ -75,9 +77,13 @@ def group_query(query: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, t
 
     Args:
         query: ``(num_seqs, num_q_heads, head_dim)``; query head ``h`` reads KV head
-            ``h // (num_q_heads // num_kv_heads)``.
+            ``h // (num_q_heads // num_kv_heads)`` (any head_dim, any GQA ratio).
+
+    Raises:
+        VegasConfigError: ``num_q_heads`` is not a multiple of ``num_kv_heads``.
     """
     n, hq, d = query.shape
+    check_head_shape(hq, num_kv_heads, d, d)
     q = query.float().view(n, num_kv_heads, hq // num_kv_heads, d)
     return q.clamp(min=0).sum(2).reshape(n, -1), q.clamp(max=0).sum(2).reshape(n, -1)
 

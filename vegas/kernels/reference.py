@@ -9,13 +9,34 @@ from __future__ import annotations
 
 import torch
 
+from ..config import VegasConfigError
+
 __all__ = [
+    "check_head_shape",
     "collect_scores_layers_reference",
     "collect_scores_reference",
     "select_topk",
     "select_topk_layers",
     "slots_to_fa_pages",
 ]
+
+
+def check_head_shape(num_q_heads: int, num_kv_heads: int, head_dim: int, key_head_dim: int) -> None:
+    """Shapes the kernels accept: any ``num_kv_heads >= 1`` and ``head_dim >= 1`` (keys and
+    queries alike) and ``num_q_heads`` a multiple of ``num_kv_heads`` (GQA/MQA/MHA).
+
+    Raises:
+        VegasConfigError: naming the mismatching sizes.
+    """
+    if num_kv_heads < 1 or head_dim < 1:
+        raise VegasConfigError(f"num_kv_heads and head_dim must be >= 1, got {num_kv_heads} and {head_dim}")
+    if key_head_dim != head_dim:
+        raise VegasConfigError(f"the keys' head_dim ({key_head_dim}) must equal the queries' head_dim ({head_dim})")
+    if num_q_heads < num_kv_heads or num_q_heads % num_kv_heads:
+        raise VegasConfigError(
+            f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads}): each KV head "
+            "serves the same number of query heads"
+        )
 
 
 def collect_scores_reference(
@@ -29,9 +50,13 @@ def collect_scores_reference(
     """Reference of :func:`vegas.kernels.collect_scores` (same arguments and result).
 
     Materialises every logit per head and query in float32, one sequence at a time.
+
+    Raises:
+        VegasConfigError: see :func:`check_head_shape`.
     """
-    num_seqs, _, num_q_heads, _ = queries.shape
+    num_seqs, _, num_q_heads, head_dim = queries.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    check_head_shape(num_q_heads, num_kv_heads, head_dim, key_cache.shape[3])
     group = num_q_heads // num_kv_heads
     out = torch.full((num_seqs, max_len), float("-inf"), dtype=torch.float32, device=queries.device)
     for s in range(num_seqs):

@@ -11,6 +11,12 @@ as FlashAttention reads them, with no logits materialised per head.
 All layers go in one launch. Each layer's key cache is addressed as an element offset from
 layer 0's (a table of ``L`` int64), with an alignment hint so that loads stay 16-byte vectors
 (a pointer loaded from memory carries no alignment, which made an earlier version 10x slower).
+
+Any head shape works (:func:`row_chunks`): the row is read in power-of-two chunks of at most 256
+elements. When a power of two of at least 64 divides the row (8 x 128, 2 x 64, 3 x 64,
+4 x 256, 32 x 128, 8 x 80 ...) the chunks tile it exactly and no load is masked: the tuned
+path of the common shapes. Otherwise (a row of 80, 96, 160 ...) the row is padded to the next
+chunk boundary and the tail lanes are masked.
 """
 
 from __future__ import annotations
@@ -21,7 +27,34 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["collect_scores_layers_triton", "collect_scores_triton", "layer_offsets"]
+from ..config import VegasConfigError
+from .reference import check_head_shape
+
+__all__ = ["collect_scores_layers_triton", "collect_scores_triton", "layer_offsets", "row_chunks"]
+
+#: widest chunk of a key row per inner step (elements)
+MAX_BLOCK_R = 256
+#: the smallest exact power-of-two divisor of a row that is read unmasked
+MIN_EVEN_BLOCK_R = 64
+
+
+def row_chunks(row: int) -> tuple[int, bool]:
+    """``(block_r, even)``: chunk width (a power of two, <= 256 elements) of a key row of ``row``
+    elements, and whether the chunks tile the row exactly (no masked loads).
+
+    The largest power of two dividing ``row`` is used when it is at least 64 (e.g. 1024 -> 256,
+    192 -> 64, 640 -> 128); else ``min(next_power_of_2(row), 256)`` with the tail masked
+    (80 -> 128, 160 -> 256).
+
+    Raises:
+        VegasConfigError: ``row`` is not a positive integer.
+    """
+    if isinstance(row, bool) or not isinstance(row, int) or row < 1:
+        raise VegasConfigError(f"num_kv_heads * head_dim must be a positive integer, got {row!r}")
+    div = row & -row  # largest power of two dividing row
+    if div >= MIN_EVEN_BLOCK_R:
+        return min(div, MAX_BLOCK_R), True
+    return min(triton.next_power_of_2(row), MAX_BLOCK_R), False
 
 
 def collect_scores_triton(
@@ -56,7 +89,8 @@ def _score_layers_kernel(
     scale,
     BLOCK_SIZE: tl.constexpr,
     ROW: tl.constexpr,  # num_kv_heads * head_dim: the key row of one token
-    BLOCK_R: tl.constexpr,  # chunk of the row per inner step (divides ROW)
+    BLOCK_R: tl.constexpr,  # chunk of the row per inner step (a power of two)
+    EVEN_R: tl.constexpr,  # BLOCK_R divides ROW: no column mask
     BLOCK_N: tl.constexpr,  # tokens per program
     ALIGN: tl.constexpr,  # elements every layer offset is a multiple of
 ):
@@ -76,10 +110,15 @@ def _score_layers_kernel(
     row = koff + blk * stride_kb + (offs_n % BLOCK_SIZE).to(tl.int64) * ROW  # [BLOCK_N]
     q_base = qsum_ptr + pid.to(tl.int64) * ROW
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for c in tl.static_range(ROW // BLOCK_R):
+    for c in tl.static_range((ROW + BLOCK_R - 1) // BLOCK_R):
         offs_r = c * BLOCK_R + tl.arange(0, BLOCK_R)
-        q = tl.load(q_base + offs_r)
-        k = tl.load(k_ptr + row[:, None] + offs_r[None, :], mask=valid[:, None], other=0.0)
+        if EVEN_R:
+            q = tl.load(q_base + offs_r)
+            k = tl.load(k_ptr + row[:, None] + offs_r[None, :], mask=valid[:, None], other=0.0)
+        else:  # padded tail of the row
+            rmask = offs_r < ROW
+            q = tl.load(q_base + offs_r, mask=rmask, other=0.0)
+            k = tl.load(k_ptr + row[:, None] + offs_r[None, :], mask=valid[:, None] & rmask[None, :], other=0.0)
         acc += tl.sum(k.to(tl.float32) * q[None, :], axis=1)
     res = tl.where(valid, acc * scale, float("-inf"))
     tl.store(out_base + offs_n, res, mask=offs_n < max_len)
@@ -132,16 +171,37 @@ def collect_scores_layers_triton(
     Returns:
         ``(L, num_seqs, max_len)`` float32, as :func:`vegas.kernels.collect_scores` per layer.
 
+    Any ``num_kv_heads x head_dim`` and any GQA ratio ``H / num_kv_heads`` work (see
+    :func:`row_chunks` for how the row is read).
+
     Raises:
-        ValueError: if the key rows are not contiguous (``stride(2) != head_dim`` or
-            ``stride(1) != num_kv_heads * head_dim``).
+        VegasConfigError (a ``ValueError``): ``len(key_caches) != L``; the key caches' head_dim
+            differs from the queries'; ``H`` is not a multiple of ``num_kv_heads``; the key rows
+            are not contiguous (``stride(3) != 1``, ``stride(2) != head_dim`` or
+            ``stride(1) != num_kv_heads * head_dim``); ``block_table`` has no unit last stride;
+            ``block_n`` is not a power of two.
     """
     num_layers, num_seqs, nq, num_q_heads, head_dim = queries.shape
+    if len(key_caches) != num_layers:
+        raise VegasConfigError(f"key_caches must hold one cache per layer of queries ({num_layers}), got {len(key_caches)}")
     k0 = key_caches[0]
-    _, block_size, num_kv_heads, _ = k0.shape
+    _, block_size, num_kv_heads, k_head_dim = k0.shape
+    check_head_shape(num_q_heads, num_kv_heads, head_dim, k_head_dim)
     row = num_kv_heads * head_dim
-    if k0.stride(3) != 1 or k0.stride(2) != head_dim or k0.stride(1) != row:
-        raise ValueError(f"key cache strides {k0.stride()} do not give contiguous token rows (NHD layout needed)")
+    contiguous_rows = (
+        k0.stride(3) == 1
+        and (num_kv_heads == 1 or k0.stride(2) == head_dim)
+        and (block_size == 1 or k0.stride(1) == row)
+    )
+    if not contiguous_rows:
+        raise VegasConfigError(
+            f"key_caches strides {k0.stride()} do not give contiguous token rows of num_kv_heads * head_dim = "
+            f"{row} elements (vLLM's NHD layout is needed)"
+        )
+    if block_table.dim() != 2 or (block_table.shape[1] > 1 and block_table.stride(1) != 1):
+        raise VegasConfigError(f"block_table must be 2-D with a unit last stride, got strides {block_table.stride()}")
+    if block_n < 1 or block_n & (block_n - 1):
+        raise VegasConfigError(f"block_n must be a power of two, got {block_n}")
     koffs, align = key_offsets if key_offsets is not None else layer_offsets(key_caches)
     out = torch.empty((num_layers, num_seqs, max_len), dtype=torch.float32, device=k0.device)
     if num_seqs == 0 or max_len == 0:
@@ -151,15 +211,13 @@ def collect_scores_layers_triton(
     w = weights.to(torch.float32)[None, :, :, None, None, None]
     qsum = (queries.float().reshape(num_layers, num_seqs, nq, num_kv_heads, group, head_dim) * w).sum(dim=(2, 4))
     qsum = qsum.reshape(num_layers, num_seqs, row).contiguous()
-    block_r = min(triton.next_power_of_2(row), 256)
-    if row % block_r:
-        raise ValueError(f"num_kv_heads * head_dim = {row} must be a multiple of {block_r}")
+    block_r, even_r = row_chunks(row)
     grid = (num_layers * num_seqs, triton.cdiv(max_len, block_n))
     _score_layers_kernel[grid](
         qsum, k0, koffs, block_table, ctx_lens.to(torch.int32), out,
         num_seqs, max_len,
         k0.stride(0), block_table.stride(0), out.stride(0), out.stride(1),
         float(scale),
-        BLOCK_SIZE=block_size, ROW=row, BLOCK_R=block_r, BLOCK_N=block_n, ALIGN=align,
+        BLOCK_SIZE=block_size, ROW=row, BLOCK_R=block_r, EVEN_R=even_r, BLOCK_N=block_n, ALIGN=align,
     )
     return out

@@ -316,7 +316,8 @@ class VegasProposer:
             if impl.sliding_window is not None and tuple(impl.sliding_window) != (-1, -1):
                 raise ValueError(
                     f"vegas: layer {name} uses sliding-window attention {impl.sliding_window}, which "
-                    "the compressed draft tables cannot express; only full-attention models are supported"
+                    "the compressed draft tables cannot express; only full-attention models are supported "
+                    "(the HF backend, backend='hf', supports sliding-window models)"
                 )
             layers.append((name, layer_index(name)))
         layers.sort(key=lambda x: x[1])
