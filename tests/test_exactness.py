@@ -29,6 +29,18 @@ def test_plain_batch_equals_single_prompts(pipe, code_prompts, reference):
     assert all(len(r) == NEW_TOKENS for r in reference)
 
 
+@pytest.mark.parametrize("selector", [None, "collect2"])
+def test_chunked_prefill_of_a_padded_batch_equals_single_prompts(pipe, code_prompts, monkeypatch, selector):
+    """Prompts longer than a prefill chunk, left-padded in one batch, give what each prompt gives
+    alone in one chunk (positions count each sequence's own tokens, not the batch's slots)."""
+    from vegas.backends import hf
+
+    prompts = [code_prompts[0][:400], code_prompts[1][:230]]  # 170 slots of padding for the second
+    alone = [run(pipe, [p], selector, **SMALL)[0].token_ids for p in prompts]
+    monkeypatch.setattr(hf, "PREFILL_CHUNK_TOKENS", 96)  # 5 and 3 chunks
+    assert [o.token_ids for o in run(pipe, prompts, selector, **SMALL)] == alone
+
+
 @pytest.mark.parametrize("gamma", [1, 4])
 @pytest.mark.parametrize("selector", SELECTORS)
 def test_greedy_equals_plain_greedy(pipe, code_prompts, reference, selector, gamma):
