@@ -28,6 +28,7 @@ from transformers import (
 from ..config import VegasConfig, VegasConfigError, kv_budget_for
 from ..interfaces import Drafter, Selection, SelectionInput, Selector, Verifier
 from ..loop import plain_decode, speculative_decode
+from ..models import resolve_model, rope_scaled_config
 from ..plugins import run_selector
 from ..sampling import SampleFn, SamplingParams
 from .base import Backend, RequestOutput
@@ -255,9 +256,16 @@ def _checked_device(device: str | None) -> torch.device:
 class HFBackend(Backend):
     """transformers eager backend (CPU and CUDA; float32, bfloat16, float16).
 
+    Args:
+        model: a model name, ``.gguf`` file, model directory or hub id
+            (:func:`vegas.models.resolve_model`).
+        rope_scaling: RoPE scaling applied before loading
+            (:func:`vegas.models.rope_scaled_config`), or None.
+
     Raises:
         VegasConfigError: unknown ``dtype`` or ``device``, CUDA asked for but not available,
-            or ``model`` is neither a local model directory nor in the local HF cache.
+            ``model`` is neither a model name, a GGUF, a local model directory nor in the local
+            HF cache, or bad ``rope_scaling``.
     """
 
     name = "hf"
@@ -269,10 +277,15 @@ class HFBackend(Backend):
         dtype: str = "float32",
         device: str | None = None,
         trust_remote_code: bool = False,
+        rope_scaling: dict | None = None,
     ) -> None:
         if dtype not in DTYPES:
             raise VegasConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         device = _checked_device(device)
+        model = resolve_model(model)  # model names and .gguf files -> a checkpoint directory
+        scaled = {} if rope_scaling is None else {
+            "config": rope_scaled_config(model, rope_scaling, trust_remote_code=trust_remote_code)
+        }
         try:
             self._tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
             self.model = AutoModelForCausalLM.from_pretrained(
@@ -280,6 +293,7 @@ class HFBackend(Backend):
                 dtype=DTYPES[dtype],
                 attn_implementation=ATTENTION_NAME,
                 trust_remote_code=trust_remote_code,
+                **scaled,
             )
         except (OSError, ValueError) as exc:
             raise VegasConfigError(
@@ -295,6 +309,10 @@ class HFBackend(Backend):
     @property
     def max_context(self) -> int:
         return int(self.model.config.max_position_embeddings)
+
+    @property
+    def generation_config(self):
+        return self.model.generation_config
 
     @property
     def vocab_size(self) -> int:
