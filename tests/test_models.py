@@ -42,10 +42,14 @@ def test_cache_root_follows_the_environment(monkeypatch, tmp_path):
     assert cache_root() == tmp_path / "h" / ".cache" / "vegas"
 
 
-def test_resolve_passes_directories_and_hub_ids(tmp_path):
+def test_resolve_passes_directories_and_hub_ids(tmp_path, monkeypatch):
     assert resolve_model(None) == DEFAULT_MODEL
     assert resolve_model(DEFAULT_MODEL) == DEFAULT_MODEL
     assert resolve_model(str(tmp_path)) == str(tmp_path)
+    home = tmp_path / "home"
+    (home / "m").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    assert resolve_model("~/m") == str(home / "m")
     assert resolve_model("HuggingFaceTB/SmolLM2-135M") == "HuggingFaceTB/SmolLM2-135M"
 
 

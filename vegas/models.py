@@ -135,7 +135,7 @@ def resolve_model(model: str | os.PathLike | None) -> str:
     if path.suffix.lower() == ".gguf" or path.is_file():
         return str(convert_gguf(path))
     if path.is_dir():
-        return text
+        return str(path)
     if _HUB_ID.fullmatch(text) and not text.startswith((".", "~")):
         return text  # transformers looks for it in the local Hugging Face cache
     if "/" in text or os.sep in text:
