@@ -109,7 +109,8 @@ def test_bad_sampling_values(pipe, kwargs, match):
     [
         ({"device": "tpu"}, "device must be 'cpu', 'cuda' or 'cuda:N'"),
         ({"dtype": "int8"}, "dtype must be one of"),
-        ({"model": "/nonexistent/model"}, "is neither a local transformers model directory"),
+        ({"model": "/nonexistent/model"}, "model path '/nonexistent/model' does not exist"),
+        ({"model": "no-such-org/no-such-model"}, "is neither a local transformers model directory"),
     ],
 )
 def test_bad_backend_arguments(kwargs, match):

@@ -32,6 +32,7 @@ class BenchOptions:
     """Options of ``vegas bench`` (see ``vegas bench --help``)."""
 
     model: str | None = None
+    rope_scaling: dict | None = None
     backend: str = "hf"
     selectors: list[str] | None = None  # None: every registered selector (plugins included)
     context: int = 4096
@@ -109,7 +110,8 @@ def run_bench(opts: BenchOptions, console: Console | None = None) -> dict:
     if opts.kv_budget is not None:
         config["kv_budget"] = opts.kv_budget
     pipe = Pipeline(
-        opts.model, selector=None, backend=opts.backend, dtype=opts.dtype, device=opts.device, **config
+        opts.model, selector=None, backend=opts.backend, dtype=opts.dtype, device=opts.device,
+        rope_scaling=opts.rope_scaling, **config,
     )
     _raise_if_bad_options(opts, pipe)
     every = opts.selectors is None  # "all": a failing plugin selector is skipped, not fatal

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
@@ -11,8 +12,29 @@ from rich.console import Console
 
 from .config import VegasConfigError
 
+ROPE_EXAMPLE = '{"rope_type": "yarn", "factor": 4}'
+
+
+def _rope_scaling(ctx, param, value: str | None) -> dict | None:
+    """``--rope-scaling`` JSON -> dict (checked further by vegas.models.rope_scaled_config)."""
+    if value is None:
+        return None
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"must be a JSON object such as '{ROPE_EXAMPLE}': {exc}") from None
+    if not isinstance(parsed, dict):
+        raise click.BadParameter(f"must be a JSON object such as '{ROPE_EXAMPLE}', got {value!r}")
+    return parsed
+
+
 _CONFIG_OPTIONS = [
-    click.option("--model", default=None, help="Model directory (default: the embedded vegas-tiny-code)."),
+    click.option("--model", default=None,
+                 help="Model name (smollm2-135m), .gguf file, model directory or cached hub id "
+                      "(default: the embedded vegas-tiny-code)."),
+    click.option("--rope-scaling", default=None, callback=_rope_scaling,
+                 help=f"RoPE scaling as JSON, e.g. '{ROPE_EXAMPLE}' (yarn, linear, llama3): "
+                      "raises the model's context by the factor."),
     click.option("--backend", default="hf", show_default=True, help="Registered backend: hf, vllm, or a plugin's."),
     click.option("--num-draft-tokens", "-g", default=4, show_default=True, type=int, help="γ, draft tokens per iteration."),
     click.option("--sparsity-ratio", default=0.05, show_default=True, type=float, help="KV budget / context, in (0, 1]."),
@@ -95,11 +117,15 @@ def _check_writable(path: Path) -> None:
 @click.argument("prompt")
 @click.option("--selector", default="collect2", show_default=True, help="Selector name, or 'none' for plain decoding.")
 @click.option("--max-new-tokens", default=64, show_default=True, type=int)
-def generate(prompt, selector, max_new_tokens, model, backend, dtype, device, temperature, top_p, seed, **config) -> None:
+@click.option("--chat", is_flag=True,
+              help="Send PROMPT as a user message through the model's chat template (chat models).")
+def generate(prompt, selector, max_new_tokens, chat, model, rope_scaling, backend, dtype, device, temperature, top_p,
+             seed, **config) -> None:
     """Generate after PROMPT and print text and statistics.
 
     PROMPT is text; '@path' reads it from a file (or the text files under a directory), and
-    '@@' starts a text that begins with '@' (e.g. a Python decorator).
+    '@@' starts a text that begins with '@' (e.g. a Python decorator). With --chat, PROMPT is
+    one user message and the model answers it.
     """
     from .pipeline import Pipeline
     from .prompts import read_text_source
@@ -108,7 +134,7 @@ def generate(prompt, selector, max_new_tokens, model, backend, dtype, device, te
         if config["kv_budget"] is None:
             config.pop("kv_budget")
         pipe = Pipeline(model, selector=None if selector == "none" else selector, backend=backend,
-                        dtype=dtype, device=device, **config)
+                        dtype=dtype, device=device, rope_scaling=rope_scaling, **config)
         if prompt.startswith("@@"):
             text = prompt[1:]
         elif prompt.startswith("@"):
@@ -118,7 +144,8 @@ def generate(prompt, selector, max_new_tokens, model, backend, dtype, device, te
                                     max_bytes=pipe.backend.max_context * longest)
         else:
             text = prompt
-        out = pipe.generate(text, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)[0]
+        out = pipe.generate(text, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                            chat=chat)[0]
     except VegasConfigError as exc:
         raise click.UsageError(str(exc)) from exc
     click.echo(out.text)

@@ -4,19 +4,15 @@ from __future__ import annotations
 
 import numbers
 from contextlib import nullcontext
-from pathlib import Path
 from typing import Sequence
 
 from .backends.base import Backend, RequestOutput
 from .config import VegasConfig, VegasConfigError
+from .models import DEFAULT_MODEL, resolve_model
 from .plugins import blame, create_selector, get_backend_class, owner
 from .sampling import SamplingParams
 
 __all__ = ["Pipeline", "DEFAULT_MODEL"]
-
-#: The embedded default model: vegas-tiny-code (Qwen3 architecture, 15.7M parameters,
-#: trained on Python source without click, docutils and jinja2).
-DEFAULT_MODEL = str(Path(__file__).parent / "model")
 
 
 def _is_array(x) -> bool:
@@ -28,19 +24,25 @@ class Pipeline:
     """Self-speculative decoding with verification-guided sparse attention.
 
     Args:
-        model: transformers model directory; default the embedded vegas-tiny-code.
+        model: a model name (``"smollm2-135m"``), a ``.gguf`` file (converted once into the
+            user cache), a transformers model directory, or a hub id in the local HF cache;
+            default the embedded vegas-tiny-code. See :func:`vegas.models.resolve_model`.
         selector: registered selector name (built-ins: ``collect2``, ``aggregated``,
             ``sliding_window``, ``quest``, ``last_token``), or None for plain decoding.
         backend: registered backend name (``hf``, ``vllm``).
         dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
         device: ``"cpu"``/``"cuda"``; None picks CUDA when available.
         trust_remote_code: allow model code shipped with the model (off by default).
+        rope_scaling: RoPE scaling for contexts beyond the model's, applied before loading,
+            e.g. ``{"rope_type": "yarn", "factor": 4.0}`` (types ``yarn``, ``linear``,
+            ``llama3``); raises ``backend.max_context`` by the factor. None: the model's own.
         **config: fields of :class:`~vegas.config.VegasConfig` (``num_draft_tokens``,
             ``sparsity_ratio``, ``kv_budget``, ...).
 
     Raises:
-        VegasConfigError: unknown selector, backend or config field, or a field outside
-            its allowed values.
+        VegasConfigError: unknown selector, backend, model name or config field, a field
+            outside its allowed values, a model path that does not exist or a GGUF that cannot
+            be converted, or bad ``rope_scaling``.
 
     Example::
 
@@ -58,6 +60,7 @@ class Pipeline:
         dtype: str = "float32",
         device: str | None = None,
         trust_remote_code: bool = False,
+        rope_scaling: dict | None = None,
         **config,
     ) -> None:
         unknown = set(config) - set(VegasConfig.__dataclass_fields__)
@@ -70,22 +73,33 @@ class Pipeline:
             create_selector(selector, self.config)  # fail fast on an unknown name or type
         self.selector = selector
         backend_cls = get_backend_class(backend)
+        model = resolve_model(model)  # names and .gguf files -> a checkpoint directory
+        # rope_scaling only when set: backends from plugins may not take it
+        scaled = {} if rope_scaling is None else {"rope_scaling": rope_scaling}
         builtin = owner("backends", backend) == "vegas.builtins"  # its own errors stay as they are
         with nullcontext() if builtin else blame("backends", backend, "failed to build"):
             self.backend: Backend = backend_cls(
-                model or DEFAULT_MODEL, dtype=dtype, device=device, trust_remote_code=trust_remote_code
+                model, dtype=dtype, device=device, trust_remote_code=trust_remote_code, **scaled
             )
 
     @property
     def tokenizer(self):
         return self.backend.tokenizer
 
-    def encode(self, prompts: str | Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
+    def encode(
+        self, prompts: str | Sequence[str] | Sequence[Sequence[int]], *, chat: bool = False
+    ) -> list[list[int]]:
         """Token ids of ``prompts`` (texts are tokenised, token-id lists kept; numpy arrays and
         torch tensors of ids count as lists: 1-D one prompt, 2-D a batch).
 
+        Args:
+            prompts: a text, a list of texts, or a list of token-id lists.
+            chat: wrap each text as one user message and apply the tokenizer's chat template
+                with the assistant's generation prompt (texts only).
+
         Raises:
-            VegasConfigError: no prompt, or an empty one.
+            VegasConfigError: no prompt, or an empty one; ``chat=True`` with a token-id prompt
+                or with a tokenizer that has no chat template.
         """
         kinds = "a text, a list of texts, or a list of token-id lists"
         if _is_array(prompts):  # numpy / torch token ids: 1-D one prompt, 2-D a batch
@@ -101,10 +115,25 @@ class Pipeline:
         if len(prompts) == 0:
             raise VegasConfigError("prompts must hold at least one prompt, got an empty list")
         vocab = self.backend.vocab_size
+        if chat and not getattr(self.tokenizer, "chat_template", None):
+            raise VegasConfigError(
+                "chat=True needs a tokenizer with a chat template, and this model's has none; "
+                "use chat=False (plain text prompts) or a chat model such as 'smollm2-135m'"
+            )
         ids = []
         for i, p in enumerate(prompts):
-            if isinstance(p, str):
+            if isinstance(p, str) and chat:
+                message = [{"role": "user", "content": p}]
+                ids.append(list(self.tokenizer.apply_chat_template(
+                    message, add_generation_prompt=True, tokenize=True, return_dict=False
+                )))
+            elif isinstance(p, str):
                 ids.append(self.tokenizer(p, add_special_tokens=False).input_ids)
+            elif chat:
+                raise VegasConfigError(
+                    f"prompt {i} is a list of token ids; chat=True takes text prompts only (apply the "
+                    "chat template yourself, or pass chat=False)"
+                )
             elif isinstance(p, (list, tuple)):
                 odd = [t for t in p if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
                 if odd:
@@ -130,6 +159,7 @@ class Pipeline:
         top_p: float = 1.0,
         seed: int = 0,
         selector: str | None | type(...) = ...,
+        chat: bool = False,
     ) -> list[RequestOutput]:
         """Generate up to ``max_new_tokens`` tokens per prompt (a batch, lengths may differ).
 
@@ -141,6 +171,8 @@ class Pipeline:
             top_p: nucleus sampling mass in (0, 1].
             seed: seed of the sampling generator.
             selector: override the pipeline's selector for this call (None = plain).
+            chat: wrap each text prompt as a user message in the tokenizer's chat template,
+                ending with the assistant's generation prompt.
 
         Returns:
             one :class:`~vegas.backends.base.RequestOutput` per prompt: ``token_ids``,
@@ -150,7 +182,8 @@ class Pipeline:
         Raises:
             VegasConfigError: empty prompt list or prompt, a token id outside the
                 vocabulary, ``max_new_tokens`` < 1, bad sampling parameters, or a prompt that
-                with ``max_new_tokens`` and γ + 1 verification slots exceeds the model's context.
+                with ``max_new_tokens`` and γ + 1 verification slots exceeds the model's context;
+                ``chat=True`` with token-id prompts or a tokenizer without a chat template.
         """
         selector = self.selector if selector is ... else selector
         if selector is not None:
@@ -158,7 +191,9 @@ class Pipeline:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise VegasConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
-        ids = self.encode(prompts)
+        if not isinstance(chat, bool):
+            raise VegasConfigError(f"chat must be True or False, got {chat!r}")
+        ids = self.encode(prompts, chat=chat)
         limit = self.backend.max_context - max_new_tokens - self.config.num_draft_tokens - 1
         if limit < 1:
             raise VegasConfigError(

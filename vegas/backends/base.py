@@ -9,7 +9,16 @@ from ..config import VegasConfig
 from ..outputs import RequestOutput, RequestStats
 from ..sampling import SamplingParams
 
-__all__ = ["Backend", "RequestOutput", "RequestStats"]
+__all__ = ["Backend", "RequestOutput", "RequestStats", "as_token_ids"]
+
+
+def as_token_ids(value: Any) -> set[int]:
+    """Token ids from an int, a list/tuple/set of ints, or None (an empty set)."""
+    if value is None:
+        return set()
+    if isinstance(value, int):
+        return {int(value)}
+    return {int(v) for v in value}
 
 
 class Backend(ABC):
@@ -33,6 +42,20 @@ class Backend(ABC):
     @abstractmethod
     def max_context(self) -> int:
         """Longest sequence (prompt + generated tokens) the model accepts, in tokens."""
+
+    @property
+    def generation_config(self) -> Any:
+        """The model's ``transformers.GenerationConfig``, or None when the backend has none."""
+        return None
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Token ids that end a sequence, sorted: the generation config's ``eos_token_id``
+        (an int or a list; e.g. ``<|im_end|>`` for chat models) united with the tokenizer's
+        ``eos_token_id``. Empty when neither is set."""
+        generation = self.generation_config
+        ids = as_token_ids(getattr(generation, "eos_token_id", None))
+        return sorted(ids | as_token_ids(getattr(self.tokenizer, "eos_token_id", None)))
 
     @property
     def vocab_size(self) -> int:

