@@ -1,29 +1,25 @@
-"""Diagnostic (device): bf16 CUDA greedy divergence between Vegas and plain on the HF backend."""
-import sys, torch
+"""Diagnostic (device): does a left-padded, chunk-prefilled batch decode like each prompt alone (HF, CUDA)?"""
+import os, sys, torch
 from vegas import Pipeline, VegasConfig
 from vegas.prompts import cut_contexts, package_source
 from vegas.sampling import SamplingParams
 import vegas.backends.hf as hf
-print("vegas from", hf.__file__)
-chunk = int(sys.argv[1]) if len(sys.argv) > 1 else 0
-if chunk and hasattr(hf, "PREFILL_CHUNK_TOKENS"):
-    hf.PREFILL_CHUNK_TOKENS = chunk
-import os
-pipe = Pipeline(os.environ.get("DIAG_MODEL"), selector=None, dtype="bfloat16", device="cuda")
+
+dtype = sys.argv[1] if len(sys.argv) > 1 else "bfloat16"
+pipe = Pipeline(os.environ.get("DIAG_MODEL"), selector=None, dtype=dtype, device="cuda")
 ids = pipe.tokenizer(package_source(), add_special_tokens=False).input_ids
 prompts = cut_contexts(ids, 2048, 2); prompts[1] = prompts[1][:1500]
 config = VegasConfig(num_draft_tokens=4, kv_budget=128, recent_window=16)
 g = SamplingParams()
-for batch in (prompts, prompts[1:]):
-    ref = pipe.backend.generate(batch, max_new_tokens=32, sampling=g, selector=None, config=config)
-    for sel in ("collect2", "sliding_window"):
-        out = pipe.backend.generate(batch, max_new_tokens=32, sampling=g, selector=sel, config=config)
-        for p, o, r in zip(batch, out, ref):
-            if o.token_ids == r.token_ids:
-                print(len(batch), sel, len(p), "same"); continue
-            i = next(i for i, (a, b) in enumerate(zip(o.token_ids, r.token_ids)) if a != b)
-            with torch.inference_mode():
-                lg = pipe.backend.model(torch.tensor([p + r.token_ids[:i]], device="cuda")).logits[0, -1].float()
-            top = lg.topk(3)
-            print(len(batch), sel, len(p), "diff at", i, "one-pass top3", [round(float(v), 3) for v in top.values], top.indices.tolist(),
-                  "ref", r.token_ids[i], "spec", o.token_ids[i], "spec logit", round(float(lg[o.token_ids[i]]), 3))
+def run(batch, chunk, sel=None):
+    hf.PREFILL_CHUNK_TOKENS = chunk
+    return [o.token_ids for o in pipe.backend.generate(batch, max_new_tokens=32, sampling=g, selector=sel, config=config)]
+alone = run([prompts[1]], 100000)[0]
+with torch.inference_mode():
+    one = pipe.backend.model(torch.tensor([prompts[1] + alone[:20]], device="cuda")).logits[0, len(prompts[1]) - 1:].float().argmax(-1).tolist()
+print(dtype, "alone vs one-pass argmax (teacher forced):", sum(a == b for a, b in zip(alone[:20], one[:20])), "/ 20")
+for chunk in (100000, 1024, 512, 96):
+    for sel in (None, "collect2"):
+        out = run(prompts, chunk, sel)[1]
+        i = next((i for i, (a, b) in enumerate(zip(out, alone)) if a != b), None)
+        print(dtype, "chunk", chunk, sel, "padded-in-batch vs alone: first diff", i)
