@@ -98,8 +98,10 @@ class HFSession(Drafter, Verifier):
             logits ``(B, num_logits or T, V)`` float32 of the last ``num_logits`` positions
             (0: all), or None when ``num_logits`` is -1 (prefill: no logits needed).
         """
+        # a sequence's next position is its number of valid slots (padding and rolled-back
+        # slots hold no position); padding queries reuse a neighbour's position (never read)
         offsets = (input_valid.long().cumsum(dim=1) - 1).clamp(min=0)
-        position_ids = self.num_committed[:, None] + self.pending + offsets  # [B, T]
+        position_ids = self.valid.sum(dim=1, keepdim=True) + offsets  # [B, T]
         ctx.query_pos, ctx.query_valid = position_ids, input_valid
         ctx.key_pos = torch.cat([self.slot_pos, position_ids], dim=1)  # [B, num_prev + T]
         ctx.key_valid = torch.cat([self.valid, input_valid], dim=1)
