@@ -85,3 +85,16 @@ def test_bfloat16_greedy_matches_bfloat16_plain(code_prompts):
     ref = bf16.generate(prompts, max_new_tokens=12)
     out = bf16.generate(prompts, max_new_tokens=12, selector="collect2")
     assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+
+
+def test_quest_acceptance_does_not_depend_on_batch_neighbours(pipe, click_ids):
+    """Quest pages follow each sequence's token positions, so padding and neighbours' rollbacks
+    (holes in the shared cache) leave its drafts, and so its acceptance, unchanged."""
+    prompt = click_ids[30000:30600]
+    neighbours = [click_ids[1000:1054], click_ids[40000:40300], click_ids[50000:50900]]
+    config = dict(kv_budget=64, recent_window=8, page_size=8)
+    alone = run(pipe, [prompt], "quest", **config)[0]
+    batched = run(pipe, [prompt] + neighbours, "quest", **config)[0]
+    assert batched.token_ids == alone.token_ids
+    assert 0 < alone.stats.num_accepted < alone.stats.num_drafted
+    assert batched.stats.num_accepted == alone.stats.num_accepted
