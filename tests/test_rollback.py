@@ -21,6 +21,14 @@ class ForcedDrafts(HFSession):
         self.prompt_lens = torch.tensor([len(p) for p in prompts])
         self.continuations, self.modes = continuations, modes
 
+    def keep_rows(self, rows):
+        # a sequence that emitted EOS leaves the batch: keep the forced tokens aligned with its rows
+        kept = rows.tolist()
+        self.prompt_lens = self.prompt_lens[rows.cpu()]
+        self.continuations = [self.continuations[i] for i in kept]
+        self.modes = [self.modes[i] for i in kept]
+        return super().keep_rows(rows)
+
     def draft(self, num_draft_tokens, sample):
         tokens, probs = super().draft(num_draft_tokens, sample)
         tokens = tokens.clone()

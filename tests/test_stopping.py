@@ -45,4 +45,4 @@ def test_generation_config_eos_ids_are_used(pipe):
     eos = pipe.backend.eos_token_ids
     assert pipe.tokenizer.eos_token_id in eos
     gen = pipe.backend.model.generation_config.eos_token_id
-    assert set([gen] if isinstance(gen, int) else gen or []) <= eos
+    assert set([gen] if isinstance(gen, int) else gen or []) <= set(eos)
