@@ -1,15 +1,14 @@
 """Quest on the vLLM backend: page bounds kept in step with a paged cache through prefill,
 verification and rejected drafts; page scores and draft tables against the HF backend's Quest
-maths (CPU, no vLLM); the Triton page-score kernel against the reference for every head shape (CUDA)."""
+maths (CPU, no vLLM). The Triton page-score kernel against the reference: on CUDA in
+tests/gpu/test_vllm_quest_cuda.py, on the CPU under Triton's interpreter in tests/test_kernels_interpreted.py."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-import pytest
 import torch
 
-from tests.kernel_cases import HEAD_SHAPES, check_quest_kernel, shape_id
 from vegas.kernels import slots_to_fa_pages
 from vegas.kernels.quest_pages import (
     group_query,
@@ -159,11 +158,3 @@ def test_on_layer_keeps_quest_bounds_and_page_aligned_budgets():
         for p in range(3):
             assert torch.equal(st.quest_min[layer, int(bt[0, p])], want_min[0, :, p])
             assert torch.equal(st.quest_max[layer, int(bt[0, p])], want_max[0, :, p])
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("shape", HEAD_SHAPES, ids=shape_id)
-def test_triton_page_scores_match_the_reference(shape):
-    """The Triton page-score kernel against the reference for every head shape (on the CPU
-    under Triton's interpreter: tests/test_kernels_interpreted.py)."""
-    check_quest_kernel("cuda", shape, 1100 if shape[1] * shape[2] <= 1024 else 300)
