@@ -5,7 +5,8 @@ paged, varlen, GQA attention of a verification batch (each request's chunk of ``
 sits at positions ``[seq_len - qlen, seq_len)`` and sees every earlier key plus itself), and in
 the same computation the selector's scores: for each request ``s``,
 ``scores[s, p] = sum_r q_weight[s, r] * sum_h scale * q[q_idx[s, r], h] . k[s, p, kv(h)]`` for
-``p < ctx_sel[s]``, ``-inf`` for ``ctx_sel[s] <= p < max_len``: exactly what
+``p < ctx_sel[s]``, ``-inf`` for ``ctx_sel[s] <= p < max_len`` (0 before ``ctx_sel`` for a request with an empty
+chunk, which has no scored row): for every other request exactly what
 :func:`vegas.kernels.collect_scores_layers_reference` returns for the gathered, weighted rows,
 and what :func:`vegas.kernels.select_topk_layers` consumes.
 
@@ -91,6 +92,9 @@ def fused_verify_reference(
     for s in range(num_seqs):
         n = int(ctx_sel[s])
         if n == 0:
+            continue
+        if int(cu_seqlens_q[s + 1]) == int(cu_seqlens_q[s]):  # an empty chunk has no scored row
+            scores[s, :n] = 0.0
             continue
         keys = gather_paged(k_cache, block_table[s], n).double()  # [n, kv_heads, D]
         rows = qd[q_idx[s].long()] * q_weight[s].double()[:, None, None]  # [R, H, D]
