@@ -116,6 +116,7 @@ def _fused_verify_kernel(
     HKV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,  # HEAD_DIM == BLOCK_D: no mask along the head dim
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -147,7 +148,7 @@ def _fused_verify_kernel(
     hi = tl.minimum(lo + split_size, kv_end)
 
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
+    d_ok = offs_d < HEAD_DIM  # padded head dims (80, 96): masked lanes (EVEN_D: no mask, vector loads)
     q = tl.load(
         q_ptr + tok[:, None] * stride_qt + h[:, None].to(tl.int64) * stride_qh + offs_d[None, :],
         mask=row_ok[:, None] & d_ok[None, :],
@@ -174,16 +175,15 @@ def _fused_verify_kernel(
         n_ok = offs_n < hi
         blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         slot = offs_n % BLOCK_SIZE
-        k = tl.load(
-            k_ptr + (blk * stride_kb + slot * stride_kt + g * stride_kh)[None, :] + offs_d[:, None],
-            mask=n_ok[None, :] & d_ok[:, None],
-            other=0.0,
-        )  # [BLOCK_D, BLOCK_N]
+        k_ptrs = k_ptr + (blk * stride_kb + slot * stride_kt + g * stride_kh)[None, :] + offs_d[:, None]
+        if EVEN_D:
+            k = tl.load(k_ptrs, mask=n_ok[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
+        else:
+            k = tl.load(k_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
         qk = tl.dot(q, k, input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N] float32, unscaled
-        if R > 0:
-            if start < score_hi:
-                sc = tl.sum(qk * w[:, None], axis=0) * sm_scale
-                tl.store(sc_base + offs_n, sc, mask=offs_n < score_hi)
+        if R > 0:  # branch-free: tiles past ctx_sel (and tiles other than 0) store nothing
+            sc = tl.sum(qk * w[:, None], axis=0) * sm_scale
+            tl.store(sc_base + offs_n, sc, mask=offs_n < score_hi)
         visible = n_ok[None, :] & (offs_n[None, :] < row_lim[:, None])
         qk = tl.where(visible, qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
@@ -191,11 +191,11 @@ def _fused_verify_kernel(
         p = tl.exp2(qk - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(
-            v_ptr + (blk * stride_vb + slot * stride_vt + g * stride_vh)[:, None] + offs_d[None, :],
-            mask=n_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_D]
+        v_ptrs = v_ptr + (blk * stride_vb + slot * stride_vt + g * stride_vh)[:, None] + offs_d[None, :]
+        if EVEN_D:
+            v = tl.load(v_ptrs, mask=n_ok[:, None], other=0.0)  # [BLOCK_N, BLOCK_D]
+        else:
+            v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
 
@@ -409,7 +409,8 @@ def fused_verify_attention(
         block_table.stride(0),
         sg, ss,
         float(scale),
-        GROUP=group, HKV=num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+        GROUP=group, HKV=num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        EVEN_D=head_dim == block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, R=num_rows, SPLIT=split, DOT_PREC=prec, **extra,
     )
     if split:
