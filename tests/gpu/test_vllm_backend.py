@@ -7,9 +7,14 @@ import importlib.util
 import pytest
 import torch
 
-from vegas.backends.vllm import VLLMBackend, _raise_if_unsupported, proposer_config, vllm_engine_kwargs
+from vegas.backends.vllm import VLLMBackend, engine_args_from_env, verify_cuda_graphs, vllm_engine_kwargs
 from vegas.config import VegasConfig, VegasConfigError
-from vegas.vllm_plugin import CLASS_PATH, VllmVegasConfig
+from vegas.hookspecs import hookimpl
+from vegas.interfaces import Selector
+from vegas.plugins import create_selector
+from vegas.selection import topk_selection
+from vegas.vllm_plugin import CLASS_PATH
+from vegas.vllm_plugin.settings import raise_if_unsupported, settings_json
 
 
 def test_engine_kwargs_switch_vegas_on():
@@ -23,41 +28,54 @@ def test_engine_kwargs_switch_vegas_on():
     assert kw["gpu_memory_utilization"] == 0.4
 
 
-def test_piecewise_verification_graphs_on_request(monkeypatch):
-    from vegas.vllm_plugin.proposer import verify_graph_mode
+def test_piecewise_verification_graphs_on_request():
+    kw = vllm_engine_kwargs("m", num_draft_tokens=3, verify_cuda_graphs="piecewise",
+                            compilation_config={"cudagraph_capture_sizes": [1, 2]})
+    assert kw["compilation_config"] == {"cudagraph_mode": "PIECEWISE", "cudagraph_capture_sizes": [1, 2]}
+    with pytest.raises(VegasConfigError, match="vllm.verify_cuda_graphs must be one of 'full', 'piecewise'"):
+        VegasConfig(vllm={"verify_cuda_graphs": "fast"})
+    piecewise = VegasConfig(vllm={"verify_cuda_graphs": "piecewise"})
+    assert verify_cuda_graphs(create_selector("collect2", VegasConfig()), VegasConfig()) == "full"
+    assert verify_cuda_graphs(create_selector("collect2", piecewise), piecewise) == "piecewise"
 
-    monkeypatch.setenv("VEGAS_VERIFY_CUDA_GRAPHS", "piecewise")
-    kw = vllm_engine_kwargs("m", num_draft_tokens=3)
-    assert kw["compilation_config"]["cudagraph_mode"] == "PIECEWISE"
-    monkeypatch.setenv("VEGAS_VERIFY_CUDA_GRAPHS", "fast")
-    with pytest.raises(ValueError, match="VEGAS_VERIFY_CUDA_GRAPHS must be 'full' or 'piecewise'"):
-        verify_graph_mode()
+
+def test_engine_args_come_from_the_backend_and_the_environment(monkeypatch):
+    monkeypatch.setenv("VEGAS_VLLM_ENGINE_ARGS", '{"max_model_len": 2048}')
+    assert engine_args_from_env() == {"max_model_len": 2048}
+    monkeypatch.setenv("VEGAS_VLLM_ENGINE_ARGS", "[1]")
+    with pytest.raises(VegasConfigError, match="VEGAS_VLLM_ENGINE_ARGS must be a JSON object"):
+        engine_args_from_env()
+    with pytest.raises(VegasConfigError, match="engine_args must be a dict"):
+        VLLMBackend("m", engine_args=[("max_model_len", 1)])
 
 
 def test_configure_refuses_a_new_selector_under_full_graphs(monkeypatch):
     from vegas.vllm_plugin import configure
     from vegas.vllm_plugin.state import STATE
 
-    monkeypatch.setattr(STATE, "config", VllmVegasConfig(selector="collect2"))
+    same = settings_json("collect2", VegasConfig())
+    monkeypatch.setattr(STATE, "settings", same)
+    monkeypatch.setattr(STATE, "gamma", 4)
     monkeypatch.setattr(STATE, "frozen", True)
-    same = VllmVegasConfig(selector="collect2").to_json()
     assert configure(object(), same, reset_stats=False) == same
-    with pytest.raises(ValueError, match="full CUDA graphs"):
-        configure(object(), VllmVegasConfig(selector="sliding_window").to_json(), reset_stats=False)
-    assert STATE.config.selector == "collect2"
+    with pytest.raises(VegasConfigError, match="full CUDA graphs"):
+        configure(object(), settings_json("sliding_window", VegasConfig()), reset_stats=False)
+    assert STATE.settings == same
 
 
-def test_proposer_config_round_trips_into_the_proposer_settings():
+def test_settings_round_trip_into_the_proposer():
+    from vegas.vllm_plugin.settings import build_selector, parse_settings
+
     cfg = VegasConfig(num_draft_tokens=4, sparsity_ratio=0.1, min_kv_budget=32)
-    settings = VllmVegasConfig(**proposer_config("aggregated", cfg))
-    assert settings.selector == "aggregated" and settings.sparsity_ratio == 0.1
-    assert settings.budget(1000) == 100 and settings.budget(10) == 10
+    name, config = parse_settings(settings_json("aggregated", cfg))
+    selector = build_selector(name, config, 4)
+    assert selector.name == "aggregated" and selector.config == cfg
+    assert selector.budget(1000) == 100 and min(selector.budget(10), 10) == 10
 
 
 @pytest.mark.parametrize(
     "selector,config,match",
     [
-        ("last_token", VegasConfig(), "not available on the vllm backend"),
         ("quest", VegasConfig(page_size=32), "page_size must be 16"),
         ("collect2", VegasConfig(granularity="kv_head"), "granularity"),
         ("collect2", VegasConfig(score_mode="weight"), "score_mode"),
@@ -65,7 +83,7 @@ def test_proposer_config_round_trips_into_the_proposer_settings():
 )
 def test_unsupported_settings_are_named(selector, config, match):
     with pytest.raises(VegasConfigError, match=match):
-        _raise_if_unsupported(selector, config)
+        raise_if_unsupported(create_selector(selector, config), config)
 
 
 def test_bad_dtype_and_device():
@@ -134,8 +152,16 @@ def _plain_reference(engine_kw: dict):
 def _assert_equal_up_to_ties(plain, vegas) -> None:
     """Vegas greedy tokens equal plain greedy tokens, or first differ where plain vLLM's top-2
     logprob gap is <= 0.125 (a bf16 near-tie)."""
-    for p, v in zip(plain, vegas):
-        a, b = list(p.outputs[0].token_ids), list(v.outputs[0].token_ids)
+    _assert_tokens_equal_up_to_ties(plain, [list(v.outputs[0].token_ids) for v in vegas])
+
+
+def _assert_tokens_equal_up_to_ties(plain, vegas_tokens, stops_early: bool = False) -> None:
+    """:func:`_assert_equal_up_to_ties` for token lists; with ``stops_early`` (a run that stops
+    at EOS, plain's ignores it) the Vegas tokens may be a shorter prefix."""
+    for p, b in zip(plain, vegas_tokens):
+        a = list(p.outputs[0].token_ids)
+        if stops_early:
+            a = a[: len(b)]
         assert len(a) == len(b)
         if a == b:
             continue
@@ -169,7 +195,7 @@ def test_vllm_greedy_equals_plain_with_and_without_async_scheduling(async_schedu
 
     prompts, sp, plain = tp1_plain
     register()
-    monkeypatch.setenv("VEGAS_VLLM_CONFIG", VllmVegasConfig(min_kv_budget=64).to_json())
+    monkeypatch.setenv("VEGAS_VLLM_CONFIG", settings_json("collect2", VegasConfig(min_kv_budget=64)))
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     kw = dict(TP1) if async_scheduling else dict(TP1, async_scheduling=False)
     llm = LLM(**vllm_engine_kwargs(str(DEFAULT_MODEL), num_draft_tokens=4, **kw))
@@ -199,7 +225,7 @@ def test_vllm_quest_greedy_equals_plain(tp1_plain, monkeypatch):
 
     prompts, sp, plain = tp1_plain
     register()
-    monkeypatch.setenv("VEGAS_VLLM_CONFIG", VllmVegasConfig(selector="quest", min_kv_budget=64).to_json())
+    monkeypatch.setenv("VEGAS_VLLM_CONFIG", settings_json("quest", VegasConfig(min_kv_budget=64)))
     llm = LLM(**vllm_engine_kwargs(str(DEFAULT_MODEL), num_draft_tokens=4, **TP1))
     try:
         vegas = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
@@ -223,7 +249,8 @@ def test_vllm_tensor_parallel_greedy_equals_plain_tp2(tp_selection, tp2_plain, m
     from vegas.vllm_plugin import get_stats
 
     prompts, sp, plain = tp2_plain
-    monkeypatch.setenv("VEGAS_VLLM_CONFIG", VllmVegasConfig(tp_selection=tp_selection, min_kv_budget=64).to_json())
+    config = VegasConfig(min_kv_budget=64, vllm={"tp_selection": tp_selection})
+    monkeypatch.setenv("VEGAS_VLLM_CONFIG", settings_json("collect2", config))
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     llm = LLM(**vllm_engine_kwargs(str(DEFAULT_MODEL), num_draft_tokens=4, **TP2))
     try:
@@ -233,3 +260,55 @@ def test_vllm_tensor_parallel_greedy_equals_plain_tp2(tp_selection, tp2_plain, m
         llm.llm_engine.engine_core.shutdown()
     assert len(stats) == 2 and stats[0]["acceptance_length"] > 1.0
     _assert_equal_up_to_ties(plain, vegas)
+
+
+class SinksAndTopKSelector(Selector):
+    """A selector defined here, without a vLLM fast path (the generic path runs its ``select``):
+    the first 4 positions as attention sinks plus the top-k of the first and last verify query's
+    logits."""
+
+    name = "test_sinks_topk"
+
+    def score_rows(self, chunk_len):
+        return sorted({0, chunk_len - 1})
+
+    def select(self, inputs):
+        sinks = torch.arange(inputs.valid.shape[1], device=inputs.valid.device) < 4
+        scores = inputs.scores.masked_fill(sinks[None, None, :], float("inf"))
+        return topk_selection(scores, inputs.valid, inputs.budget)
+
+
+class _TestSelectorPlugin:
+    @hookimpl
+    def vegas_selectors(self):
+        return {SinksAndTopKSelector.name: SinksAndTopKSelector}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("selector", ["h2o", "test_sinks_topk"])
+def test_plugin_selectors_run_on_vllm_and_equal_plain(selector, tp1_plain):
+    """Selectors without a fast path (the example plugin's H2O, and one defined here, both
+    registered by hand) run on backend="vllm" through the generic path: greedy output equals
+    plain vLLM greedy up to bf16 near-ties, and Vegas drafts (acceptance length > 1)."""
+    import vegas_h2o
+
+    from vegas import Pipeline, plugins
+
+    prompts, sp, plain = tp1_plain
+    plugins.register(vegas_h2o, name="h2o")
+    plugins.register(_TestSelectorPlugin(), name="test_generic_selectors")
+    try:
+        pipe = Pipeline(selector=selector, backend="vllm", dtype="bfloat16", num_draft_tokens=4, min_kv_budget=64,
+                        backend_options={"engine_args": dict(TP1)})
+        try:
+            out = pipe.generate(prompts, max_new_tokens=sp.max_tokens)
+        finally:
+            pipe.backend.close()
+    finally:
+        plugins.unregister("h2o")
+        plugins.unregister("test_generic_selectors")
+    iterations = sum(o.stats.iterations for o in out)
+    tau = sum(o.stats.num_accepted + o.stats.iterations for o in out) / max(iterations, 1)
+    print(f"{selector} on vllm (generic path): acceptance length {tau:.2f} over {iterations} iterations")
+    assert iterations > 0 and tau > 1.0
+    _assert_tokens_equal_up_to_ties(plain, [o.token_ids for o in out], stops_early=True)
