@@ -88,10 +88,10 @@ def wants_async(vllm_config) -> bool:
     only when asked for (``async_scheduling=True``): that combination has not run on GPUs yet,
     so the default stays on the synchronous path that was tested at TP = 2. Never with pipeline
     parallelism (which Vegas refuses)."""
-    pc = vllm_config.parallel_config
+    parallel = vllm_config.parallel_config
     asked = vllm_config.scheduler_config.async_scheduling
-    if not is_vegas_proposer(vllm_config.speculative_config) or pc.pipeline_parallel_size != 1:
+    if not is_vegas_proposer(vllm_config.speculative_config) or parallel.pipeline_parallel_size != 1:
         return False
-    if getattr(pc, "tensor_parallel_size", 1) > 1:
+    if getattr(parallel, "tensor_parallel_size", 1) > 1:
         return asked is True
     return asked is not False
