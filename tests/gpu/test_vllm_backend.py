@@ -284,13 +284,35 @@ class _TestSelectorPlugin:
         return {SinksAndTopKSelector.name: SinksAndTopKSelector}
 
 
+def test_configure_builds_the_path_of_any_registered_selector(monkeypatch):
+    """Under piecewise verification graphs configure() switches to any registered selector: a
+    built-in gets its fast path, a selector without one the generic path."""
+    from vegas import plugins
+    from vegas.vllm_plugin import configure
+    from vegas.vllm_plugin.selectors import ScoreTopKFastPath
+    from vegas.vllm_plugin.selectors.generic import GenericPath
+    from vegas.vllm_plugin.state import STATE
+
+    for name, value in (("gamma", 4), ("frozen", False), ("settings", ""), ("path", None), ("sel_buf", None)):
+        monkeypatch.setattr(STATE, name, value)
+    plugins.register(_TestSelectorPlugin(), name="test_generic_selectors")
+    try:
+        settings = settings_json("test_sinks_topk", VegasConfig(kv_budget=32))
+        assert configure(object(), settings, reset_stats=False) == settings
+        assert isinstance(STATE.path, GenericPath) and STATE.path.selector.config.kv_budget == 32
+        configure(object(), settings_json("last_token", VegasConfig()), reset_stats=False)
+        assert isinstance(STATE.path, ScoreTopKFastPath) and STATE.path.row_table.width == 1
+    finally:
+        plugins.unregister("test_generic_selectors")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("selector", ["h2o", "test_sinks_topk"])
 def test_plugin_selectors_run_on_vllm_and_equal_plain(selector, tp1_plain):
     """Selectors without a fast path (the example plugin's H2O, and one defined here, both
     registered by hand) run on backend="vllm" through the generic path: greedy output equals
     plain vLLM greedy up to bf16 near-ties, and Vegas drafts (acceptance length > 1)."""
-    import vegas_h2o
+    vegas_h2o = pytest.importorskip("vegas_h2o", reason="install the example plugin: pip install ./plugins/vegas-h2o")
 
     from vegas import Pipeline, plugins
 
