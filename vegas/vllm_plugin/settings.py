@@ -1,6 +1,7 @@
 """The proposer's settings: a selector name plus a :class:`~vegas.config.VegasConfig`, as one
-JSON object in ``$VEGAS_VLLM_CONFIG`` (read here only), e.g.
-``{"selector": "collect2", "sparsity_ratio": 0.05, "vllm": {"tp_selection": "per_rank"}}``.
+JSON object in ``$VEGAS_VLLM_CONFIG`` (read here only; example in :mod:`vegas.vllm_plugin`):
+``{"selector": <name>, <VegasConfig field>: <value>, ..., "vllm": {<VllmOptions field>: ...}}``.
+Without a selector the default is collect2's (:data:`DEFAULT_SELECTOR`).
 
 The worker process builds the selector through :func:`vegas.plugins.create_selector`, so any
 registered selector runs (a third-party one through its entry point, or registered by hand
@@ -22,6 +23,7 @@ from dataclasses import replace
 from ..config import VegasConfig, VegasConfigError, parse_json_object
 from ..interfaces import Selector
 from ..plugins import create_selector, vllm_fast_path
+from ..strategies import Collect2Selector
 from .selectors.base import SelectionPath
 from .selectors.generic import GenericPath
 
@@ -38,7 +40,8 @@ __all__ = [
 ]
 
 ENV_VAR = "VEGAS_VLLM_CONFIG"
-DEFAULT_SELECTOR = "collect2"
+#: the selector when the settings name none
+DEFAULT_SELECTOR = Collect2Selector.name
 
 _handed: Selector | None = None
 
