@@ -75,11 +75,15 @@ def test_fused_kernel_matches_references_interpreted(interpreted, case):
 
 def test_plan_rows_match_make_plan():
     """The tests' scored rows are the vLLM plan's (collect2 and aggregated, a one-token chunk)."""
-    state = pytest.importorskip("vegas.vllm_plugin.state")
+    from vegas.config import VegasConfig
+    from vegas.plugins import create_selector
+    from vegas.vllm_plugin.plan import RowTable, make_plan
+
     b = verify_batch([5, 5, 1], [40, 55, 70], (9, 3, 64), pad_tokens=0)
     for selector in ("collect2", "aggregated"):
-        plan = state.make_plan(b["cu_seqlens_q"], b["seq_lens"], int(b["seq_lens"].max()), 4,
-                               state.VllmVegasConfig(selector=selector))
+        sel = create_selector(selector, VegasConfig(num_draft_tokens=4))
+        rows = RowTable.of(sel, 4, torch.device("cpu"))
+        plan = make_plan(b["cu_seqlens_q"], b["seq_lens"], int(b["seq_lens"].max()), 4, sel, rows)
         q_idx, q_weight, ctx_sel = plan_rows(b["cu_seqlens_q"], b["seq_lens"], 4, selector)
         assert torch.equal(plan.q_idx, q_idx) and torch.equal(plan.q_weight, q_weight)
         assert torch.equal(plan.ctx_sel, ctx_sel)
