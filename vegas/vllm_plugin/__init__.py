@@ -70,6 +70,10 @@ def register() -> None:
     install()
     patch_scheduler_lookahead()
     patch_config_check()
+    # V2 model runner (opt-in, vegas/vllm_plugin/v2_patch.py): lets the Vegas speculator through
+    from .v2_patch import install as install_v2
+
+    install_v2()
 
 
 def _drafter(worker):
