@@ -133,7 +133,8 @@ class VegasSpeculator(DraftModelSpeculator):
     def capture(self, attn_states) -> None:
         """Capture the draft graphs of every power-of-two row count up to the largest
         captured one, once, after vLLM's verification graphs."""
-        if not self.use_cuda_graphs or self.cudagraph_mode == CUDAGraphMode.NONE or not STATE.has_selection:
+        mode = getattr(self, "cudagraph_mode", CUDAGraphMode.NONE)
+        if not self.use_cuda_graphs or mode == CUDAGraphMode.NONE or not STATE.has_selection:
             return  # no selection yet (the verification capture writes one): capture lazily
         cap = self._row_cap()
         rows = 1
