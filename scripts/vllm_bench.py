@@ -115,19 +115,19 @@ def metric_counts(llm) -> dict[str, float]:
     return out
 
 
-def build_llm(method: str, args, max_len: int, vegas_cfg: dict | None = None):
+def build_llm(method: str, args, max_len: int, settings: str | None = None):
+    """The engine of ``method`` ("plain", "plain-sync", "ngram" or "vegas" with ``settings``,
+    see :func:`vegas_settings`), its arguments made by the backend's
+    :func:`vegas.backends.vllm.vllm_engine_kwargs`."""
     from vllm import LLM
 
+    from vegas.backends.vllm import vllm_engine_kwargs
+
     kw = dict(
-        model=args.model,
-        dtype="bfloat16",
         max_model_len=max_len,
         max_num_seqs=max(args.batches),
         gpu_memory_utilization=args.gpu_mem,
-        enable_prefix_caching=True,
         skip_tokenizer_init=True,
-        disable_log_stats=False,
-        attention_backend="FLASH_ATTN",
         seed=0,
     )
     if args.load_format:
@@ -140,6 +140,7 @@ def build_llm(method: str, args, max_len: int, vegas_cfg: dict | None = None):
     sizes = sorted(x for x in {1, 2, 4, 8, 16, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384,
                                512, 640} if x <= max(limit, 8))
     cc: dict = {"cudagraph_capture_sizes": sizes}
+    verify = "full"
     if method == "plain-sync":  # plain vLLM on the host path Vegas runs on: V1 runner, sync scheduling
         kw["async_scheduling"] = False
         cc["cudagraph_mode"] = "PIECEWISE"
@@ -151,21 +152,17 @@ def build_llm(method: str, args, max_len: int, vegas_cfg: dict | None = None):
             "prompt_lookup_min": 2,
         }
     elif method == "vegas":
-        from vegas.vllm_plugin import CLASS_PATH, register
+        from vegas.vllm_plugin import register
+        from vegas.vllm_plugin.settings import ENV_VAR
 
         register()  # the config check that keeps async scheduling on runs in this process
         kw["async_scheduling"] = getattr(args, "vegas_scheduling", "async") == "async"
-
-        os.environ["VEGAS_VLLM_CONFIG"] = json.dumps(vegas_cfg or {})
-        kw["speculative_config"] = {
-            "method": "custom_class",
-            "model": CLASS_PATH,
-            "num_speculative_tokens": args.gamma,
-        }
-        if getattr(args, "verify_graphs", "piecewise") == "piecewise":
-            cc["cudagraph_mode"] = "PIECEWISE"
+        os.environ[ENV_VAR] = settings or ""
+        verify = "full" if args.eager else getattr(args, "verify_graphs", "piecewise")
     if not args.eager:
         kw["compilation_config"] = cc
+    kw = vllm_engine_kwargs(args.model, dtype="bfloat16", num_draft_tokens=args.gamma if method == "vegas" else None,
+                            verify_cuda_graphs=verify, **kw)
     t = time.time()
     saved = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
     if method in ("plain-sync", "vegas"):
@@ -182,11 +179,30 @@ def build_llm(method: str, args, max_len: int, vegas_cfg: dict | None = None):
 
 
 def vegas_cfg(args, selector: str) -> dict:
+    """The Vegas settings of an engine row, flat: selector, budget and score reduction."""
     cfg = {"selector": selector, "sparsity_ratio": args.sparsity, "min_kv_budget": args.min_kv_budget,
            "tp_selection": args.tp_selection}
     if args.kv_budget:
         cfg["kv_budget"] = args.kv_budget
     return cfg
+
+
+def vegas_settings(args, selector: str) -> str:
+    """The proposer's settings JSON (``$VEGAS_VLLM_CONFIG``) of :func:`vegas_cfg`, with γ and the
+    verification CUDA-graph mode of ``args``."""
+    from vegas.config import VegasConfig
+    from vegas.vllm_plugin.settings import settings_json
+
+    cfg = vegas_cfg(args, selector)
+    verify = getattr(args, "verify_graphs", "piecewise")
+    config = VegasConfig(
+        num_draft_tokens=args.gamma,
+        sparsity_ratio=cfg["sparsity_ratio"],
+        min_kv_budget=cfg["min_kv_budget"],
+        kv_budget=cfg.get("kv_budget"),
+        vllm={"tp_selection": cfg["tp_selection"], "verify_cuda_graphs": "piecewise" if verify == "both" else verify},
+    )
+    return settings_json(selector, config)
 
 
 def generate(llm, prompts, sp):
@@ -200,13 +216,13 @@ def run_engine(method: str, args, prompts_by_ctx, results, exact_ref):
     from vegas.vllm_plugin import configure, get_stats
 
     max_ctx = max(prompts_by_ctx)
-    llm = build_llm(method, args, max_ctx + args.new_tokens + 64, vegas_cfg(args, args.selectors[0]))
+    llm = build_llm(method, args, max_ctx + args.new_tokens + 64, vegas_settings(args, args.selectors[0]))
     HOLD["llm"] = llm
     selectors = args.selectors if method == "vegas" else [None]
 
     def set_selector(sel):
         if sel is not None:
-            llm.collective_rpc(configure, args=(json.dumps(vegas_cfg(args, sel)),))
+            llm.collective_rpc(configure, args=(vegas_settings(args, sel),))
 
     # ---- greedy exactness ----
     ectx = args.contexts[0]
@@ -391,7 +407,6 @@ def latency_8b(args, prompts_long: list[list[int]], results) -> None:
     sub = _with(args, model=str(d), load_format="dummy", batches=bszs, gpu_mem=args.latency_gpu_mem)
     # piecewise verification graphs: CUDA events around each eager forward time the verify step
     sub.verify_graphs = "piecewise"
-    os.environ["VEGAS_VERIFY_CUDA_GRAPHS"] = "piecewise"
     n_new = 33
     engines = [("plain", args.tp_selection)]
     engines += [("vegas", t) for t in (args.tp_selections if args.tp > 1 else [args.tp_selection])]
@@ -402,7 +417,7 @@ def latency_8b(args, prompts_long: list[list[int]], results) -> None:
         sub.tp_selection = tp_sel
         label = method if method == "plain" or args.tp == 1 else f"{method}-{tp_sel}"
         try:
-            llm = build_llm(method, sub, max(ctxs) + n_new + 64, vegas_cfg(sub, "collect2"))
+            llm = build_llm(method, sub, max(ctxs) + n_new + 64, vegas_settings(sub, "collect2"))
             HOLD["llm"] = llm
             for ctx in ctxs:
                 for bsz in bszs:
@@ -643,7 +658,6 @@ def _with(ns: argparse.Namespace, **kw) -> argparse.Namespace:
 
 
 def run_job(method: str, args, prompts_by_ctx, results, exact_ref) -> None:
-    os.environ["VEGAS_VERIFY_CUDA_GRAPHS"] = args.verify_graphs
     llm = run_engine(method, args, prompts_by_ctx, results, exact_ref)
     shutdown(llm)
     del llm
@@ -673,7 +687,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--extra-gammas", default="", help="e.g. 8: one more vegas engine per γ (rows 'vegas-SEL-gγ')")
     ap.add_argument("--extra-gamma-selectors", default="collect2")
     ap.add_argument("--verify-graphs", default="full", choices=["full", "piecewise", "both"],
-                    help="CUDA graphs of Vegas verification (VEGAS_VERIFY_CUDA_GRAPHS); both: rows '-pw' too")
+                    help="CUDA graphs of Vegas verification (VegasConfig.vllm.verify_cuda_graphs); both: rows '-pw' too")
     ap.add_argument("--sparsity", default="0.05",
                     help="KV budget as a share of the context; a comma list builds one vegas engine per share "
                          "(rows of all but the first get the suffix '-kvP%%')")

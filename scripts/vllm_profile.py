@@ -47,12 +47,11 @@ def main() -> int:
         eager=False, gamma=args.gamma, sparsity=0.05, min_kv_budget=256, kv_budget=0,
         verify_graphs=args.verify_graphs, tp=1, tp_selection="all_reduce", vegas_scheduling=args.scheduling,
     )
-    os.environ["VEGAS_VERIFY_CUDA_GRAPHS"] = args.verify_graphs
     import torch
     from vllm import SamplingParams
 
     prompts = vb.load_prompts(ns.model, args.batch, args.ctx, vb.ROOT / "benchmarks/data/heldout_code_dev.jsonl.xz")
-    llm = vb.build_llm(args.method, ns, args.ctx + args.new_tokens + 64, vb.vegas_cfg(ns, args.selector))
+    llm = vb.build_llm(args.method, ns, args.ctx + args.new_tokens + 64, vb.vegas_settings(ns, args.selector))
     vb.generate(llm, prompts, SamplingParams(max_tokens=1, detokenize=False))
     sp = SamplingParams(temperature=args.temperature, max_tokens=args.new_tokens, ignore_eos=True, detokenize=False)
     vb.generate(llm, prompts, sp)  # warm-up (graphs, Triton JIT)

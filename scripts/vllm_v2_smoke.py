@@ -61,7 +61,9 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from vegas.prompts import cut_contexts, package_source
-    from vegas.vllm_plugin import VllmVegasConfig, register
+    from vegas.config import VegasConfig
+    from vegas.vllm_plugin import register
+    from vegas.vllm_plugin.settings import settings_json
     from vegas.vllm_plugin.v2_speculator import get_v2_stats
 
     ids = AutoTokenizer.from_pretrained(args.model)(package_source(), add_special_tokens=False).input_ids
@@ -75,8 +77,8 @@ def main() -> None:
 
     register()
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
-    os.environ["VEGAS_VLLM_CONFIG"] = VllmVegasConfig(
-        selector=args.selector, sparsity_ratio=args.sparsity, min_kv_budget=0).to_json()
+    os.environ["VEGAS_VLLM_CONFIG"] = settings_json(
+        args.selector, VegasConfig(sparsity_ratio=args.sparsity, min_kv_budget=0))
     llm = _engine(args.model, args.gamma, args)
     vegas, vegas_s, s0 = _run(llm, prompts, args.new_tokens, lambda: llm.collective_rpc(get_v2_stats)[0])
     s1 = llm.collective_rpc(get_v2_stats)[0]

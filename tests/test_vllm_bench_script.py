@@ -243,3 +243,13 @@ def test_device_check_default_bench_is_the_smollm2_plan(vb, tmp_path):
     sels = ["collect2", "aggregated", "sliding_window", "quest"]
     assert got == ["plain"] + [f"vegas:{s}" for s in sels] + [f"vegas-kv2%:{s}" for s in sels]
     assert [vb.kv_budget_tokens(a, 7680) for _, a in jobs[1:]] == [384] * 4 + [154] * 4
+
+
+def test_vegas_rows_hand_the_proposer_its_settings(vb):
+    """Each vegas engine's settings JSON parses into the proposer's selector name and VegasConfig."""
+    from vegas.vllm_plugin.settings import parse_settings
+
+    args = _args(tp=2, tp_selection="per_rank", kv_budget=300, verify_graphs="piecewise", gamma=6)
+    name, config = parse_settings(vb.vegas_settings(args, "quest"))
+    assert name == "quest" and config.kv_budget == 300 and config.num_draft_tokens == 6
+    assert config.vllm.tp_selection == "per_rank" and config.vllm.verify_cuda_graphs == "piecewise"

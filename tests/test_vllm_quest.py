@@ -135,7 +135,10 @@ def test_draft_table_gets_the_best_pages_and_keeps_the_recent_columns():
 def test_on_layer_keeps_quest_bounds_and_page_aligned_budgets():
     """The selection state with selector 'quest': the first layer writes page-aligned ctx_sel
     and budgets; every layer updates its own bounds from the forward's slot mapping."""
-    from vegas.vllm_plugin.state import SelectionState, VllmVegasConfig
+    from vegas.config import VegasConfig
+    from vegas.plugins import create_selector
+    from vegas.vllm_plugin.selectors.quest import QuestFastPath
+    from vegas.vllm_plugin.state import SelectionState
 
     nb = 12
     bt = torch.tensor([[7, 2, 9, 4], [1, 11, 5, 0]], dtype=torch.int32)
@@ -144,7 +147,8 @@ def test_on_layer_keeps_quest_bounds_and_page_aligned_budgets():
     slots = torch.cat([torch.tensor([int(bt[r, p // BS]) * BS + p % BS for p in range(n)]) for r, n in enumerate(lens)])
     md = SimpleNamespace(query_start_loc=qsl, seq_lens=torch.tensor(lens, dtype=torch.int32), max_seq_len=37,
                          block_table=bt, slot_mapping=slots)
-    st = SelectionState(config=VllmVegasConfig(selector="quest", kv_budget=20), gamma=4, enabled=True)
+    st = SelectionState(gamma=4, enabled=True)
+    st.use(QuestFastPath(create_selector("quest", VegasConfig(kv_budget=20)), 4, torch.device("cpu")))
     st.first_layer, st.last_layer, st.layers_ready = 0, 1, True
     kvs = [_cache(nb, seed) for seed in (1, 2)]
     for layer in range(2):

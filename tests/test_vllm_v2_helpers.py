@@ -132,21 +132,21 @@ def _cfg(VllmConfig, model="vegas.vllm_plugin.proposer.VegasProposer"):
 
 
 def test_unsupported_check_lets_vegas_through_only_when_opted_in(monkeypatch):
-    from vegas.vllm_plugin import v2_patch
+    from vegas.vllm_plugin import patches
 
     def feats(self):
         return ["speculative method 'custom_class'", "dual batch overlap"]
 
     VllmConfig, _ = _fake_vllm(monkeypatch, feats, lambda vllm_config, device: None)
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
-    monkeypatch.delenv(v2_patch.V2_ENV, raising=False)
-    v2_patch.patch_unsupported_check()
+    monkeypatch.delenv(patches.V2_ENV, raising=False)
+    patches.patch_v2_unsupported_check()
     wrapper = VllmConfig._get_v2_model_runner_unsupported_features
-    v2_patch.patch_unsupported_check()  # idempotent: one wrapper
+    patches.patch_v2_unsupported_check()  # idempotent: one wrapper
     assert VllmConfig._get_v2_model_runner_unsupported_features is wrapper and wrapper._vegas
     vegas, other = _cfg(VllmConfig), _cfg(VllmConfig, model="mypkg.Proposer")
     assert len(vegas._get_v2_model_runner_unsupported_features()) == 2  # V1 stays the default
-    for env in ("VLLM_USE_V2_MODEL_RUNNER", v2_patch.V2_ENV):
+    for env in ("VLLM_USE_V2_MODEL_RUNNER", patches.V2_ENV):
         monkeypatch.setenv(env, "1")
         assert vegas._get_v2_model_runner_unsupported_features() == ["dual batch overlap"]
         assert len(other._get_v2_model_runner_unsupported_features()) == 2
@@ -154,23 +154,25 @@ def test_unsupported_check_lets_vegas_through_only_when_opted_in(monkeypatch):
 
 
 def test_patches_refuse_a_changed_vllm(monkeypatch):
-    from vegas.vllm_plugin import v2_patch
+    from vegas.vllm_plugin import patches
 
     _fake_vllm(monkeypatch, lambda self, extra: [], lambda vllm_config, device: None)
-    with pytest.raises(v2_patch.VllmVersionError, match=r"_get_v2_model_runner_unsupported_features.*0\.24\.0"):
-        v2_patch.patch_unsupported_check()
+    with pytest.raises(patches.VllmVersionError, match=r"_get_v2_model_runner_unsupported_features.*0\.24\.0"):
+        patches.patch_v2_unsupported_check()
     _fake_vllm(monkeypatch, lambda self: [], lambda config, device, extra: None)
-    with pytest.raises(v2_patch.VllmVersionError, match=r"spec_decode.init_speculator.*0\.24\.0"):
-        v2_patch.patch_init_speculator()
+    with pytest.raises(patches.VllmVersionError, match=r"spec_decode.init_speculator.*0\.24\.0"):
+        patches.patch_v2_init_speculator(lambda vllm_config, device: None)
 
 
 def test_init_speculator_passes_other_engines_through(monkeypatch):
-    from vegas.vllm_plugin import v2_patch
+    from vegas.vllm_plugin import patches
 
     sentinel = object()
     VllmConfig, spec_decode = _fake_vllm(monkeypatch, lambda self: [], lambda vllm_config, device: sentinel)
-    v2_patch.patch_init_speculator()
+    built = object()
+    patches.patch_v2_init_speculator(lambda vllm_config, device: built)
     wrapper = spec_decode.init_speculator
-    v2_patch.patch_init_speculator()  # idempotent
+    patches.patch_v2_init_speculator(lambda vllm_config, device: None)  # idempotent
     assert spec_decode.init_speculator is wrapper and wrapper._vegas
     assert wrapper(_cfg(VllmConfig, model="mypkg.Proposer"), "cpu") is sentinel
+    assert wrapper(_cfg(VllmConfig), "cpu") is built  # the Vegas engine gets the builder's speculator

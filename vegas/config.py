@@ -6,11 +6,30 @@ Every field is checked once, at construction; a bad value raises
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Literal, TypeVar
 
-__all__ = ["VegasConfig", "VegasConfigError", "kv_budget_for"]
+__all__ = [
+    "TP_SELECTIONS",
+    "VERIFY_CUDA_GRAPH_MODES",
+    "VegasConfig",
+    "VegasConfigError",
+    "VllmOptions",
+    "kv_budget_for",
+    "parse_json_object",
+    "recent_window_for",
+]
+
+#: how tensor-parallel ranks select on the vLLM backend (each rank holds a slice of the heads)
+TP_SELECTIONS = ("all_reduce", "per_rank")
+#: CUDA-graph modes of the vLLM backend's verification forward
+VERIFY_CUDA_GRAPH_MODES = ("full", "piecewise")
+#: default largest row count (requests) the vLLM backend captures a draft CUDA graph for
+DEFAULT_DRAFT_GRAPH_MAX_ROWS = 256
+
+Budget = TypeVar("Budget")  # int, or a torch.LongTensor of any shape
 
 
 class VegasConfigError(ValueError):
@@ -25,6 +44,69 @@ class VegasPluginError(VegasConfigError):
 def _raise_if_not_int(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise VegasConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _raise_if_not_one_of(name: str, value: object, allowed: tuple) -> None:
+    if value not in allowed:
+        raise VegasConfigError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+
+
+def parse_json_object(raw: str, source: str) -> dict[str, Any]:
+    """``raw`` parsed as a JSON object (``source`` names it in errors).
+
+    Raises:
+        VegasConfigError: not JSON, or JSON but not an object.
+    """
+    try:
+        values = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise VegasConfigError(f"{source} must be a JSON object: {e}") from None
+    if not isinstance(values, dict):
+        raise VegasConfigError(f"{source} must be a JSON object, got {raw!r}")
+    return values
+
+
+def _raise_if_unknown(values: dict, cls: type, source: str) -> None:
+    known = [f.name for f in fields(cls)]
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise VegasConfigError(f"{source}: unknown field(s) {', '.join(unknown)}; allowed: {', '.join(known)}")
+
+
+@dataclass(frozen=True)
+class VllmOptions:
+    """Settings that only the vLLM backend reads (the nested ``VegasConfig.vllm``).
+
+    Args:
+        tp_selection: with tensor parallelism, ``"all_reduce"`` sums every rank's per-layer
+            scores (its heads' share of the head sum) before the top-k, so all ranks select what
+            one GPU would (one float32 all-reduce of ``layers x batch x context`` per
+            verification); ``"per_rank"`` selects from each rank's own heads without
+            communication. Ignored on one GPU.
+        verify_cuda_graphs: ``"full"``: verification runs in vLLM's full CUDA graphs with the
+            selection captured into them (the selector and budget are then fixed per engine);
+            ``"piecewise"``: attention and selection run eagerly every step. A selector without
+            a fast path always runs piecewise.
+        draft_cuda_graphs: capture each draft phase (γ forwards) as one CUDA graph per
+            power-of-two row count; False drafts eagerly.
+        draft_graph_max_rows: largest row count (requests) a draft graph is captured for;
+            larger batches draft eagerly. Integer >= 1.
+
+    Raises:
+        VegasConfigError: a field is outside its allowed values.
+    """
+
+    tp_selection: Literal["all_reduce", "per_rank"] = "all_reduce"
+    verify_cuda_graphs: Literal["full", "piecewise"] = "full"
+    draft_cuda_graphs: bool = True
+    draft_graph_max_rows: int = DEFAULT_DRAFT_GRAPH_MAX_ROWS
+
+    def __post_init__(self) -> None:
+        _raise_if_not_one_of("vllm.tp_selection", self.tp_selection, TP_SELECTIONS)
+        _raise_if_not_one_of("vllm.verify_cuda_graphs", self.verify_cuda_graphs, VERIFY_CUDA_GRAPH_MODES)
+        if not isinstance(self.draft_cuda_graphs, bool):
+            raise VegasConfigError(f"vllm.draft_cuda_graphs must be true or false, got {self.draft_cuda_graphs!r}")
+        _raise_if_not_int("vllm.draft_graph_max_rows", self.draft_graph_max_rows, 1)
 
 
 @dataclass(frozen=True)
@@ -56,6 +138,7 @@ class VegasConfig:
         score_mode: ``"logit"`` (rank by summed pre-softmax logits, the seed's formula) or
             ``"weight"`` (rank by summed re-materialised softmax weights, the reference
             implementation's default).
+        vllm: :class:`VllmOptions` (or a dict of its fields), read by the vLLM backend only.
 
     Raises:
         VegasConfigError: a field is outside its allowed values.
@@ -71,8 +154,14 @@ class VegasConfig:
     recent_window: int = 64
     granularity: Literal["layer", "kv_head"] = "layer"
     score_mode: Literal["logit", "weight"] = "logit"
+    vllm: VllmOptions = field(default_factory=VllmOptions)
 
     def __post_init__(self) -> None:
+        if isinstance(self.vllm, dict):
+            _raise_if_unknown(self.vllm, VllmOptions, "vllm")
+            object.__setattr__(self, "vllm", VllmOptions(**self.vllm))
+        if not isinstance(self.vllm, VllmOptions):
+            raise VegasConfigError(f"vllm must be a VllmOptions or a dict of its fields, got {self.vllm!r}")
         _raise_if_not_int("num_draft_tokens", self.num_draft_tokens, 1)
         ratio = self.sparsity_ratio
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not (0 < ratio <= 1):
@@ -92,13 +181,66 @@ class VegasConfig:
         if self.score_mode not in ("logit", "weight"):
             raise VegasConfigError(f"score_mode must be 'logit' or 'weight', got {self.score_mode!r}")
 
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], source: str = "config") -> VegasConfig:
+        """A config from a dict of its fields (``vllm`` a nested dict); ``source`` names it in errors.
 
-def kv_budget_for(config: VegasConfig, context_len: int) -> int:
+        Raises:
+            VegasConfigError: an unknown field or a value outside its allowed values.
+        """
+        _raise_if_unknown(values, cls, source)
+        return cls(**values)
+
+    @classmethod
+    def from_json(cls, raw: str, source: str = "JSON") -> VegasConfig:
+        """A config from a JSON object of its fields (the inverse of :meth:`to_json`).
+
+        Raises:
+            VegasConfigError: not a JSON object, an unknown field, or a bad value.
+        """
+        return cls.from_dict(parse_json_object(raw, source), source)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, ``vllm`` as a nested dict (JSON-serialisable)."""
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+
+def kv_budget_for(config: VegasConfig, context_len: Budget) -> Budget:
     """KV budget k (tokens) for a sequence whose committed context has ``context_len`` tokens.
 
-    ``config.kv_budget`` if set, else ``max(ceil(context_len * sparsity_ratio), min_kv_budget)``
-    (the reference implementation's rule). May exceed ``context_len``; callers clamp.
+    The one budget rule of every backend and selector (a selector may override it through
+    :meth:`vegas.interfaces.Selector.budget`): ``config.kv_budget`` if set, else
+    ``max(ceil(context_len * sparsity_ratio), min_kv_budget)`` (the reference
+    implementation's rule). May exceed ``context_len``; callers clamp.
+
+    Args:
+        context_len: an int, or a ``torch.LongTensor`` of any shape (elementwise, in float64
+            as the int rule, no host sync).
+
+    Returns:
+        an int, or a ``torch.LongTensor`` of ``context_len``'s shape.
     """
+    if isinstance(context_len, int):
+        if config.kv_budget is not None:
+            return config.kv_budget
+        return max(math.ceil(context_len * config.sparsity_ratio), config.min_kv_budget)
     if config.kv_budget is not None:
-        return config.kv_budget
-    return max(math.ceil(context_len * config.sparsity_ratio), config.min_kv_budget)
+        return context_len.new_full(context_len.shape, config.kv_budget)
+    scaled = (context_len.double() * config.sparsity_ratio).ceil().long()
+    return scaled.clamp(min=config.min_kv_budget)
+
+
+def recent_window_for(config: VegasConfig, budget: Budget) -> Budget:
+    """Last committed positions a score-based selector keeps inside its budget (tokens):
+    ``min(budget // 2, config.recent_window)`` (at most half, so that small budgets still
+    rank by the scores).
+
+    Args:
+        budget: an int, or a ``torch.LongTensor`` of any shape (elementwise).
+    """
+    if isinstance(budget, int):
+        return min(budget // 2, config.recent_window)
+    return (budget // 2).clamp(max=config.recent_window)

@@ -15,14 +15,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
-from .config import VegasConfig
-from .sampling import SampleFn
+from .config import Budget, VegasConfig, kv_budget_for
+from .outputs import RequestOutput, as_token_ids
+from .sampling import SampleFn, SamplingParams
 
-__all__ = ["Selection", "SelectionInput", "Selector", "Drafter", "Verifier"]
+__all__ = ["Backend", "Selection", "SelectionInput", "Selector", "Drafter", "Verifier"]
 
 
 @dataclass
@@ -57,22 +58,28 @@ class SelectionInput:
             (tokens), already clamped to the number of valid slots.
         keys: ``torch.Tensor`` of shape ``(batch_size, num_kv_heads, num_slots, head_dim)``
             in the model dtype: the layer's cached keys (post-RoPE), for key-based
-            selectors such as Quest.
+            selectors such as Quest (``Selector.needs_keys``); a backend may pass None to a
+            selector that does not need them (the vLLM backend does).
+
+    On the HF backend a slot is a cache slot (padding and rolled-back slots are invalid); on
+    the vLLM backend it is the token position (``valid`` is a prefix of each row).
     """
 
     layer_idx: int
     scores: torch.Tensor | None  # [batch_size, groups, num_slots] float32
     valid: torch.Tensor  # [batch_size, num_slots] bool
     budget: torch.Tensor  # [batch_size] int64
-    keys: torch.Tensor  # [batch_size, num_kv_heads, num_slots, head_dim]
+    keys: torch.Tensor | None = None  # [batch_size, num_kv_heads, num_slots, head_dim]
 
 
 class Selector(ABC):
     """Chooses, per layer, the KV entries the next drafting phase attends to.
 
-    Subclasses set ``name`` and implement ``select``. A selector that aggregates attention
-    logits of the verified chunk names the rows it needs in ``score_rows``; a query-aware
-    selector (Quest) also implements ``select_for_query``, called at every draft step.
+    Subclasses set ``name`` and implement ``select``. The policy is declared once, here, and
+    read by every backend: the rows of the verified chunk to score (``score_rows``), whether
+    the selection depends on each draft query (``query_aware``), whether it reads the cached
+    keys (``needs_keys``) and the KV budget (``budget``). A query-aware selector (Quest) also
+    implements ``select_for_query``, called at every draft step.
 
     Args:
         config: the run's validated :class:`~vegas.config.VegasConfig`.
@@ -81,9 +88,20 @@ class Selector(ABC):
     name: ClassVar[str]
     #: True when ``select_for_query`` must be called at every draft step.
     query_aware: ClassVar[bool] = False
+    #: True when ``select`` reads ``SelectionInput.keys``.
+    needs_keys: ClassVar[bool] = False
 
     def __init__(self, config: VegasConfig) -> None:
         self.config = config
+
+    def budget(self, context_len: Budget) -> Budget:
+        """KV budget k (tokens) for ``context_len`` committed tokens, before clamping to the
+        context: :func:`vegas.config.kv_budget_for` unless a selector overrides it.
+
+        Args:
+            context_len: an int, or a ``torch.LongTensor`` (elementwise, no host sync).
+        """
+        return kv_budget_for(self.config, context_len)
 
     def score_rows(self, chunk_len: int) -> list[int]:
         """Rows of a verified chunk of ``chunk_len`` (γ+1) queries whose logits to aggregate.
@@ -184,3 +202,65 @@ class Verifier(ABC):
                 token, the new ``x_last``.
         """
 
+
+
+class Backend(ABC):
+    """An inference engine that runs plain and Vegas decoding on one model.
+
+    Args:
+        model: path of a transformers model directory (or hub id, if cached locally).
+        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``; None picks CUDA when available.
+        trust_remote_code: allow model code from the model directory (off by default).
+    """
+
+    name: ClassVar[str]
+
+    @property
+    @abstractmethod
+    def tokenizer(self) -> Any:
+        """The model's transformers tokenizer."""
+
+    @property
+    @abstractmethod
+    def max_context(self) -> int:
+        """Longest sequence (prompt + generated tokens) the model accepts, in tokens."""
+
+    @property
+    def generation_config(self) -> Any:
+        """The model's ``transformers.GenerationConfig``, or None when the backend has none."""
+        return None
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Token ids that end a sequence, sorted: the generation config's ``eos_token_id``
+        (an int or a list; e.g. ``<|im_end|>`` for chat models) united with the tokenizer's
+        ``eos_token_id``. Empty when neither is set."""
+        generation = self.generation_config
+        ids = as_token_ids(getattr(generation, "eos_token_id", None))
+        return sorted(ids | as_token_ids(getattr(self.tokenizer, "eos_token_id", None)))
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids must lie in ``[0, vocab_size)``."""
+        return len(self.tokenizer)
+
+    @abstractmethod
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        max_new_tokens: int,
+        sampling: SamplingParams,
+        selector: Selector | str | None,
+        config: VegasConfig,
+    ) -> list[RequestOutput]:
+        """Decode ``max_new_tokens`` tokens after each prompt (fewer if EOS comes first).
+
+        Args:
+            prompts: token ids, one validated non-empty list per request.
+            selector: the selector for Vegas decoding (built by the
+                :class:`~vegas.pipeline.Pipeline`; a registered name is built by the backend),
+                or None for plain decoding.
+            config: Vegas hyperparameters (ignored by plain decoding).
+        """

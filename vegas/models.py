@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .backends.base import as_token_ids
+from .outputs import as_token_ids
 from .config import VegasConfigError
 
 __all__ = [

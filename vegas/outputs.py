@@ -5,7 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["RequestOutput", "RequestStats"]
+__all__ = ["RequestOutput", "RequestStats", "as_token_ids"]
+
+
+def as_token_ids(value: Any) -> set[int]:
+    """Token ids from an int, a list/tuple/set of ints, or None (an empty set)."""
+    if value is None:
+        return set()
+    if isinstance(value, int):
+        return {int(value)}
+    return {int(v) for v in value}
 
 
 @dataclass

@@ -9,7 +9,7 @@ from typing import Sequence
 from .backends.base import Backend, RequestOutput
 from .config import VegasConfig, VegasConfigError
 from .models import DEFAULT_MODEL, resolve_model
-from .plugins import blame, create_selector, get_backend_class, owner
+from .plugins import blame, create_selector, get_backend_class, is_builtin, owner
 from .sampling import SamplingParams
 
 __all__ = ["Pipeline", "DEFAULT_MODEL"]
@@ -36,6 +36,8 @@ class Pipeline:
         rope_scaling: RoPE scaling for contexts beyond the model's, applied before loading,
             e.g. ``{"rope_type": "yarn", "factor": 4.0}`` (types ``yarn``, ``linear``,
             ``llama3``); raises ``backend.max_context`` by the factor. None: the model's own.
+        backend_options: further keyword arguments of the backend's constructor, e.g.
+            ``{"engine_args": {"max_model_len": 8192}}`` for the vllm backend.
         **config: fields of :class:`~vegas.config.VegasConfig` (``num_draft_tokens``,
             ``sparsity_ratio``, ``kv_budget``, ...).
 
@@ -61,6 +63,7 @@ class Pipeline:
         device: str | None = None,
         trust_remote_code: bool = False,
         rope_scaling: dict | None = None,
+        backend_options: dict | None = None,
         **config,
     ) -> None:
         unknown = set(config) - set(VegasConfig.__dataclass_fields__)
@@ -76,10 +79,13 @@ class Pipeline:
         model = resolve_model(model)  # names and .gguf files -> a checkpoint directory
         # rope_scaling only when set: backends from plugins may not take it
         scaled = {} if rope_scaling is None else {"rope_scaling": rope_scaling}
-        builtin = owner("backends", backend) == "vegas.builtins"  # its own errors stay as they are
+        if backend_options is not None and not isinstance(backend_options, dict):
+            raise VegasConfigError(f"backend_options must be a dict of backend arguments, got {backend_options!r}")
+        builtin = is_builtin(owner("backends", backend))  # its own errors stay as they are
         with nullcontext() if builtin else blame("backends", backend, "failed to build"):
             self.backend: Backend = backend_cls(
-                model, dtype=dtype, device=device, trust_remote_code=trust_remote_code, **scaled
+                model, dtype=dtype, device=device, trust_remote_code=trust_remote_code, **scaled,
+                **(backend_options or {}),
             )
 
     @property
@@ -186,8 +192,8 @@ class Pipeline:
                 ``chat=True`` with token-id prompts or a tokenizer without a chat template.
         """
         selector = self.selector if selector is ... else selector
-        if selector is not None:
-            create_selector(selector, self.config)
+        # built once per call (selectors keep per-request state) and handed to the backend
+        selector_obj = None if selector is None else create_selector(selector, self.config)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise VegasConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
@@ -209,5 +215,5 @@ class Pipeline:
                     f"tokens (model context {self.backend.max_context})"
                 )
         return self.backend.generate(
-            ids, max_new_tokens=max_new_tokens, sampling=sampling, selector=selector, config=self.config
+            ids, max_new_tokens=max_new_tokens, sampling=sampling, selector=selector_obj, config=self.config
         )

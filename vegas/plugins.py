@@ -1,4 +1,8 @@
-"""The plugin manager: built-ins and third-party selectors and backends, by name.
+"""The plugin manager: built-ins and third-party selectors, backends and vLLM fast paths.
+
+Built-in plugins are modules named in :data:`BUILTIN_PLUGINS`, imported by name and registered
+like any plugin (each defines its own ``@hookimpl`` functions), so this module imports nothing
+above the core. The autoload switches below never disable them.
 
 Environment switches (read when the registry is first built):
 
@@ -16,6 +20,7 @@ run gives a :class:`~vegas.config.VegasPluginError` naming it and its plugin.
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import logging
 import os
@@ -26,35 +31,21 @@ import pluggy
 
 from . import hookspecs
 from .config import VegasConfig, VegasConfigError, VegasPluginError
+from .interfaces import Backend, Selector
 
 log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "vegas"
 
+#: modules that provide the built-in selectors, backends and vLLM fast paths, registered under
+#: their module names before any call to the hooks (in this order: earlier names win)
+BUILTIN_PLUGINS = ("vegas.strategies", "vegas.backends.hf", "vegas.backends.vllm", "vegas.vllm_plugin.selectors")
+
 _manager: pluggy.PluginManager | None = None
-_registry: dict[str, dict[str, Any]] | None = None
-#: (kind, name) -> the plugin that registered it ("vegas.builtins" for the built-ins)
+_registry: dict[str, dict[Any, Any]] | None = None
+#: (kind, name) -> the plugin that registered it (a module of BUILTIN_PLUGINS for the built-ins)
 _owners: dict[tuple[str, str], str] = {}
 plugin_errors: list[str] = []
-
-
-class _Builtins:
-    @hookspecs.hookimpl
-    def vegas_selectors(self):
-        from .strategies import BUILTIN_SELECTORS
-
-        return BUILTIN_SELECTORS
-
-    @hookspecs.hookimpl
-    def vegas_backends(self):
-        def vllm():
-            from .backends.vllm import VLLMBackend
-
-            return VLLMBackend
-
-        from .backends.hf import HFBackend
-
-        return {"hf": HFBackend, "vllm": vllm}
 
 
 def _autoload_disabled() -> bool:
@@ -97,7 +88,8 @@ def get_plugin_manager() -> pluggy.PluginManager:
             pm.trace.root.setwriter(log.debug)
             pm.enable_tracing()
         _load_entry_points(pm)
-        pm.register(_Builtins(), name="vegas.builtins")
+        for module in BUILTIN_PLUGINS:
+            pm.register(importlib.import_module(module), name=module)
         _manager = pm
     return _manager
 
@@ -117,12 +109,16 @@ def unregister(name: str) -> None:
 
 
 def _bad_entry(kind: str, name: object, obj: object) -> str | None:
-    """Why ``name -> obj`` cannot be a ``kind`` ("selectors" or "backends"), or None."""
+    """Why ``name -> obj`` cannot be a ``kind`` ("selectors", "backends" or "fast_paths"), or None."""
+    if kind == "fast_paths":
+        if not (isinstance(name, type) and issubclass(name, Selector)):
+            return f"keys must be vegas.interfaces.Selector subclasses, got {name!r}"
+        if not isinstance(obj, type):
+            return f"the fast path of {name.__name__} must be a class, got {obj!r}"
+        return None
     if not isinstance(name, str) or not name:
         return f"names must be non-empty strings, got {name!r}"
     if kind == "selectors":
-        from .interfaces import Selector
-
         if not (isinstance(obj, type) and issubclass(obj, Selector)):
             return f"selector {name!r} must be a vegas.interfaces.Selector subclass, got {obj!r}"
     elif not callable(obj):
@@ -130,13 +126,20 @@ def _bad_entry(kind: str, name: object, obj: object) -> str | None:
     return None
 
 
-def _collect(hook_name: str, kind: str) -> dict[str, Any]:
+def is_builtin(plugin_name: str) -> bool:
+    """Whether ``plugin_name`` (see :func:`owner`) is one of :data:`BUILTIN_PLUGINS`."""
+    return plugin_name in BUILTIN_PLUGINS
+
+
+def _collect(hook_name: str, kind: str) -> dict[Any, Any]:
     pm = get_plugin_manager()
-    merged: dict[str, Any] = {}
+    merged: dict[Any, Any] = {}
     # Call each implementation on its own so that one raising plugin is skipped, not fatal.
-    # Built-ins claim their names first, then plugins in registration order.
+    # Built-ins claim their names first (in BUILTIN_PLUGINS order), then plugins in
+    # registration order.
     impls = getattr(pm.hook, hook_name).get_hookimpls()
-    for impl in sorted(impls, key=lambda impl: impl.plugin_name != "vegas.builtins"):
+    order = {module: i for i, module in enumerate(BUILTIN_PLUGINS)}
+    for impl in sorted(impls, key=lambda impl: order.get(impl.plugin_name, len(order))):
         try:
             provided = impl.function()
             if provided is None:
@@ -154,7 +157,8 @@ def _collect(hook_name: str, kind: str) -> dict[str, Any]:
                 log.warning("plugin %r: %s %r already registered, ignored", impl.plugin_name, hook_name, name)
                 continue
             merged[name] = obj
-            _owners[(kind, name)] = impl.plugin_name
+            if kind != "fast_paths":
+                _owners[(kind, name)] = impl.plugin_name
     return merged
 
 
@@ -194,15 +198,23 @@ def blame(kind: str, name: str, what: str):
         raise plugin_failure(kind, name, what, exc) from exc
 
 
-def registry() -> dict[str, dict[str, Any]]:
-    """``{"selectors": {...}, "backends": {...}}`` from every registered plugin."""
+def registry() -> dict[str, dict[Any, Any]]:
+    """``{"selectors": {name: cls}, "backends": {name: cls}, "fast_paths": {selector class:
+    fast path class}}`` from every registered plugin."""
     global _registry
     if _registry is None:
         _registry = {
             "selectors": _collect("vegas_selectors", "selectors"),
             "backends": _collect("vegas_backends", "backends"),
+            "fast_paths": _collect("vegas_vllm_fast_paths", "fast_paths"),
         }
     return _registry
+
+
+def vllm_fast_path(selector: Selector) -> type | None:
+    """The vLLM fast path registered for ``type(selector)`` exactly (a subclass of a selector
+    with a fast path has none of its own unless registered: it runs on the generic path)."""
+    return registry()["fast_paths"].get(type(selector))
 
 
 def selector_names() -> list[str]:
@@ -242,8 +254,6 @@ def get_backend_class(name: str):
         VegasConfigError: no backend of that name (the message lists the known ones).
         VegasPluginError: its factory raised or returned no Backend subclass.
     """
-    from .backends.base import Backend
-
     backends = registry()["backends"]
     if not isinstance(name, str) or name not in backends:
         raise VegasConfigError(f"backend must be one of {sorted(backends)}, got {name!r}{_autoload_hint()}")

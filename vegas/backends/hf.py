@@ -25,13 +25,14 @@ from transformers import (
     DynamicCache,
 )
 
-from ..config import VegasConfig, VegasConfigError, kv_budget_for
+from ..config import VegasConfig, VegasConfigError
+from ..hookspecs import hookimpl
 from ..interfaces import Drafter, Selection, SelectionInput, Selector, Verifier
 from ..loop import plain_decode, speculative_decode
 from ..models import resolve_model, rope_scaled_config
 from ..plugins import run_selector
 from ..sampling import SampleFn, SamplingParams
-from .base import Backend, RequestOutput
+from .base import Backend, RequestOutput, as_selector
 from .hf_architectures import refuse_unsupported
 from .hf_attention import ATTENTION_NAME, AttentionContext, clock, vegas_attention
 
@@ -141,7 +142,9 @@ class HFSession(Drafter, Verifier):
             self.selections, self.selection_len = [None] * self.num_layers, 0
             return
         counts = self.valid.sum(dim=1)  # [B]
-        wanted = torch.tensor([kv_budget_for(self.config, int(c)) for c in counts], device=self.device)
+        wanted = torch.tensor(
+            [run_selector(self.selector, "budget", int(c)) for c in counts], device=self.device
+        )
         global FULL_BUDGET_LOGGED
         full = (wanted >= counts).nonzero()
         if not FULL_BUDGET_LOGGED and full.numel():
@@ -366,9 +369,7 @@ class HFBackend(Backend):
 
     @torch.inference_mode()
     def generate(self, prompts, *, max_new_tokens, sampling: SamplingParams, selector, config):
-        from ..plugins import create_selector
-
-        selector_obj = create_selector(selector, config) if selector is not None else None
+        selector_obj = as_selector(selector, config)
         session = HFSession(self.model, config, selector_obj)
         generator = torch.Generator(device=self.model.device).manual_seed(sampling.seed)
         common = dict(
@@ -389,3 +390,8 @@ class HFBackend(Backend):
             RequestOutput(token_ids=t, text=self._tokenizer.decode(t), stats=s)
             for t, s in zip(tokens, stats)
         ]
+
+
+@hookimpl
+def vegas_backends():
+    return {"hf": HFBackend}

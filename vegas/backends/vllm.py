@@ -8,63 +8,99 @@ then vLLM verifies them with full attention and its rejection sampler. The verif
 collects the selection scores (Triton kernel, :mod:`vegas.kernels`). Plain decoding
 (``selector=None``) is a plain vLLM ``LLM`` of the same model and dtype.
 
-One engine is alive at a time (plain, or Vegas with a given γ and selector config). Vegas
-verification runs in vLLM's full CUDA graphs with the selection captured into them, so a new
-selector or budget rebuilds the engine; with ``VEGAS_VERIFY_CUDA_GRAPHS=piecewise`` the engine
-is kept and switched through ``collective_rpc`` (verification attention then runs eagerly).
+One engine is alive at a time (plain, or Vegas with a given γ and selector config). Any
+registered selector runs: a built-in through its fast path (:mod:`vegas.vllm_plugin.selectors`),
+whose verification runs in vLLM's full CUDA graphs with the selection captured into them, so a
+new selector or budget rebuilds the engine; with ``VegasConfig.vllm.verify_cuda_graphs =
+"piecewise"`` the engine is kept and switched through ``collective_rpc`` (verification attention
+then runs eagerly). Any other selector runs on the generic path, under piecewise graphs. The
+:class:`~vegas.pipeline.Pipeline`'s selector object is handed to the engine when its core runs
+in this process; a selector that is not built in makes a one-GPU engine run its core in this
+process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so that a selector registered by hand is found.
 
 Models with sliding-window layers (Gemma 2/3, Mistral-style ``sliding_window``, Qwen2 with
 ``use_sliding_window``) are refused by name before a Vegas engine is built
 (:func:`raise_if_sliding_window`); the HF backend supports them.
 
-Selectors here: ``collect2``, ``aggregated``, ``sliding_window`` and ``quest`` (pages are vLLM's
-16-slot KV blocks; their key bounds take ``1/16`` of the key cache per bound, outside vLLM's
-memory profile, see :mod:`vegas.vllm_plugin.quest`). Not here: ``last_token``,
-``granularity="kv_head"`` and ``score_mode="weight"`` (the kernel sums logits).
+Quest's pages are vLLM's 16-slot KV blocks (their key bounds take ``1/16`` of the key cache per
+bound, outside vLLM's memory profile, see :mod:`vegas.vllm_plugin.quest`). Not here:
+``granularity="kv_head"``, ``score_mode="weight"`` (the kernel sums logits) and query-aware
+selectors without a fast path (:func:`vegas.vllm_plugin.settings.raise_if_unsupported`).
 
 ``import vegas.backends.vllm`` works without vLLM installed; vLLM is imported when an engine is
-built. Engine options can be set with ``$VEGAS_VLLM_ENGINE_ARGS`` (JSON, passed to ``LLM``), e.g.
-``{"gpu_memory_utilization": 0.5, "max_model_len": 32768}``.
+built. Engine options: the backend's ``engine_args`` (a dict passed to ``LLM``, e.g.
+``{"gpu_memory_utilization": 0.5, "max_model_len": 32768}``), overridden key by key by
+``$VEGAS_VLLM_ENGINE_ARGS`` (JSON, read by :func:`engine_args_from_env` only).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
+from contextlib import contextmanager
 from typing import Any
 
-from ..config import VegasConfig, VegasConfigError
+from ..config import VegasConfig, VegasConfigError, parse_json_object
+from ..hookspecs import hookimpl
+from ..interfaces import Selector
+from ..plugins import is_builtin, owner
 from ..sampling import SamplingParams
-from ..vllm_plugin.state import SELECTORS as VLLM_SELECTORS
-from .base import Backend, RequestOutput, RequestStats
+from ..vllm_plugin import settings as vegas_settings
+from .base import Backend, RequestOutput, RequestStats, as_selector
 
-__all__ = ["VLLMBackend", "raise_if_sliding_window", "sliding_window_layers", "vllm_engine_kwargs"]
+__all__ = [
+    "ENGINE_ARGS_ENV",
+    "VLLMBackend",
+    "engine_args_from_env",
+    "raise_if_sliding_window",
+    "sliding_window_layers",
+    "verify_cuda_graphs",
+    "vllm_engine_kwargs",
+]
 
 log = logging.getLogger(__name__)
-# VLLM_SELECTORS: the proposer's selector names (vegas.vllm_plugin.state imports no vLLM)
 
-#: vLLM's KV block size, the page of Quest on this backend
-VLLM_BLOCK_SIZE = 16
+#: JSON object of ``vllm.LLM`` keyword arguments that override the backend's ``engine_args``
+ENGINE_ARGS_ENV = "VEGAS_VLLM_ENGINE_ARGS"
 
 
-def _raise_if_unsupported(selector: str | None, config: VegasConfig) -> None:
-    if selector is None:
+def engine_args_from_env() -> dict[str, Any]:
+    """``$VEGAS_VLLM_ENGINE_ARGS`` as a dict (empty when unset).
+
+    Raises:
+        VegasConfigError: not a JSON object.
+    """
+    raw = os.environ.get(ENGINE_ARGS_ENV, "").strip()
+    return parse_json_object(raw, ENGINE_ARGS_ENV) if raw else {}
+
+
+def verify_cuda_graphs(selector: Selector, config: VegasConfig) -> str:
+    """CUDA-graph mode of the verification forward: ``config.vllm.verify_cuda_graphs``, or
+    ``"piecewise"`` for a selector on the generic path (its ``select`` runs in Python)."""
+    if not vegas_settings.path_class(selector).capturable:
+        return "piecewise"
+    return config.vllm.verify_cuda_graphs
+
+
+@contextmanager
+def _engine_core_in_process(selector: Selector | None):
+    """Run a new engine's core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) while the
+    block runs, for a selector that is not built in: the worker then finds it in this process's
+    registry (a selector registered by hand included) and uses the handed-over object."""
+    if selector is None or is_builtin(owner("selectors", selector.name)):
+        yield
         return
-    if selector not in VLLM_SELECTORS:
-        raise VegasConfigError(
-            f"selector {selector!r} is not available on the vllm backend; use one of "
-            f"{', '.join(VLLM_SELECTORS)} (or backend='hf' for every selector)"
-        )
-    if config.granularity != "layer":
-        raise VegasConfigError("the vllm backend selects per layer only; use granularity='layer'")
-    if config.score_mode != "logit":
-        raise VegasConfigError("the vllm backend ranks by summed logits only; use score_mode='logit'")
-    if selector == "quest" and config.page_size != VLLM_BLOCK_SIZE:
-        raise VegasConfigError(
-            f"quest on the vllm backend uses vLLM's KV blocks as pages: page_size must be "
-            f"{VLLM_BLOCK_SIZE}, got {config.page_size}"
-        )
+    key = "VLLM_ENABLE_V1_MULTIPROCESSING"
+    saved = os.environ.get(key)
+    os.environ[key] = "0"
+    log.info("vllm backend: selector %r is not built in; the engine core runs in this process", selector.name)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = saved
 
 
 def sliding_window_layers(config: Any) -> list[int]:
@@ -145,29 +181,24 @@ def _raise_if_unavailable() -> None:
         raise VegasConfigError("backend 'vllm' needs a CUDA GPU and none is visible; use backend='hf'")
 
 
-def proposer_config(selector: str, config: VegasConfig) -> dict[str, Any]:
-    """The proposer's settings (``VllmVegasConfig`` fields) for a selector and a VegasConfig."""
-    return {
-        "selector": selector,
-        "sparsity_ratio": config.sparsity_ratio,
-        "kv_budget": config.kv_budget,
-        "min_kv_budget": config.min_kv_budget,
-        "num_sinks": config.num_sinks,
-        "window": config.window,
-        "recent_window": config.recent_window,
-    }
-
-
 def vllm_engine_kwargs(
     model: str,
     *,
     dtype: str = "bfloat16",
     num_draft_tokens: int | None = None,
     trust_remote_code: bool = False,
+    verify_cuda_graphs: str = "full",
     **overrides: Any,
 ) -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM`` for plain decoding (``num_draft_tokens=None``) or for
-    Vegas with γ = ``num_draft_tokens``: what a vLLM user passes to switch Vegas on."""
+    Vegas with γ = ``num_draft_tokens``: what a vLLM user passes to switch Vegas on. The one
+    place engine arguments are made (the backend and ``scripts/vllm_bench.py`` use it).
+
+    Args:
+        verify_cuda_graphs: ``"piecewise"`` asks for piecewise CUDA graphs (Vegas only).
+        **overrides: further ``LLM`` arguments; they win, except ``compilation_config``, which
+            is merged key by key into the one made here.
+    """
     kw: dict[str, Any] = dict(
         model=model,
         dtype=dtype,
@@ -184,11 +215,12 @@ def vllm_engine_kwargs(
             "model": CLASS_PATH,
             "num_speculative_tokens": num_draft_tokens,
         }
-        from ..vllm_plugin.proposer import verify_graph_mode
-
-        if verify_graph_mode() == "piecewise":
+        if verify_cuda_graphs == "piecewise":
             kw["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}
+    compilation = {**kw.get("compilation_config", {}), **overrides.pop("compilation_config", {})}
     kw.update(overrides)
+    if compilation:
+        kw["compilation_config"] = compilation
     return kw
 
 
@@ -202,9 +234,12 @@ class VLLMBackend(Backend):
         device: must be None or CUDA (vLLM picks the GPU).
         rope_scaling: RoPE scaling (:func:`vegas.models.rope_scaled_config`), passed to vLLM as
             ``hf_overrides`` (``rope_parameters`` and ``max_position_embeddings``), or None.
+        engine_args: further ``vllm.LLM`` keyword arguments (e.g. ``max_model_len``), each
+            overridden by ``$VEGAS_VLLM_ENGINE_ARGS`` (:func:`engine_args_from_env`).
 
     Raises:
-        VegasConfigError: an unsupported dtype or device, or bad ``rope_scaling``.
+        VegasConfigError: an unsupported dtype or device, bad ``rope_scaling``, or
+            ``engine_args`` that is not a dict.
     """
 
     name = "vllm"
@@ -217,7 +252,10 @@ class VLLMBackend(Backend):
         device: str | None = None,
         trust_remote_code: bool = False,
         rope_scaling: dict | None = None,
+        engine_args: dict[str, Any] | None = None,
     ) -> None:
+        if engine_args is not None and not isinstance(engine_args, dict):
+            raise VegasConfigError(f"engine_args must be a dict of vllm.LLM arguments, got {engine_args!r}")
         if dtype not in ("bfloat16", "float16", "float32"):
             raise VegasConfigError(f"vllm backend dtype must be 'bfloat16' or 'float16', got {dtype!r}")
         if device is not None and not str(device).startswith("cuda"):
@@ -236,6 +274,7 @@ class VLLMBackend(Backend):
         self._checked_model = False  # sliding-window check done (at the first Vegas generate)
         self._generation_config = None
         self._hf_overrides: dict[str, Any] = {}
+        self.engine_args = {**(engine_args or {}), **engine_args_from_env()}
         if rope_scaling is not None:
             from ..models import rope_scaled_config
 
@@ -247,30 +286,34 @@ class VLLMBackend(Backend):
             self._max_context = int(scaled.max_position_embeddings)
 
     # ---- engine -----------------------------------------------------------------------------
-    def _engine(self, key: tuple, selector: str | None, config: VegasConfig):
+    def _engine(self, key: tuple, selector: Selector | None, config: VegasConfig):
         if self._llm is not None and self._key == key:
             return self._llm
         self.close()
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(fn)
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        verify = "full"
         if selector is not None:
-            os.environ["VEGAS_VLLM_CONFIG"] = json.dumps(proposer_config(selector, config))
+            os.environ[vegas_settings.ENV_VAR] = vegas_settings.settings_json(selector.name, config)
+            verify = verify_cuda_graphs(selector, config)
         from vllm import LLM
 
         from ..vllm_plugin import register
 
         register()  # also where vegas is not pip-installed (its vllm.general_plugins entry point)
-        overrides = json.loads(os.environ.get("VEGAS_VLLM_ENGINE_ARGS", "") or "{}")
-        if self._hf_overrides:  # rope_scaling; the environment's hf_overrides win key by key
+        overrides = dict(self.engine_args)
+        if self._hf_overrides:  # rope_scaling; the engine arguments' hf_overrides win key by key
             overrides["hf_overrides"] = {**self._hf_overrides, **overrides.get("hf_overrides", {})}
         kw = vllm_engine_kwargs(
             self.model,
             dtype=self.dtype,
-            num_draft_tokens=key[1] if key[0] == "vegas" else None,
+            num_draft_tokens=config.num_draft_tokens if selector is not None else None,
             trust_remote_code=self.trust_remote_code,
+            verify_cuda_graphs=verify,
             **overrides,
         )
-        self._llm = LLM(**kw)
+        with _engine_core_in_process(selector):
+            self._llm = LLM(**kw)
         self._key = key
         self._max_context = int(self._llm.llm_engine.model_config.max_model_len)
         return self._llm
@@ -324,35 +367,44 @@ class VLLMBackend(Backend):
         *,
         max_new_tokens: int,
         sampling: SamplingParams,
-        selector: str | None,
+        selector: Selector | str | None,
         config: VegasConfig,
     ) -> list[RequestOutput]:
-        """See :meth:`vegas.backends.base.Backend.generate`.
+        """See :meth:`vegas.interfaces.Backend.generate`.
 
         Raises:
-            VegasConfigError: a selector or setting this backend lacks, or (with a selector) a
+            VegasConfigError: a setting this backend lacks
+                (:func:`vegas.vllm_plugin.settings.raise_if_unsupported`), or (with a selector) a
                 model with sliding-window layers (:func:`raise_if_sliding_window`), before any
                 engine is built.
         """
-        _raise_if_unsupported(selector, config)
-        if selector is not None and not self._checked_model:
-            raise_if_sliding_window(self.model)
-            self._checked_model = True
+        selector = as_selector(selector, config)
+        if selector is not None:
+            vegas_settings.raise_if_unsupported(selector, config)
+            if not self._checked_model:
+                raise_if_sliding_window(self.model)
+                self._checked_model = True
         from vllm import SamplingParams as VllmSamplingParams
 
         from ..vllm_plugin import configure, get_stats
 
-        from ..vllm_plugin.proposer import verify_graph_mode
-
+        settings = None
         if selector is None:
             key: tuple = ("plain", 0)
-        elif verify_graph_mode() == "full":  # the selector config is captured into the graphs
-            key = ("vegas", config.num_draft_tokens, json.dumps(proposer_config(selector, config)))
         else:
-            key = ("vegas", config.num_draft_tokens)
-        llm = self._engine(key, selector, config)
-        if selector is not None:
-            llm.collective_rpc(configure, args=(json.dumps(proposer_config(selector, config)), True))
+            settings = vegas_settings.settings_json(selector.name, config)
+            in_process = not is_builtin(owner("selectors", selector.name))
+            if verify_cuda_graphs(selector, config) == "full":  # the selection is captured into the graphs
+                key = ("vegas", config.num_draft_tokens, settings, in_process)
+            else:
+                key = ("vegas", config.num_draft_tokens, "piecewise", in_process)
+            vegas_settings.hand_over(selector)  # used where the engine core runs in this process
+        try:
+            llm = self._engine(key, selector, config)
+            if settings is not None:
+                llm.collective_rpc(configure, args=(settings, True))
+        finally:
+            vegas_settings.hand_over(None)
         sp = VllmSamplingParams(
             temperature=sampling.temperature,
             top_p=sampling.top_p,
@@ -382,3 +434,8 @@ class VLLMBackend(Backend):
                 stats.iterations = max(stats.num_generated - 1, 0)
             results.append(RequestOutput(token_ids=list(comp.token_ids), text=comp.text, stats=stats))
         return results
+
+
+@hookimpl
+def vegas_backends():
+    return {"vllm": VLLMBackend}

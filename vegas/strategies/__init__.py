@@ -1,5 +1,7 @@
-"""Built-in selectors, one module each; registered through :mod:`vegas.plugins`."""
+"""Built-in selectors, one module each; this module is a built-in plugin
+(:data:`vegas.plugins.BUILTIN_PLUGINS`) that registers them."""
 
+from ..hookspecs import hookimpl
 from .aggregated import AggregatedSelector
 from .collect2 import Collect2Selector
 from .last_token import LastTokenSelector
@@ -16,6 +18,12 @@ BUILTIN_SELECTORS = {
         LastTokenSelector,
     )
 }
+
+
+@hookimpl
+def vegas_selectors():
+    return BUILTIN_SELECTORS
+
 
 __all__ = [
     "AggregatedSelector",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ..config import recent_window_for
 from ..interfaces import Selection, SelectionInput, Selector
 from ..selection import topk_selection
 from .sliding_window import sliding_window_keep
@@ -26,8 +27,7 @@ class AggregatedSelector(Selector):
         scores = inputs.scores
         if self.config.recent_window:
             none = torch.zeros_like(inputs.budget)
-            # at most half the budget, so that small budgets still compare the scores
-            window = (inputs.budget // 2).clamp(max=self.config.recent_window)
+            window = recent_window_for(self.config, inputs.budget)
             recent = sliding_window_keep(inputs.valid, none, window)  # [B, num_slots]
             scores = scores.masked_fill(recent[:, None, :], float("inf"))
         return topk_selection(scores, inputs.valid, inputs.budget)

@@ -31,10 +31,18 @@ class SlidingWindowSelector(Selector):
     """Sinks plus the most recent positions, within the KV budget.
 
     ``num_sinks = min(config.num_sinks, budget)``; ``window = config.window`` or, if None,
-    ``budget - num_sinks`` (equal budget to the other selectors).
+    ``budget - num_sinks`` (equal budget to the other selectors). A ``config.window`` that is
+    set makes the budget ``num_sinks + window`` (:meth:`budget`).
     """
 
     name = "sliding_window"
+
+    def budget(self, context_len):
+        """``num_sinks + window`` when ``config.window`` is set, else the shared rule."""
+        if self.config.window is None:
+            return super().budget(context_len)
+        k = self.config.num_sinks + self.config.window
+        return k if isinstance(context_len, int) else context_len.new_full(context_len.shape, k)
 
     def select(self, inputs: SelectionInput) -> Selection:
         budget = inputs.budget

@@ -12,10 +12,17 @@ Switch it on in any vLLM program, no code changes beyond the engine arguments::
     )
 
 or ``vllm serve MODEL --attention-backend FLASH_ATTN --speculative-config '{"method":
-"custom_class", "model": "vegas.vllm_plugin.proposer.VegasProposer", "num_speculative_tokens": 4}'``,
-with the selector in ``VEGAS_VLLM_CONFIG='{"selector": "collect2", "sparsity_ratio": 0.05}'``.
-Vegas runs on vLLM's V1 model runner, which vLLM picks by itself for a custom proposer
-(setting ``VLLM_USE_V2_MODEL_RUNNER=0`` is harmless, not needed).
+"custom_class", "model": "vegas.vllm_plugin.proposer.VegasProposer", "num_speculative_tokens": 4}'``.
+The settings are one JSON object in ``VEGAS_VLLM_CONFIG``: the selector name plus any fields of
+:class:`vegas.config.VegasConfig`, the vLLM-only ones nested under ``"vllm"``
+(:class:`vegas.config.VllmOptions`), e.g.
+``VEGAS_VLLM_CONFIG='{"selector": "collect2", "sparsity_ratio": 0.05, "vllm": {"verify_cuda_graphs": "piecewise"}}'``
+(γ is ``num_speculative_tokens``). Any registered selector runs (:mod:`vegas.plugins`; install
+a third-party one so that vLLM's processes find its entry point): the built-ins through fused
+fast paths (:mod:`vegas.vllm_plugin.selectors`), every other one through the generic path
+(:mod:`vegas.vllm_plugin.selectors.generic`), which calls its ``select`` at every verification
+and therefore runs verification in piecewise CUDA graphs. Vegas runs on vLLM's V1 model runner,
+which vLLM picks by itself for a custom proposer (``VLLM_USE_V2_MODEL_RUNNER=0`` is harmless).
 
 On one GPU vLLM's asynchronous scheduling stays on (the host prepares step N+1 while the GPU
 drafts and verifies step N; :mod:`vegas.vllm_plugin.async_sched`); ``async_scheduling=False``
@@ -23,57 +30,63 @@ drafts and verifies step N; :mod:`vegas.vllm_plugin.async_sched`); ``async_sched
 when asked for (``async_scheduling=True``, not yet run on GPUs). An executor without async
 support (vLLM's ray executor, for instance) runs synchronously, with a warning in the log.
 
-Verification keeps vLLM's full CUDA graphs, with the selection captured into them; set
-``VEGAS_VERIFY_CUDA_GRAPHS=piecewise`` to change the selector at run time with :func:`configure`.
+Verification keeps vLLM's full CUDA graphs, with a fast path's selection captured into them;
+set ``"vllm": {"verify_cuda_graphs": "piecewise"}`` to change the selector at run time with
+:func:`configure`.
 
 Tensor parallelism (``tensor_parallel_size > 1``): every rank holds a slice of each layer's
 query and KV heads, so its scores are a partial head sum. By default the ranks all-reduce the
-per-layer scores before the top-k (``tp_selection="all_reduce"``: one float32 collective of
-``layers x batch x context`` per verification, inside the captured graphs) and select what one
-GPU would; ``VEGAS_VLLM_CONFIG='{"tp_selection": "per_rank"}'`` selects from each rank's own
-heads without communication. Install vegas (or its ``vllm.general_plugins`` entry point) in
-the environment that runs vLLM: the engine-core process gets the scheduler patch from it.
+per-layer scores before the selection (``"vllm": {"tp_selection": "all_reduce"}``: one float32
+collective of ``layers x batch x context`` per verification, inside the captured graphs) and
+select what one GPU would; ``"per_rank"`` selects from each rank's own heads without
+communication. Install vegas (or its ``vllm.general_plugins`` entry point) in the environment
+that runs vLLM: the engine-core process gets the scheduler patch from it.
 
 Supported: one GPU or tensor parallelism (no pipeline parallelism), full-attention decoder models with
 one KV-cache group on the FLASH_ATTN backend, bf16/fp16 KV cache; no LoRA, M-RoPE or
-micro-batching (the proposer raises a ``ValueError`` naming the setting). Memory: each
+micro-batching (the proposer raises a ``VegasConfigError`` naming the setting). Memory: each
 verification allocates a float32 score scratch of ``layers x batch x max_model_len`` (under
 full graphs at capture time), outside vLLM's memory profile; with a long ``max_model_len`` and
 a large ``max_num_seqs`` leave headroom through ``gpu_memory_utilization``.
 
+Per-request selector state follows batch rows: vLLM reorders and refills rows on its own, so a
+selector that keeps state per row (H2O's accumulated scores) may see another request in a row
+at the next verification; ``observe`` and ``keep_rows`` are not called on vLLM.
+
 The proposer installs what it needs in the worker process that builds it (single-GPU engines:
 the scheduler lives in that process too). For multi-process workers, installing vegas also
 registers :func:`register` as a ``vllm.general_plugins`` entry point, which vLLM runs in every
-process before the engine exists.
+process before the engine exists. Every patch of vLLM is in :mod:`vegas.vllm_plugin.patches`.
 
 Nothing here imports vLLM at module import time.
 """
 
 from __future__ import annotations
 
-from .state import SELECTORS, VllmVegasConfig
-
-__all__ = ["CLASS_PATH", "SELECTORS", "VllmVegasConfig", "configure", "get_stats", "register"]
+__all__ = ["CLASS_PATH", "configure", "get_stats", "register"]
 
 CLASS_PATH = "vegas.vllm_plugin.proposer.VegasProposer"
 
 
 def register() -> None:
     """``vllm.general_plugins`` entry point: install the attention override, the scheduler's
-    lookahead allocation and the config check that keeps async scheduling on for the Vegas
-    proposer. Safe to call many times, and a no-op for engines that do not use the Vegas
+    lookahead allocation, the config check that keeps async scheduling on for the Vegas
+    proposer and the opt-in V2 model-runner patches (:func:`~vegas.vllm_plugin.patches.patch_v2_runner`). Safe to call many times, and a no-op for engines that do not use the Vegas
     proposer (the override only acts when it is enabled)."""
-    from .async_sched import patch_config_check
-    from .attention import install
-    from .proposer import patch_scheduler_lookahead
+    from . import patches
 
-    install()
-    patch_scheduler_lookahead()
-    patch_config_check()
-    # V2 model runner (opt-in, vegas/vllm_plugin/v2_patch.py): lets the Vegas speculator through
-    from .v2_patch import install as install_v2
+    patches.patch_attention()
+    patches.patch_scheduler_lookahead()
+    patches.patch_config_check()
+    patches.patch_v2_runner(_build_v2_speculator)  # opt-in V2 model runner: lets the Vegas speculator through
 
-    install_v2()
+
+def _build_v2_speculator(vllm_config, device):
+    """The Vegas speculator of vLLM's V2 model runner (built by the patched ``init_speculator``;
+    imports vLLM, so it is imported only here, inside vLLM's worker)."""
+    from .v2_speculator import VegasSpeculator
+
+    return VegasSpeculator(vllm_config, device)
 
 
 def _drafter(worker):
@@ -81,43 +94,53 @@ def _drafter(worker):
     return getattr(runner, "drafter", None)
 
 
-def configure(worker, config_json: str | None = None, reset_stats: bool = True) -> str:
-    """``LLM.collective_rpc(configure, args=(json,))``: change the selector/budget at run time.
+def configure(worker, settings: str | None = None, reset_stats: bool = True) -> str:
+    """``LLM.collective_rpc(configure, args=(json,))``: change the selector or its config at
+    run time (``json``: see :func:`vegas.vllm_plugin.settings.parse_settings`). A new selector
+    object is built at every call with settings (so per-request state starts afresh).
 
-    Returns the config now in force, as JSON.
+    Returns the settings now in force, as JSON.
 
     Raises:
-        ValueError: if the config changes while the engine runs verification in full CUDA
-            graphs (``VEGAS_VERIFY_CUDA_GRAPHS=full``, the default), which hold the selection.
+        VegasConfigError: bad settings, or settings that differ from those in force while the
+            engine runs verification in full CUDA graphs, which hold the selection.
     """
+    from ..config import VegasConfigError
+    from .settings import build_selector, parse_settings, path_class, settings_json
     from .state import STATE
 
-    if config_json:
-        config = VllmVegasConfig.from_json(config_json, source="configure()")
-        if STATE.frozen and config != STATE.config:
-            raise ValueError(
+    if settings:
+        name, config = parse_settings(settings, source="configure()")
+        selector = build_selector(name, config, STATE.gamma)
+        new = settings_json(name, selector.config)
+        if STATE.frozen and new != STATE.settings:
+            raise VegasConfigError(
                 "vegas: this engine captured the selection into full CUDA graphs, so the selector "
-                "and budget are fixed; build a new engine, or set VEGAS_VERIFY_CUDA_GRAPHS=piecewise "
-                f"to change them at run time (in force: {STATE.config.to_json()})"
+                "and budget are fixed; build a new engine, or set \"vllm\": {\"verify_cuda_graphs\": "
+                f"\"piecewise\"}} to change them at run time (in force: {STATE.settings})"
             )
-        STATE.config = config
+        if not STATE.frozen:
+            device = STATE.sel_buf.device if STATE.sel_buf is not None else "cpu"
+            STATE.use(path_class(selector)(selector, STATE.gamma, device), new)
     drafter = _drafter(worker)
     if reset_stats and drafter is not None and hasattr(drafter, "reset_stats"):
         drafter.reset_stats()
-    return STATE.config.to_json()
+    return STATE.settings
 
 
 def get_stats(worker, per_request: bool = False) -> dict:
-    """``LLM.collective_rpc(get_stats)``: the proposer's counters (see ``ProposerStats``);
-    with ``per_request``, also ``{"requests": {request_id: [iterations, drafted, accepted]}}``."""
+    """``LLM.collective_rpc(get_stats)``: the proposer's counters (see
+    :class:`~vegas.vllm_plugin.stats.ProposerStats`); with ``per_request``, also
+    ``{"requests": {request_id: [iterations, drafted, accepted]}}``."""
     drafter = _drafter(worker)
     if drafter is None or not hasattr(drafter, "stats"):
         return {}
     from .state import STATE
 
-    drafter._resolve_events(wait=True)
+    drafter.resolve_events(wait=True)
     out = drafter.stats.as_dict()
     out["full_cuda_graphs"] = STATE.frozen
     if per_request:
         out["requests"] = {k: list(v) for k, v in drafter.req_stats.items()}
     return out
+

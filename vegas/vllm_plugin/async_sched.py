@@ -9,32 +9,25 @@ bookkeeping, the next input token and the number of valid sampled tokens of ever
 (vLLM's ``_copy_valid_sampled_token_count``; its runner corrects the optimistic host counters
 on the GPU from them).
 
-This module holds the device-side arithmetic (pure torch, tested on CPU) and two patches:
-
-- :func:`patch_config_check` lets ``async_scheduling`` stay on (default on one GPU) or be asked
-  for with the Vegas proposer (:func:`wants_async`), and applies what vLLM applies with it (no
-  cascade attention); ``async_scheduling=False`` keeps the synchronous path.
-- :func:`patch_bookkeeping` calls :meth:`VegasProposer.publish_sampled` right before
-  ``GPUModelRunner._bookkeeping_sync``, where vLLM's EAGLE path publishes the same tensors.
+This module holds the device-side arithmetic and the policy (pure torch, tested on CPU); the
+two patches that use them live in :mod:`vegas.vllm_plugin.patches`
+(``patch_config_check``: ``async_scheduling`` stays on by default on one GPU, see
+:func:`wants_async`; ``patch_bookkeeping``: the proposer publishes before the runner's
+bookkeeping, where vLLM's EAGLE path publishes the same tensors).
 
 Nothing here imports vLLM at module import time.
 """
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 __all__ = [
     "draft_start_positions",
+    "is_vegas_proposer",
     "next_tokens_and_counts",
-    "patch_bookkeeping",
-    "patch_config_check",
     "wants_async",
 ]
-
-logger = logging.getLogger("vegas.vllm")
 
 
 def next_tokens_and_counts(
@@ -62,7 +55,6 @@ def next_tokens_and_counts(
     next_ids = torch.where(counts > 0, last.to(torch.int32), backup.to(torch.int32))
     return next_ids, counts
 
-
 def draft_start_positions(seq_lens: torch.Tensor, num_draft: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Position of each request's last sampled token (the first draft forward's input).
 
@@ -81,14 +73,13 @@ def draft_start_positions(seq_lens: torch.Tensor, num_draft: torch.Tensor, count
     """
     return seq_lens.long() - num_draft.long() - 1 + counts.long()
 
-
-def _is_vegas(speculative_config) -> bool:
+def is_vegas_proposer(speculative_config) -> bool:
+    """Whether ``speculative_config`` names the Vegas proposer (a ``custom_class`` under ``vegas.``)."""
     return (
         speculative_config is not None
         and speculative_config.method == "custom_class"
         and str(speculative_config.model).startswith("vegas.")
     )
-
 
 def wants_async(vllm_config) -> bool:
     """Whether an engine with the Vegas proposer should run async scheduling.
@@ -97,60 +88,10 @@ def wants_async(vllm_config) -> bool:
     only when asked for (``async_scheduling=True``): that combination has not run on GPUs yet,
     so the default stays on the synchronous path that was tested at TP = 2. Never with pipeline
     parallelism (which Vegas refuses)."""
-    pc = vllm_config.parallel_config
+    parallel = vllm_config.parallel_config
     asked = vllm_config.scheduler_config.async_scheduling
-    if not _is_vegas(vllm_config.speculative_config) or pc.pipeline_parallel_size != 1:
+    if not is_vegas_proposer(vllm_config.speculative_config) or parallel.pipeline_parallel_size != 1:
         return False
-    if getattr(pc, "tensor_parallel_size", 1) > 1:
+    if getattr(parallel, "tensor_parallel_size", 1) > 1:
         return asked is True
     return asked is not False
-
-
-def patch_config_check() -> None:
-    """Wrap ``VllmConfig.__post_init__`` so that the Vegas proposer keeps async scheduling.
-    Idempotent; other engines are untouched."""
-    from vllm.config import VllmConfig
-
-    original = VllmConfig.__post_init__
-    if getattr(original, "_vegas", False):
-        return
-
-    def __post_init__(self):
-        want = wants_async(self)
-        if want:  # vLLM would refuse (True) or switch off (None) async scheduling for custom_class
-            self.scheduler_config.async_scheduling = False
-        original(self)
-        if not want:
-            return
-        from vllm.v1.executor.abstract import Executor
-
-        if not Executor.get_class(self).supports_async_scheduling():
-            logger.warning("vegas: the executor does not support async scheduling; running synchronously")
-            return
-        self.scheduler_config.async_scheduling = True
-        if self.model_config is not None:  # as vLLM does for async speculative decoding
-            self.model_config.disable_cascade_attn = True
-        logger.info("vegas: asynchronous scheduling on (async_scheduling=False switches it off)")
-
-    __post_init__._vegas = True  # type: ignore[attr-defined]
-    VllmConfig.__post_init__ = __post_init__
-
-
-def patch_bookkeeping() -> None:
-    """Publish the Vegas proposer's next tokens and valid counts before the runner's
-    bookkeeping under async scheduling (what vLLM's EAGLE path does in ``sample_tokens``).
-    Idempotent."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    original = GPUModelRunner._bookkeeping_sync
-    if getattr(original, "_vegas", False):
-        return
-
-    def _bookkeeping_sync(self, scheduler_output, sampler_output, *args, **kwargs):
-        publish = getattr(getattr(self, "drafter", None), "publish_sampled", None)
-        if publish is not None and self.use_async_spec_decode:
-            publish(scheduler_output, sampler_output.sampled_token_ids)
-        return original(self, scheduler_output, sampler_output, *args, **kwargs)
-
-    _bookkeeping_sync._vegas = True  # type: ignore[attr-defined]
-    GPUModelRunner._bookkeeping_sync = _bookkeeping_sync

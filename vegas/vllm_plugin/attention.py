@@ -1,14 +1,16 @@
-"""Attention override for vLLM's FlashAttention backend (FA3 on Hopper).
+"""Draft attention on vLLM's FlashAttention backend (FA3 on Hopper).
 
-``install()`` wraps ``FlashAttentionImpl.forward`` once per process:
+:func:`vegas.vllm_plugin.patches.patch_attention` wraps ``FlashAttentionImpl.forward`` once per
+process:
 
-- **draft calls** (the forward context carries :class:`DraftMetadata` for the layer): FA3 over
+- **draft calls** (the forward context carries :class:`DraftMetadata` for the layer):
+  :func:`draft_attention`, FA3 over
   the same paged cache viewed with page size 1, with this layer's block table of selected
   pages plus the recent/draft pages (``seqused_k`` = budget + recent count); Quest first
   writes the pages it chooses for this step's query into the table;
 - **every other call with metadata** (prefill and verification of the runner): the normal FA3
-  call, then :meth:`vegas.vllm_plugin.state.SelectionState.on_layer` collects the scores of the
-  collect queries and selects this layer's top-k.
+  call, then :meth:`vegas.vllm_plugin.state.SelectionState.on_layer` hands the layer to the
+  selector's selection path.
 
 The KV write of draft tokens is vLLM's own ``unified_kv_cache_update`` with the slot mapping
 that the proposer puts into the forward context. Under piecewise CUDA graphs (attention is a
@@ -23,11 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from .quest import QuestDraft, fill_draft_table
-from .state import STATE
 
-__all__ = ["DraftMetadata", "install", "layer_index", "page_views"]
+__all__ = ["DraftMetadata", "draft_attention", "layer_index", "page_views"]
 
-_installed = False
 _layer_idx: dict[str, int] = {}
 _views: dict[tuple[int, tuple], tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -90,7 +90,14 @@ def page_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return views
 
 
-def _draft_attention(impl, layer, query, kv_cache, md: DraftMetadata, output):
+def draft_attention(impl, layer, query, kv_cache, md: DraftMetadata, output):
+    """FA3 over the page-size-1 view of ``kv_cache`` with the layer's draft table (Quest first
+    writes this step's pages into it); ``impl`` is the layer's ``FlashAttentionImpl``.
+
+    Args:
+        query: ``(num_tokens, num_q_heads, head_dim)``, one token per request (then padding).
+        output: ``(num_tokens, num_q_heads, head_dim)`` written in place and returned.
+    """
     from vllm.v1.attention.backends.flash_attn import flash_attn_varlen_func
 
     n = md.num_actual_tokens
@@ -122,43 +129,3 @@ def _draft_attention(impl, layer, query, kv_cache, md: DraftMetadata, output):
         s_aux=impl.sinks,
     )
     return output
-
-
-def install() -> None:
-    """Wrap ``FlashAttentionImpl.forward`` (idempotent)."""
-    global _installed
-    if _installed:
-        return
-    from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
-
-    original = FlashAttentionImpl.forward
-    if getattr(original, "_vegas", False):
-        _installed = True
-        return
-
-    def forward(
-        self,
-        layer,
-        query,
-        key,
-        value,
-        kv_cache,
-        attn_metadata,
-        output,
-        output_scale=None,
-        output_block_scale=None,
-    ):
-        if isinstance(attn_metadata, dict):  # pragma: no cover - defensive
-            attn_metadata = attn_metadata.get(layer.layer_name)
-        if isinstance(attn_metadata, DraftMetadata):
-            return _draft_attention(self, layer, query, kv_cache, attn_metadata, output)
-        out = original(
-            self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
-        )
-        if STATE.enabled and attn_metadata is not None and kv_cache.numel() > 0:
-            STATE.on_layer(layer_index(layer.layer_name), query, kv_cache, attn_metadata, self.scale)
-        return out
-
-    forward._vegas = True  # type: ignore[attr-defined]
-    FlashAttentionImpl.forward = forward
-    _installed = True

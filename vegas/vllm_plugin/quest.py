@@ -6,8 +6,8 @@ Inference", §3; the HF backend's :class:`vegas.strategies.quest.QuestSelector`)
   maximum live in two buffers ``(layers, num_blocks + 1, kv_heads, head_dim)`` in the cache
   dtype, each ``1 / block_size`` of the key cache, allocated at the first forward that has a
   KV cache (outside vLLM's memory profile).
-- **Verification and prefill** (:func:`update_layer`, called by the attention override after
-  each layer's KV write) recompute the bounds of the blocks the forward wrote. The selectable
+- **Verification and prefill** (:func:`update_layer`, called by the Quest fast path,
+  :class:`vegas.vllm_plugin.selectors.quest.QuestFastPath`, after each layer's KV write) recompute the bounds of the blocks the forward wrote. The selectable
   prefix is cut to whole pages: ``ctx_sel`` becomes a multiple of ``block_size`` and the KV budget
   a whole number of pages (``budget // block_size``; every page when the budget covers the
   context), so the partial last page joins the recent positions that drafting always attends.
@@ -84,7 +84,7 @@ def update_layer(state, row: int, kv_cache: torch.Tensor, slot_mapping: torch.Te
     update_page_bounds(state.quest_min[row], state.quest_max[row], key_cache, slot_mapping)
 
 
-def fill_draft_table(table: torch.Tensor, query: torch.Tensor, num_kv_heads: int, qd: QuestDraft, row: int) -> None:
+def fill_draft_table(table: torch.Tensor, query: torch.Tensor, num_kv_heads: int, pages: QuestDraft, row: int) -> None:
     """Write this draft step's best pages of layer ``row`` into the selection columns of its
     draft table (in place; columns at or beyond a request's ``budget_cols`` keep the recent
     positions).
@@ -94,18 +94,18 @@ def fill_draft_table(table: torch.Tensor, query: torch.Tensor, num_kv_heads: int
         query: ``(num_seqs, num_q_heads, head_dim)`` this draft step's queries.
     """
     q_pos, q_neg = group_query(query, num_kv_heads)
-    kmin = qd.key_min[row].view(qd.key_min.shape[1], -1)
-    kmax = qd.key_max[row].view(qd.key_max.shape[1], -1)
+    key_min = pages.key_min[row].view(pages.key_min.shape[1], -1)  # [num_blocks + 1, kv_heads * head_dim]
+    key_max = pages.key_max[row].view(pages.key_max.shape[1], -1)
     n = table.shape[0]
-    bt = qd.block_table[:n]
+    block_table = pages.block_table[:n]  # [n, max_blocks] int32
     if query.is_cuda:
         from ..kernels.triton_quest import page_scores_triton
 
-        scores = page_scores_triton(q_pos, q_neg, kmin, kmax, bt, qd.num_pages[:n])
+        scores = page_scores_triton(q_pos, q_neg, key_min, key_max, block_table, pages.num_pages[:n])
     else:
-        scores = page_scores_reference(q_pos, q_neg, kmin, kmax, bt, qd.num_pages[:n])
-    slots = select_pages(scores, qd.k_pages, bt, qd.block_size)
-    pages = slots_to_fa_pages(slots, qd.block_size, qd.page_stride).to(table.dtype)
-    w = min(pages.shape[1], table.shape[1])
-    col = torch.arange(w, device=table.device)[None, :]
-    table[:, :w] = torch.where(col < qd.budget_cols[:n, None], pages[:, :w], table[:, :w])
+        scores = page_scores_reference(q_pos, q_neg, key_min, key_max, block_table, pages.num_pages[:n])
+    slots = select_pages(scores, pages.k_pages, block_table, pages.block_size)
+    chosen = slots_to_fa_pages(slots, pages.block_size, pages.page_stride).to(table.dtype)  # [n, k_pages * block_size]
+    width = min(chosen.shape[1], table.shape[1])
+    col = torch.arange(width, device=table.device)[None, :]
+    table[:, :width] = torch.where(col < pages.budget_cols[:n, None], chosen[:, :width], table[:, :width])

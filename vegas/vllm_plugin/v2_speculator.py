@@ -3,16 +3,17 @@
 :class:`VegasSpeculator` subclasses V2's ``DraftModelSpeculator`` so that the runner hands it
 the target model (``load_draft_model`` returns the target itself: no second copy) and its
 block tables (``set_attn``). Built by the patched ``init_speculator``
-(:mod:`vegas.vllm_plugin.v2_patch`). Per step, in ``sample_tokens`` after the rejection
+(:func:`vegas.vllm_plugin.patches.patch_v2_init_speculator`). Per step, in ``sample_tokens`` after the rejection
 sampler and V2's ``postprocess_sampled``, :meth:`VegasSpeculator.propose`:
 
 1. builds the step's draft inputs on the device from ``num_sampled``, ``num_rejected``,
    ``input_batch.seq_lens``/``idx_mapping`` and ``last_sampled`` (no host lists; one small
    host-to-device copy of the blocks each request owns);
 2. replays one CUDA graph (captured per power-of-two row count) that turns the selection of
-   the verification that just ran (:data:`~vegas.vllm_plugin.state.STATE`, batch order) into
-   page-size-1 draft tables and runs γ query-length-1 forwards of the target through the
-   attention override (:mod:`vegas.vllm_plugin.attention`);
+   the verification that just ran (:data:`~vegas.vllm_plugin.state.STATE`, batch order, written
+   by whichever selection path is in force) into page-size-1 draft tables
+   (:func:`vegas.vllm_plugin.drafting.draft_tables`, shared with the V1 proposer) and runs γ
+   query-length-1 forwards of the target through the attention override;
 3. samples every draft with V2's ``gumbel_sample`` and writes its temperature-scaled logits
    into ``draft_logits[request slot, step]``, which the runner hands to V2's rejection
    sampler: sampling keeps the target distribution, greedy rows take the argmax.
@@ -23,7 +24,6 @@ Returns ``[num_reqs, γ]`` int64 drafts in batch order; the runner scatters them
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from vllm.config.compilation import CUDAGraphMode
@@ -33,9 +33,9 @@ from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
 
 from .attention import DraftMetadata
-from .proposer import VegasProposer, _apply_graph_mode, _raise_if_unsupported, patch_scheduler_lookahead
-from .quest import QuestDraft
-from .state import STATE, VllmVegasConfig, build_draft_tables
+from .drafting import attention_layers, draft_graph_key, draft_tables
+from .proposer import reserve_selection_buffers, start_drafter, use_path
+from .state import STATE
 from .v2_helpers import (
     acceptance_counts,
     bucket_rows,
@@ -54,31 +54,26 @@ logger = logging.getLogger("vegas.vllm")
 class VegasSpeculator(DraftModelSpeculator):
     """Self-speculative drafting with verification-guided sparse attention, V2 runner.
 
-    Settings: ``$VEGAS_VLLM_CONFIG`` (:class:`~vegas.vllm_plugin.state.VllmVegasConfig`),
-    ``$VEGAS_DRAFT_CUDA_GRAPHS`` (``0``: draft eagerly), ``$VEGAS_DRAFT_GRAPH_MAX_ROWS``
-    (largest captured row count, default 256).
+    Settings: ``$VEGAS_VLLM_CONFIG`` (:mod:`vegas.vllm_plugin.settings`), as for the V1
+    proposer: any registered selector, through its fast path or the generic path;
+    ``VegasConfig.vllm.draft_cuda_graphs`` / ``draft_graph_max_rows`` for the draft graphs.
 
     Raises:
-        ValueError: for settings Vegas does not support (see ``_raise_if_unsupported``), more
-            than one KV-cache group, or a non-FLASH_ATTN / sliding-window attention layer.
+        VegasConfigError: for settings Vegas does not support (see
+            :func:`~vegas.vllm_plugin.proposer.start_drafter`), or a non-FLASH_ATTN /
+            sliding-window attention layer.
+        ValueError: more than one KV-cache group.
     """
 
     def __init__(self, vllm_config, device: torch.device):
-        from . import attention
-
-        _raise_if_unsupported(vllm_config)
+        gamma = int(vllm_config.speculative_config.num_speculative_tokens)
+        # refuses unsupported settings before vLLM allocates anything; also patches attention
+        # and the scheduler (single-process engines build the scheduler after the runner)
+        self.selector, self._settings = start_drafter(vllm_config, gamma)
         super().__init__(vllm_config, device)
         self.gamma = int(self.num_speculative_steps)
-        STATE.config = VllmVegasConfig.from_env()
-        STATE.gamma = self.gamma
-        STATE.enabled = True
-        STATE.frozen = _apply_graph_mode(vllm_config)
-        if int(vllm_config.parallel_config.tensor_parallel_size) > 1:
-            from vllm.distributed import tensor_model_parallel_all_reduce
-
-            STATE.all_reduce = tensor_model_parallel_all_reduce
-        attention.install()
-        patch_scheduler_lookahead()  # single-process engines: the scheduler is built after the runner
+        use_path(self.selector, self._settings, self.gamma, device)
+        options = self.selector.config.vllm
         self.supports_mm_inputs = False
         n = self.max_num_reqs
         self.scratch = n  # request slot of padded graph rows
@@ -91,23 +86,22 @@ class VegasSpeculator(DraftModelSpeculator):
         self.step_cols = [torch.tensor(j, dtype=torch.int64, device=device) for j in range(self.gamma)]
         self.counters = torch.zeros(2, dtype=torch.int64, device=device)  # iterations, emitted
         self.proposals = 0
-        self._layers: list[tuple[str, int]] | None = None
+        self._layers: list[tuple[str, int]] = []
         self._layer_pos: dict[int, int] = {}
         self._graphs: dict = {}
         self._graph_pool = None
         self._graph_failed = False
-        self.use_cuda_graphs = os.environ.get("VEGAS_DRAFT_CUDA_GRAPHS", "1") != "0"
-        self.max_graph_rows = int(os.environ.get("VEGAS_DRAFT_GRAPH_MAX_ROWS", "256"))
-        logger.info("vegas: V2 model runner speculator, gamma=%d config=%s", self.gamma, STATE.config)
+        self.use_cuda_graphs = options.draft_cuda_graphs
+        self.max_graph_rows = options.draft_graph_max_rows
+        logger.info("vegas: V2 model runner speculator, gamma=%d settings=%s", self.gamma, self._settings)
 
     # ---- DraftModelSpeculator hooks ---------------------------------------------------------
     def load_draft_model(self, target_model, target_attn_layer_names):
         """The target is the draft model. Learns its attention layers and reserves the
         selection buffers at their largest, before vLLM captures the verification graphs."""
-        VegasProposer._init_layers(self)  # sets self._layers, self._layer_pos and STATE's layers
-        mc, pc = self.vllm_config.model_config, self.vllm_config.parallel_config
-        q_elems = (self.gamma + 1) * mc.get_num_attention_heads(pc) * mc.get_head_size()
-        STATE.reserve(self.max_num_reqs, STATE.config.budget(mc.max_model_len), q_elems, mc.dtype, self.device)
+        self._layers = attention_layers(self.vllm_config)
+        self._layer_pos = {idx: i for i, (_, idx) in enumerate(self._layers)}
+        reserve_selection_buffers(self.vllm_config, self.selector, self.gamma, self.max_num_reqs, self.device)
         return target_model
 
     def set_attn(self, model_state, kv_cache_config, block_tables) -> None:
@@ -215,8 +209,8 @@ class VegasSpeculator(DraftModelSpeculator):
     def _graph_entry(self, rows: int):
         """``(graph, buffers)`` of ``rows`` rows, captured on first use (keyed also by the
         selection kind and the selection buffers' generation)."""
-        sel_kind = 1 if STATE.config.selector == "sliding_window" else STATE.num_layers
-        key = (rows, sel_kind, STATE.generation)
+        key = draft_graph_key(rows, "v2")
+        sel_kind = key[-2]
         entry = self._graphs.get(key)
         if entry is not None:
             return entry
@@ -236,34 +230,13 @@ class VegasSpeculator(DraftModelSpeculator):
         logger.info("vegas: captured V2 draft graph rows=%d tables=%d", rows, sel_kind)
         return graph, b
 
-    def _tables(self, step_in: torch.Tensor, bt: torch.Tensor, rows: int):
-        """Page-size-1 draft tables ``[L or 1, rows, width]`` int32, pages in use before the
-        first draft ``[rows]`` and the Quest page chooser (else None), from the selection."""
-        active, _, pos0, _ = step_in.unbind(0)
-        sel, ctx_sel, budgets = STATE.selection(rows)
-        ctx_sel = torch.minimum(ctx_sel, pos0)
-        quest = STATE.config.selector == "quest"
-        recent_cap = 2 * self.gamma + 2 + (STATE.block_size if quest else 0)
-        tables = build_draft_tables(
-            sel, budgets, ctx_sel, pos0 + self.gamma - 1, bt, STATE.block_size, STATE.page_stride, recent_cap,
-        )
-        base_used = torch.where(active.bool(), budgets + (pos0 - ctx_sel + 1), 1)
-        qd = None
-        if quest:
-            qd = QuestDraft(
-                STATE.quest_min, STATE.quest_max, bt, ctx_sel // STATE.block_size,
-                torch.where(active.bool(), budgets, 0), sel.shape[2] // STATE.block_size,
-                STATE.block_size, STATE.page_stride,
-            )
-        return tables, base_used, qd
-
     def _draft_body(self, b: dict, rows: int) -> None:
         """Draft tables, then γ forwards of ``rows`` requests (query length 1), each sampled
         by ``gumbel_sample`` into ``b["out_tok"][:, j]`` and ``draft_logits[b["idx"], j]``."""
         bs = STATE.block_size
         max_len = int(self.max_model_len)
         bt = self.block_tables.input_block_tables[0][:rows]  # [rows, max_blocks] int32, batch order
-        tables, base_used, quest = self._tables(b["step_in"], bt, rows)
+        tables, base_used, pages = draft_tables(b["step_in"], bt, rows, self.gamma)
         width = tables.shape[-1]
         layer_rows = {idx: 0 for _, idx in self._layers} if tables.shape[0] == 1 else self._layer_pos
         active, tokens, pos0, nblocks = b["step_in"].unbind(0)
@@ -277,7 +250,7 @@ class VegasSpeculator(DraftModelSpeculator):
             b["seqused"].copy_(torch.clamp(base_used + j, max=width))
             attn_md = {
                 name: DraftMetadata(
-                    tables[layer_rows[i]], b["seqused"], b["cu_q"], width, rows, quest=quest, quest_row=layer_rows[i],
+                    tables[layer_rows[i]], b["seqused"], b["cu_q"], width, rows, quest=pages, quest_row=layer_rows[i],
                 )
                 for name, i in self._layers
             }

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 import vegas
+from vegas.config import recent_window_for
 from vegas.selection import topk_selection
 from vegas.strategies.sliding_window import sliding_window_keep
 
@@ -37,9 +38,7 @@ class H2OSelector(vegas.Selector):
             scores[..., :n] += self.decay * prev[..., :n]
         self._acc[inputs.layer_idx] = scores
         recent = sliding_window_keep(
-            inputs.valid,
-            torch.zeros_like(inputs.budget),
-            (inputs.budget // 2).clamp(max=self.config.recent_window),
+            inputs.valid, torch.zeros_like(inputs.budget), recent_window_for(self.config, inputs.budget)
         )
         return topk_selection(scores.masked_fill(recent[:, None, :], float("inf")), inputs.valid, inputs.budget)
 

@@ -1,83 +1,15 @@
-"""vLLM backend: configuration checks on CPU (no vLLM needed); a greedy smoke run on CUDA + vLLM."""
+"""vLLM backend on CUDA + vLLM: greedy output equals plain vLLM greedy (up to bf16 near-ties)
+for the built-in fast paths, Quest, tensor parallelism and selectors without a fast path."""
 
 from __future__ import annotations
-
-import importlib.util
 
 import pytest
 import torch
 
-from vegas.backends.vllm import VLLMBackend, _raise_if_unsupported, proposer_config, vllm_engine_kwargs
-from vegas.config import VegasConfig, VegasConfigError
-from vegas.vllm_plugin import CLASS_PATH, VllmVegasConfig
-
-
-def test_engine_kwargs_switch_vegas_on():
-    plain = vllm_engine_kwargs("m")
-    assert "speculative_config" not in plain and plain["attention_backend"] == "FLASH_ATTN"
-    kw = vllm_engine_kwargs("m", num_draft_tokens=3, gpu_memory_utilization=0.4)
-    assert kw["speculative_config"] == {
-        "method": "custom_class", "model": CLASS_PATH, "num_speculative_tokens": 3,
-    }
-    assert "compilation_config" not in kw  # vLLM's full CUDA graphs stay on for verification
-    assert kw["gpu_memory_utilization"] == 0.4
-
-
-def test_piecewise_verification_graphs_on_request(monkeypatch):
-    from vegas.vllm_plugin.proposer import verify_graph_mode
-
-    monkeypatch.setenv("VEGAS_VERIFY_CUDA_GRAPHS", "piecewise")
-    kw = vllm_engine_kwargs("m", num_draft_tokens=3)
-    assert kw["compilation_config"]["cudagraph_mode"] == "PIECEWISE"
-    monkeypatch.setenv("VEGAS_VERIFY_CUDA_GRAPHS", "fast")
-    with pytest.raises(ValueError, match="VEGAS_VERIFY_CUDA_GRAPHS must be 'full' or 'piecewise'"):
-        verify_graph_mode()
-
-
-def test_configure_refuses_a_new_selector_under_full_graphs(monkeypatch):
-    from vegas.vllm_plugin import configure
-    from vegas.vllm_plugin.state import STATE
-
-    monkeypatch.setattr(STATE, "config", VllmVegasConfig(selector="collect2"))
-    monkeypatch.setattr(STATE, "frozen", True)
-    same = VllmVegasConfig(selector="collect2").to_json()
-    assert configure(object(), same, reset_stats=False) == same
-    with pytest.raises(ValueError, match="full CUDA graphs"):
-        configure(object(), VllmVegasConfig(selector="sliding_window").to_json(), reset_stats=False)
-    assert STATE.config.selector == "collect2"
-
-
-def test_proposer_config_round_trips_into_the_proposer_settings():
-    cfg = VegasConfig(num_draft_tokens=4, sparsity_ratio=0.1, min_kv_budget=32)
-    settings = VllmVegasConfig(**proposer_config("aggregated", cfg))
-    assert settings.selector == "aggregated" and settings.sparsity_ratio == 0.1
-    assert settings.budget(1000) == 100 and settings.budget(10) == 10
-
-
-@pytest.mark.parametrize(
-    "selector,config,match",
-    [
-        ("last_token", VegasConfig(), "not available on the vllm backend"),
-        ("quest", VegasConfig(page_size=32), "page_size must be 16"),
-        ("collect2", VegasConfig(granularity="kv_head"), "granularity"),
-        ("collect2", VegasConfig(score_mode="weight"), "score_mode"),
-    ],
-)
-def test_unsupported_settings_are_named(selector, config, match):
-    with pytest.raises(VegasConfigError, match=match):
-        _raise_if_unsupported(selector, config)
-
-
-def test_bad_dtype_and_device():
-    with pytest.raises(VegasConfigError, match="CUDA"):
-        VLLMBackend("m", device="cpu")
-    with pytest.raises(VegasConfigError, match="dtype"):
-        VLLMBackend("m", dtype="int8")
-    if importlib.util.find_spec("vllm") is None or not torch.cuda.is_available():
-        with pytest.raises(VegasConfigError, match="backend 'vllm' needs"):
-            VLLMBackend("m")
-    else:
-        assert VLLMBackend("m", dtype="float32").dtype == "bfloat16"
+from tests.test_vllm_backend import _TestSelectorPlugin
+from vegas.backends.vllm import vllm_engine_kwargs
+from vegas.config import VegasConfig
+from vegas.vllm_plugin.settings import settings_json
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -134,8 +66,16 @@ def _plain_reference(engine_kw: dict):
 def _assert_equal_up_to_ties(plain, vegas) -> None:
     """Vegas greedy tokens equal plain greedy tokens, or first differ where plain vLLM's top-2
     logprob gap is <= 0.125 (a bf16 near-tie)."""
-    for p, v in zip(plain, vegas):
-        a, b = list(p.outputs[0].token_ids), list(v.outputs[0].token_ids)
+    _assert_tokens_equal_up_to_ties(plain, [list(v.outputs[0].token_ids) for v in vegas])
+
+
+def _assert_tokens_equal_up_to_ties(plain, vegas_tokens, stops_early: bool = False) -> None:
+    """:func:`_assert_equal_up_to_ties` for token lists; with ``stops_early`` (a run that stops
+    at EOS, plain's ignores it) the Vegas tokens may be a shorter prefix."""
+    for p, b in zip(plain, vegas_tokens):
+        a = list(p.outputs[0].token_ids)
+        if stops_early:
+            a = a[: len(b)]
         assert len(a) == len(b)
         if a == b:
             continue
@@ -169,7 +109,7 @@ def test_vllm_greedy_equals_plain_with_and_without_async_scheduling(async_schedu
 
     prompts, sp, plain = tp1_plain
     register()
-    monkeypatch.setenv("VEGAS_VLLM_CONFIG", VllmVegasConfig(min_kv_budget=64).to_json())
+    monkeypatch.setenv("VEGAS_VLLM_CONFIG", settings_json("collect2", VegasConfig(min_kv_budget=64)))
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     kw = dict(TP1) if async_scheduling else dict(TP1, async_scheduling=False)
     llm = LLM(**vllm_engine_kwargs(str(DEFAULT_MODEL), num_draft_tokens=4, **kw))
@@ -199,7 +139,7 @@ def test_vllm_quest_greedy_equals_plain(tp1_plain, monkeypatch):
 
     prompts, sp, plain = tp1_plain
     register()
-    monkeypatch.setenv("VEGAS_VLLM_CONFIG", VllmVegasConfig(selector="quest", min_kv_budget=64).to_json())
+    monkeypatch.setenv("VEGAS_VLLM_CONFIG", settings_json("quest", VegasConfig(min_kv_budget=64)))
     llm = LLM(**vllm_engine_kwargs(str(DEFAULT_MODEL), num_draft_tokens=4, **TP1))
     try:
         vegas = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
@@ -223,7 +163,8 @@ def test_vllm_tensor_parallel_greedy_equals_plain_tp2(tp_selection, tp2_plain, m
     from vegas.vllm_plugin import get_stats
 
     prompts, sp, plain = tp2_plain
-    monkeypatch.setenv("VEGAS_VLLM_CONFIG", VllmVegasConfig(tp_selection=tp_selection, min_kv_budget=64).to_json())
+    config = VegasConfig(min_kv_budget=64, vllm={"tp_selection": tp_selection})
+    monkeypatch.setenv("VEGAS_VLLM_CONFIG", settings_json("collect2", config))
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     llm = LLM(**vllm_engine_kwargs(str(DEFAULT_MODEL), num_draft_tokens=4, **TP2))
     try:
@@ -233,3 +174,34 @@ def test_vllm_tensor_parallel_greedy_equals_plain_tp2(tp_selection, tp2_plain, m
         llm.llm_engine.engine_core.shutdown()
     assert len(stats) == 2 and stats[0]["acceptance_length"] > 1.0
     _assert_equal_up_to_ties(plain, vegas)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("selector", ["h2o", "test_sinks_topk"])
+def test_plugin_selectors_run_on_vllm_and_equal_plain(selector, tp1_plain):
+    """Selectors without a fast path (the example plugin's H2O, and one defined here, both
+    registered by hand) run on backend="vllm" through the generic path: greedy output equals
+    plain vLLM greedy up to bf16 near-ties, and Vegas drafts (acceptance length > 1)."""
+    vegas_h2o = pytest.importorskip("vegas_h2o", reason="install the example plugin: pip install ./plugins/vegas-h2o")
+
+    from vegas import Pipeline, plugins
+
+    prompts, sp, plain = tp1_plain
+    plugins.register(vegas_h2o, name="h2o")
+    plugins.register(_TestSelectorPlugin(), name="test_generic_selectors")
+    try:
+        pipe = Pipeline(selector=selector, backend="vllm", dtype="bfloat16", num_draft_tokens=4, min_kv_budget=64,
+                        backend_options={"engine_args": dict(TP1)})
+        try:
+            out = pipe.generate(prompts, max_new_tokens=sp.max_tokens)
+        finally:
+            pipe.backend.close()
+    finally:
+        plugins.unregister("h2o")
+        plugins.unregister("test_generic_selectors")
+    iterations = sum(o.stats.iterations for o in out)
+    tau = sum(o.stats.num_accepted + o.stats.iterations for o in out) / max(iterations, 1)
+    print(f"{selector} on vllm (generic path): acceptance length {tau:.2f} over {iterations} iterations")
+    assert iterations > 0 and tau > 1.0
+    _assert_tokens_equal_up_to_ties(plain, [o.token_ids for o in out], stops_early=True)
+

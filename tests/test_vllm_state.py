@@ -6,16 +6,48 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vegas.kernels import collect_scores_reference, select_topk_layers
-from vegas.vllm_plugin.state import (
-    VllmVegasConfig,
-    build_draft_tables,
-    collect_layer_slots,
-    make_plan,
-    sliding_window_slots,
-)
+from vegas.config import VegasConfig, VegasConfigError
+from vegas.kernels import collect_scores, collect_scores_reference, select_topk, select_topk_layers
+from vegas.plugins import create_selector
+from vegas.vllm_plugin.drafting import build_draft_tables
+from vegas.vllm_plugin.plan import make_plan
+from vegas.vllm_plugin.selectors.sliding_window import sliding_window_slots
+from vegas.vllm_plugin.settings import path_class
+from vegas.vllm_plugin.state import SelectionState
 
 BS = 16
+GAMMA = 4
+
+
+def _path(selector="collect2", gamma=GAMMA, **config):
+    """The vLLM selection path of a registered selector (fast path or generic), on the CPU."""
+    sel = create_selector(selector, VegasConfig(num_draft_tokens=gamma, **config))
+    return path_class(sel)(sel, gamma, torch.device("cpu"))
+
+
+def _plan(query_start_loc, seq_lens, max_seq_len, selector="collect2", **config):
+    path = _path(selector, **config)
+    return make_plan(query_start_loc, seq_lens, max_seq_len, GAMMA, path.selector, path.row_table)
+
+
+def _state(selector="collect2", **kw):
+    """A selection state with the path of ``selector`` (fields of SelectionState in ``kw`` go
+    to the state, the rest to the VegasConfig)."""
+    state_fields = set(SelectionState.__dataclass_fields__)
+    st = SelectionState(gamma=GAMMA, enabled=True, **{k: v for k, v in kw.items() if k in state_fields})
+    st.use(_path(selector, **{k: v for k, v in kw.items() if k not in state_fields}))
+    return st
+
+
+def collect_layer_slots(plan, query, key_cache, block_table, scale):
+    """One layer's selection as the proposer made it before the selection paths (per layer:
+    score the collect queries, top-k with the recent window): ``(num_seqs, k_max)`` int32."""
+    q = query[plan.q_idx.reshape(-1)].view(plan.num_seqs, plan.q_idx.shape[1], *query.shape[1:])
+    q = q * plan.q_weight[:, :, None, None].to(q.dtype)
+    bt = block_table[: plan.num_seqs]
+    scores = collect_scores(q, key_cache, bt, plan.ctx_sel, plan.max_len, scale)
+    slots, _ = select_topk(scores, plan.budgets, plan.k_max, bt, key_cache.shape[1], plan.recent, plan.ctx_sel)
+    return slots
 
 
 def _block_table(lens, shuffle_seed=0):
@@ -44,15 +76,18 @@ def test_plan_verify_and_prefill_rows():
     # row 2: one-token decode at seq_len 10 (position 9)
     qsl = torch.tensor([0, 5, 45, 46], dtype=torch.int32)
     seq_lens = torch.tensor([100, 40, 10], dtype=torch.int32)
-    cfg = VllmVegasConfig(selector="collect2", sparsity_ratio=0.1, min_kv_budget=4)
-    plan = make_plan(qsl, seq_lens, 100, 4, cfg)
+    plan = _plan(qsl, seq_lens, 100, "collect2", sparsity_ratio=0.1, min_kv_budget=4)
     assert plan.q_idx.tolist() == [[0, 4], [40, 44], [45, 45]]
     assert plan.q_weight.tolist() == [[1, 1], [1, 1], [1, 0]]
     assert plan.ctx_sel.tolist() == [95, 35, 9]
     assert plan.budgets.tolist() == [10, 4, 4]  # ceil(9.5)=10, max(ceil(3.5),4)=4, max(1,4)=4
     assert plan.k_max == 10
-    agg = make_plan(qsl, seq_lens, 100, 4, VllmVegasConfig(selector="aggregated"))
+    agg = _plan(qsl, seq_lens, 100, "aggregated")
     assert agg.q_idx[0].tolist() == [0, 1, 2, 3, 4] and agg.q_weight[2].tolist() == [1, 0, 0, 0, 0]
+    assert agg.q_idx[2].tolist() == [45] * 5  # a one-token chunk: its only row, counted once
+    last = _plan(qsl, seq_lens, 100, "last_token")
+    assert last.q_idx.tolist() == [[0], [40], [45]] and last.q_weight.tolist() == [[1], [1], [1]]
+    assert _plan(qsl, seq_lens, 100, "sliding_window").q_idx is None
 
 
 def test_collect_layer_slots_pick_top_scores():
@@ -63,8 +98,7 @@ def test_collect_layer_slots_pick_top_scores():
     qsl = torch.tensor([0, 5, 10], dtype=torch.int32)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     for recent_window in (0, 2):
-        cfg = VllmVegasConfig(selector="collect2", kv_budget=6, recent_window=recent_window)
-        plan = make_plan(qsl, seq_lens, 60, 4, cfg)
+        plan = _plan(qsl, seq_lens, 60, "collect2", kv_budget=6, recent_window=recent_window)
         assert plan.recent.tolist() == [recent_window] * 2
         slots = collect_layer_slots(plan, query, kv.unbind(1)[0], bt, 0.3)
         for i in range(2):
@@ -94,8 +128,7 @@ def test_selection_keeps_the_best_positions_when_k_max_exceeds_the_budget():
 def test_sliding_window_positions():
     bt, _ = _block_table([100])
     qsl = torch.tensor([0, 5], dtype=torch.int32)
-    plan = make_plan(qsl, torch.tensor([100], dtype=torch.int32), 100, 4,
-                     VllmVegasConfig(selector="sliding_window", kv_budget=10, num_sinks=4))
+    plan = _plan(qsl, torch.tensor([100], dtype=torch.int32), 100, "sliding_window", kv_budget=10, num_sinks=4)
     slots = sliding_window_slots(plan, 4, bt, BS)
     want = [0, 1, 2, 3] + list(range(89, 95))  # ctx_sel = 95
     assert sorted(slots[0].tolist()) == sorted(_slot(bt, 0, p) for p in want)
@@ -131,26 +164,23 @@ def test_on_layer_batched_selection_matches_per_layer(hq, hkv, d, selector):
     reserves from the model's heads (``(γ+1) x heads x head_dim`` query elements) fit it."""
     from types import SimpleNamespace
 
-    from vegas.vllm_plugin.state import SelectionState
-
     lens = [70, 40]
     bt, nb = _block_table(lens, 5)
     qsl = torch.tensor([0, 5, 10], dtype=torch.int32)
     md = SimpleNamespace(query_start_loc=qsl, seq_lens=torch.tensor(lens, dtype=torch.int32),
                          max_seq_len=70, block_table=bt)
-    cfg = VllmVegasConfig(selector=selector, kv_budget=7)
-    st = SelectionState(config=cfg, gamma=4, enabled=True)
+    st = _state(selector, kv_budget=7)
     st.on_layer(1, torch.randn(10, hq, d), torch.randn(nb, 2, BS, hkv, d), md, 0.5)
     assert st.plan is None  # layers unknown yet (first prefill before the proposer learned them)
     st.first_layer, st.last_layer, st.layers_ready = 0, 2, True
-    st.reserve(2, cfg.budget(70), (4 + 1) * hq * d, torch.float32, torch.device("cpu"))  # as the proposer does
+    st.reserve(2, 7, (4 + 1) * hq * d, torch.float32, torch.device("cpu"))  # as the proposer does
     generation = st.generation
     kvs = [torch.randn(nb, 2, BS, hkv, d) for _ in range(3)]
     queries = [torch.randn(10, hq, d) for _ in range(3)]
     for layer in range(3):
         st.on_layer(layer, queries[layer], kvs[layer], md, 0.5)
-    assert st.generation == generation and st._qbuf.numel() == 3 * 2 * 5 * hq * d  # nothing regrown
-    plan = make_plan(qsl, md.seq_lens, 70, 4, cfg)
+    assert st.generation == generation and st.query_buf.numel() == 3 * 2 * 5 * hq * d  # nothing regrown
+    plan = _plan(qsl, md.seq_lens, 70, selector, kv_budget=7)
     sel, ctx_sel, budgets = st.selection(2)
     assert torch.equal(ctx_sel, plan.ctx_sel) and torch.equal(budgets, plan.budgets)
     for layer in range(3):
@@ -164,15 +194,12 @@ def test_selection_buffers_survive_a_smaller_batch_and_grow():
     larger budget than reserved grows them (outside CUDA-graph capture)."""
     from types import SimpleNamespace
 
-    from vegas.vllm_plugin.state import SelectionState
-
-    cfg = VllmVegasConfig(selector="collect2", kv_budget=7)
-    st = SelectionState(config=cfg, gamma=4, enabled=True, first_layer=0, last_layer=1, layers_ready=True)
+    st = _state("collect2", kv_budget=7, first_layer=0, last_layer=1, layers_ready=True)
     st.reserve(4, 7, 5 * 4 * 8, torch.float32, torch.device("cpu"))
     assert st.sel_buf.shape == (2, 4, 7)
 
-    def forward(lens, budget_cfg):
-        st.config = budget_cfg
+    def forward(lens, kv_budget):
+        st.use(_path("collect2", kv_budget=kv_budget))
         bt, nb = _block_table(lens, 5)
         qsl = torch.arange(len(lens) + 1, dtype=torch.int32) * 5
         md = SimpleNamespace(query_start_loc=qsl, seq_lens=torch.tensor(lens, dtype=torch.int32),
@@ -180,12 +207,12 @@ def test_selection_buffers_survive_a_smaller_batch_and_grow():
         for layer in range(2):
             st.on_layer(layer, torch.randn(5 * len(lens), 4, 8), torch.randn(nb, 2, BS, 2, 8), md, 0.5)
 
-    forward([60, 50, 40], cfg)
+    forward([60, 50, 40], 7)
     sel, _, budgets = st.selection(3)
     assert sel.shape == (2, 3, 7) and (sel >= 0).all() and budgets.tolist() == [7, 7, 7]
-    forward([30], cfg)
+    forward([30], 7)
     assert st.budget_buf[:3].tolist() == [7, 7, 7] and st.selection(1)[2].tolist() == [7]
-    forward([60, 50], VllmVegasConfig(selector="collect2", kv_budget=12))
+    forward([60, 50], 12)
     sel, _, budgets = st.selection(2)
     assert st.sel_buf.shape[2] == 12 and budgets.tolist() == [12, 12] and (sel >= 0).all()
 
@@ -193,10 +220,7 @@ def test_selection_buffers_survive_a_smaller_batch_and_grow():
 def test_sliding_window_selection_in_row_zero():
     from types import SimpleNamespace
 
-    from vegas.vllm_plugin.state import SelectionState
-
-    cfg = VllmVegasConfig(selector="sliding_window", kv_budget=6, num_sinks=2)
-    st = SelectionState(config=cfg, gamma=4, enabled=True, first_layer=0, last_layer=1, layers_ready=True)
+    st = _state("sliding_window", kv_budget=6, num_sinks=2, first_layer=0, last_layer=1, layers_ready=True)
     bt, nb = _block_table([40], 5)
     md = SimpleNamespace(query_start_loc=torch.tensor([0, 5], dtype=torch.int32),
                          seq_lens=torch.tensor([40], dtype=torch.int32), max_seq_len=40, block_table=bt)
@@ -216,7 +240,7 @@ def _loop_gather(probs, prob_req_ids, req_ids, num_draft_tokens):
 
 
 def test_stacked_draft_probs_equals_vllm_loop():
-    from vegas.vllm_plugin.proposer import stacked_draft_probs
+    from vegas.vllm_plugin.patches import stacked_draft_probs
 
     probs = torch.rand(8, 3, 11)  # rows padded to 8 (graph bucket), γ = 3
     ids = ["a", "b", "c", "d", "e"]
@@ -230,12 +254,26 @@ def test_stacked_draft_probs_equals_vllm_loop():
     assert stacked_draft_probs(probs, ids, ids, []) is None
 
 
+_STATE_FIELDS = ("path", "settings", "gamma", "first_layer", "last_layer", "layers_ready", "sel_buf", "ctx_sel_buf",
+                 "budget_buf", "query_buf", "has_selection", "quest_min", "quest_max", "block_size", "page_stride")
+
+
+def _draft_runner(bt):
+    """A DraftRunner over a fake runner whose block table holds ``bt`` twice (4 rows)."""
+    from types import SimpleNamespace
+
+    from vegas.vllm_plugin.drafting import DraftRunner
+
+    runner = SimpleNamespace(input_batch=SimpleNamespace(
+        block_table=[SimpleNamespace(block_table=SimpleNamespace(gpu=torch.cat([bt, bt])))]))
+    return DraftRunner(runner, None, 4, VegasConfig().vllm)
+
+
 def test_proposer_draft_tables_from_selection_buffers():
     """The proposer builds its draft tables from the selection buffers and the step inputs
     (the same code runs inside its CUDA graph); inactive rows use one page."""
     from types import SimpleNamespace
 
-    from vegas.vllm_plugin import proposer as prop
     from vegas.vllm_plugin.state import STATE
 
     lens = [70, 40]
@@ -243,21 +281,18 @@ def test_proposer_draft_tables_from_selection_buffers():
     qsl = torch.tensor([0, 5, 10], dtype=torch.int32)
     md = SimpleNamespace(query_start_loc=qsl, seq_lens=torch.tensor(lens, dtype=torch.int32),
                          max_seq_len=70, block_table=bt)
-    saved = {k: getattr(STATE, k) for k in ("config", "gamma", "first_layer", "last_layer", "layers_ready",
-                                            "sel_buf", "ctx_sel_buf", "budget_buf", "_qbuf", "has_selection")}
+    saved = {k: getattr(STATE, k) for k in _STATE_FIELDS}
     try:
-        STATE.config, STATE.gamma = VllmVegasConfig(selector="collect2", kv_budget=8, recent_window=2), 4
+        STATE.use(_path("collect2", kv_budget=8, recent_window=2))
+        STATE.gamma = 4
         STATE.first_layer, STATE.last_layer, STATE.layers_ready = 0, 1, True
-        STATE.sel_buf = STATE.ctx_sel_buf = STATE.budget_buf = STATE._qbuf = None
+        STATE.sel_buf = STATE.ctx_sel_buf = STATE.budget_buf = STATE.query_buf = None
         STATE.reserve(4, 12, 5 * 4 * 8, torch.float32, torch.device("cpu"))
         for layer in range(2):
             STATE.on_layer(layer, torch.randn(10, 4, 8), torch.randn(nb, 2, BS, 2, 8), md, 0.5)
-        p = object.__new__(prop.VegasProposer)
-        p.gamma = 4
-        p.runner = SimpleNamespace(input_batch=SimpleNamespace(
-            block_table=[SimpleNamespace(block_table=SimpleNamespace(gpu=torch.cat([bt, bt])))]))
-        b = {"step_in": torch.tensor([[1, 0, 0, 0], [7, 0, 0, 0], [70, 0, 0, 0], [6, 0, 0, 0]])}  # 1 active row of 4
-        tables, base_used, quest = p._draft_tables(b, 4)
+        drafting = _draft_runner(bt)
+        step_inputs = torch.tensor([[1, 0, 0, 0], [7, 0, 0, 0], [70, 0, 0, 0], [6, 0, 0, 0]])  # 1 active row of 4
+        tables, base_used, quest = drafting.tables(step_inputs, 4)
         assert quest is None
         sel, ctx_sel, budgets = STATE.selection(4)
         want = build_draft_tables(sel[:, :1], budgets[:1], torch.minimum(ctx_sel[:1], torch.tensor([70])),
@@ -276,7 +311,6 @@ def test_quest_draft_step_attends_the_best_pages_plus_every_later_position():
     from types import SimpleNamespace
 
     from vegas.kernels.quest_pages import group_query, page_scores_reference
-    from vegas.vllm_plugin import proposer as prop
     from vegas.vllm_plugin.quest import fill_draft_table
     from vegas.vllm_plugin.state import STATE
 
@@ -286,13 +320,12 @@ def test_quest_draft_step_attends_the_best_pages_plus_every_later_position():
     slots = torch.tensor([_slot(bt, r, p) for r, n in enumerate(lens) for p in range(n - 5, n)])
     md = SimpleNamespace(query_start_loc=qsl, seq_lens=torch.tensor(lens, dtype=torch.int32),
                          max_seq_len=70, block_table=bt, slot_mapping=slots)
-    keep = ("config", "gamma", "first_layer", "last_layer", "layers_ready", "sel_buf", "ctx_sel_buf",
-            "budget_buf", "_qbuf", "has_selection", "quest_min", "quest_max", "block_size", "page_stride")
-    saved = {k: getattr(STATE, k) for k in keep}
+    saved = {k: getattr(STATE, k) for k in _STATE_FIELDS}
     try:
-        STATE.config, STATE.gamma = VllmVegasConfig(selector="quest", kv_budget=40), 4
+        STATE.use(_path("quest", kv_budget=40))
+        STATE.gamma = 4
         STATE.first_layer, STATE.last_layer, STATE.layers_ready = 0, 1, True
-        STATE.sel_buf = STATE.ctx_sel_buf = STATE.budget_buf = STATE._qbuf = STATE.quest_min = None
+        STATE.sel_buf = STATE.ctx_sel_buf = STATE.budget_buf = STATE.query_buf = STATE.quest_min = None
         STATE.reserve(4, 48, 0, torch.float32, torch.device("cpu"))
         kv = torch.randn(nb, 2, BS, 2, 8)
         for layer in range(2):  # the verification's KV write only covers the last 5 positions
@@ -302,13 +335,9 @@ def test_quest_draft_step_attends_the_best_pages_plus_every_later_position():
         all_slots = torch.tensor([_slot(bt, 0, p) for p in range(70)])
         for layer in range(2):  # as the prefill would have: bounds of every page of row 0
             update_page_bounds(STATE.quest_min[layer], STATE.quest_max[layer], kv.unbind(1)[0], all_slots)
-        p = object.__new__(prop.VegasProposer)
-        p.gamma = 4
-        p.runner = SimpleNamespace(input_batch=SimpleNamespace(
-            block_table=[SimpleNamespace(block_table=SimpleNamespace(gpu=torch.cat([bt, bt])))]))
         pos0 = 67  # 2 of 4 drafts accepted: the new token sits at position 67
-        b = {"step_in": torch.tensor([[1, 0, 0, 0], [7, 0, 0, 0], [pos0, 0, 0, 0], [6, 0, 0, 0]])}
-        tables, base_used, quest = p._draft_tables(b, 4)
+        step_inputs = torch.tensor([[1, 0, 0, 0], [7, 0, 0, 0], [pos0, 0, 0, 0], [6, 0, 0, 0]])
+        tables, base_used, quest = _draft_runner(bt).tables(step_inputs, 4)
         assert quest is not None and quest.num_pages[0] == 4 and quest.budget_cols.tolist() == [32, 0, 0, 0]
         assert base_used[0] == 32 + pos0 - 64 + 1
         q = torch.randn(4, 4, 8)
@@ -338,8 +367,6 @@ def test_draft_tables_never_read_past_the_block_table():
 
 
 def test_selection_buffers_refuse_to_grow_under_full_graphs():
-    from vegas.vllm_plugin.state import SelectionState
-
     st = SelectionState(first_layer=0, last_layer=1, layers_ready=True)
     st.reserve(2, 8, 16, torch.float32, torch.device("cpu"))
     generation = st.generation
@@ -377,15 +404,12 @@ def test_proposer_rejects_unsupported_engines(change, match):
         )
 
     _raise_if_unsupported(config())
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(VegasConfigError, match=match):
         _raise_if_unsupported(config(**change))
 
 
-def _run_state(cfg, queries, kvs, md, all_reduce=None):
-    from vegas.vllm_plugin.state import SelectionState
-
-    st = SelectionState(config=cfg, gamma=4, enabled=True, first_layer=0, last_layer=len(kvs) - 1,
-                        layers_ready=True, all_reduce=all_reduce)
+def _run_state(selector, config, queries, kvs, md, all_reduce=None):
+    st = _state(selector, **config, first_layer=0, last_layer=len(kvs) - 1, layers_ready=True, all_reduce=all_reduce)
     for layer, (q, kv) in enumerate(zip(queries, kvs)):
         st.on_layer(layer, q, kv, md, 0.5)
     return st.selection(md.seq_lens.shape[0])[0]
@@ -408,8 +432,8 @@ def test_tensor_parallel_all_reduce_selects_what_one_gpu_selects(selector):
     kvs = [torch.randn(nb, 2, BS, 2, 8) for _ in range(2)]  # 2 KV heads
     rank_q = [[q[:, 2 * r : 2 * r + 2] for q in queries] for r in range(2)]
     rank_kv = [[kv[:, :, :, r : r + 1] for kv in kvs] for r in range(2)]
-    cfg = VllmVegasConfig(selector=selector, kv_budget=9, recent_window=2)
-    one_gpu = _run_state(cfg, queries, kvs, md)
+    cfg = dict(kv_budget=9, recent_window=2)
+    one_gpu = _run_state(selector, cfg, queries, kvs, md)
 
     seen = {}
 
@@ -417,8 +441,8 @@ def test_tensor_parallel_all_reduce_selects_what_one_gpu_selects(selector):
         seen["rank1"] = scores.clone()
         return scores
 
-    _run_state(cfg, rank_q[1], rank_kv[1], md, all_reduce=keep)
-    rank0 = _run_state(cfg, rank_q[0], rank_kv[0], md, all_reduce=lambda s: s + seen["rank1"])
+    _run_state(selector, cfg, rank_q[1], rank_kv[1], md, all_reduce=keep)
+    rank0 = _run_state(selector, cfg, rank_q[0], rank_kv[0], md, all_reduce=lambda s: s + seen["rank1"])
     for layer in range(2):
         for i in range(2):
             assert sorted(rank0[layer, i, :9].tolist()) == sorted(one_gpu[layer, i, :9].tolist())
@@ -426,35 +450,247 @@ def test_tensor_parallel_all_reduce_selects_what_one_gpu_selects(selector):
     def must_not_run(scores):
         raise AssertionError("per_rank must not communicate")
 
-    per_rank_cfg = VllmVegasConfig(selector=selector, kv_budget=9, recent_window=2, tp_selection="per_rank")
-    own = _run_state(per_rank_cfg, rank_q[0], rank_kv[0], md, all_reduce=must_not_run)
-    alone = _run_state(cfg, rank_q[0], rank_kv[0], md)  # rank 0's heads as a model of its own
+    per_rank_cfg = dict(cfg, vllm={"tp_selection": "per_rank"})
+    own = _run_state(selector, per_rank_cfg, rank_q[0], rank_kv[0], md, all_reduce=must_not_run)
+    alone = _run_state(selector, cfg, rank_q[0], rank_kv[0], md)  # rank 0's heads as a model of its own
     assert torch.equal(own, alone)
     assert not torch.equal(own[:, :, :9].sort(-1).values, one_gpu[:, :, :9].sort(-1).values)
 
 
 def test_tp_selection_must_be_known():
-    with pytest.raises(ValueError, match="tp_selection must be one of all_reduce, per_rank"):
-        VllmVegasConfig(tp_selection="gather")
+    with pytest.raises(VegasConfigError, match="vllm.tp_selection must be one of 'all_reduce', 'per_rank'"):
+        VegasConfig(vllm={"tp_selection": "gather"})
 
 
 @pytest.mark.parametrize(
     "raw,match",
     [
-        ('{"kv_budget": -5}', "kv_budget must be an integer >= 0 or null"),
-        ('{"window": -3, "selector": "sliding_window"}', "window must be an integer >= 0 or null"),
-        ('{"kv_budget": "100"}', "kv_budget must be an integer >= 0 or null"),
+        ('{"kv_budget": -5}', "kv_budget must be an integer >= 0"),
+        ('{"window": -3, "selector": "sliding_window"}', "window must be an integer >= 0"),
+        ('{"kv_budget": "100"}', "kv_budget must be an integer >= 0"),
         ('{"min_kv_budget": 1.5}', "min_kv_budget must be an integer >= 0"),
         ('{"sparsity_ratio": 0}', r"sparsity_ratio must be a number in \(0, 1\]"),
         ('{"sparsity_ratio": "0.1"}', r"sparsity_ratio must be a number in \(0, 1\]"),
-        ('{"num_draft_tokens": 4}', "unknown field.*num_draft_tokens.*allowed: selector"),
+        ('{"gamma": 4}', "unknown field.*gamma.*allowed: num_draft_tokens"),
+        ('{"selector": 3}', "selector must be a registered selector name"),
+        ('{"vllm": {"verify_cuda_graphs": "all"}}', "vllm.verify_cuda_graphs must be one of 'full', 'piecewise'"),
+        ('{"vllm": {"draft_cuda_graphs": 1}}', "vllm.draft_cuda_graphs must be true or false"),
+        ('{"vllm": {"draft_graph_max_rows": 0}}', "vllm.draft_graph_max_rows must be an integer >= 1"),
+        ('{"vllm": {"rows": 3}}', "vllm: unknown field.*rows.*allowed: tp_selection"),
         ('[1, 2]', "must be a JSON object"),
         ("{selector: collect2}", "must be a JSON object"),
     ],
 )
 def test_proposer_settings_name_the_bad_field(raw, match, monkeypatch):
+    from vegas.vllm_plugin.settings import read_settings
+
     monkeypatch.setenv("VEGAS_VLLM_CONFIG", raw)
-    with pytest.raises(ValueError, match=match):
-        VllmVegasConfig.from_env()
-    cfg = VllmVegasConfig.from_json('{"kv_budget": 100, "window": null}')
-    assert cfg.budget(1000) == 100
+    with pytest.raises(VegasConfigError, match=match):
+        read_settings()
+
+
+def test_proposer_settings_round_trip_through_the_environment(monkeypatch):
+    from vegas.vllm_plugin.settings import parse_settings, read_settings, settings_json
+
+    config = VegasConfig(num_draft_tokens=3, kv_budget=100, window=None, recent_window=8,
+                         vllm={"tp_selection": "per_rank", "verify_cuda_graphs": "piecewise",
+                               "draft_cuda_graphs": False, "draft_graph_max_rows": 64})
+    monkeypatch.setenv("VEGAS_VLLM_CONFIG", settings_json("aggregated", config))
+    assert read_settings() == ("aggregated", config)
+    assert parse_settings('{"kv_budget": 100}') == ("collect2", VegasConfig(kv_budget=100))
+    monkeypatch.delenv("VEGAS_VLLM_CONFIG")
+    assert read_settings() == ("collect2", VegasConfig())
+    assert VegasConfig.from_json(config.to_json()) == config
+
+
+# ---- the generic path and the fast-path registry ------------------------------------------------
+
+from vegas.interfaces import Selection, Selector  # noqa: E402
+from vegas.selection import topk_selection  # noqa: E402
+from vegas.strategies import AggregatedSelector, Collect2Selector, QuestSelector  # noqa: E402
+
+
+class LowestScoresSelector(Selector):
+    """Test selector without a fast path: the budget's worst-scored positions of the first and
+    last verify query (the opposite of collect2), with a budget of its own."""
+
+    name = "lowest_scores"
+
+    def score_rows(self, chunk_len):
+        return sorted({0, chunk_len - 1})
+
+    def budget(self, context_len):
+        return 5 if isinstance(context_len, int) else context_len.new_full(context_len.shape, 5)
+
+    def select(self, inputs):
+        assert inputs.scores.shape == (inputs.valid.shape[0], 1, inputs.valid.shape[1])
+        assert inputs.scores.dtype == torch.float32 and inputs.keys is None
+        return topk_selection(-inputs.scores, inputs.valid, inputs.budget)
+
+
+class FirstPositionsSelector(Selector):
+    """Test selector that scores nothing: the budget's first positions, in reverse order."""
+
+    name = "first_positions"
+
+    def select(self, inputs):
+        assert inputs.scores is None
+        k = int(inputs.budget.max())
+        positions = torch.arange(k - 1, -1, -1).expand(inputs.valid.shape[0], 1, k)
+        mask = positions < inputs.budget[:, None, None]
+        return Selection(indices=positions.clone(), mask=mask)
+
+
+class Collect2Subclass(Collect2Selector):
+    """A subclass without a fast path of its own: the generic path runs Collect2's select."""
+
+    name = "collect2_subclass"
+
+
+class TestSelectors:
+    """Registers the test selectors above for the tests of its subclasses."""
+
+    @pytest.fixture(autouse=True)
+    def registered(self):
+        from vegas import hookimpl, plugins
+
+        class Plugin:
+            @hookimpl
+            def vegas_selectors(self):
+                return {cls.name: cls for cls in (LowestScoresSelector, FirstPositionsSelector, Collect2Subclass)}
+
+        plugins.register(Plugin(), name="test_vllm_selectors")
+        yield
+        plugins.unregister("test_vllm_selectors")
+
+
+def _forward(st, lens, num_layers=3, seed=0, hq=4, hkv=2, d=8):
+    """A verification forward (5 queries per request) through ``st`` on a random paged cache."""
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(seed)
+    bt, nb = _block_table(lens, seed)
+    qsl = torch.arange(len(lens) + 1, dtype=torch.int32) * 5
+    md = SimpleNamespace(query_start_loc=qsl, seq_lens=torch.tensor(lens, dtype=torch.int32),
+                         max_seq_len=max(lens), block_table=bt)
+    queries = [torch.randn(5 * len(lens), hq, d, generator=g) for _ in range(num_layers)]
+    kvs = [torch.randn(nb, 2, BS, hkv, d, generator=g) for _ in range(num_layers)]
+    st.first_layer, st.last_layer, st.layers_ready = 0, num_layers - 1, True
+    for layer in range(num_layers):
+        st.on_layer(layer, queries[layer], kvs[layer], md, 0.5)
+    return bt, md, queries, kvs
+
+
+class TestGenericPath(TestSelectors):
+    def test_selects_what_select_returns_mapped_to_slots(self):
+        from vegas.vllm_plugin.selectors.generic import GenericPath
+
+        st = _state("lowest_scores")
+        assert isinstance(st.path, GenericPath)
+        lens = [60, 33]
+        bt, md, queries, kvs = _forward(st, lens)
+        sel, ctx_sel, budgets = st.selection(2)
+        assert ctx_sel.tolist() == [55, 28] and budgets.tolist() == [5, 5]
+        plan = _plan(md.query_start_loc, md.seq_lens, 60, "lowest_scores")
+        for layer in range(3):
+            for i in range(2):
+                q = queries[layer][plan.q_idx[i]][None]  # the first and last verify query
+                ref = collect_scores_reference(q, kvs[layer].unbind(1)[0], bt[i : i + 1], ctx_sel[i : i + 1], 60, 0.5)[0]
+                worst = torch.topk(-ref[: int(ctx_sel[i])], 5).indices.tolist()
+                assert sorted(sel[layer, i, :5].tolist()) == sorted(_slot(bt, i, p) for p in worst)
+                assert (sel[layer, i, 5:] == -1).all()
+
+    def test_a_selector_that_scores_nothing(self):
+        st = _state("first_positions", kv_budget=6)
+        bt, *_ = _forward(st, [40, 30])
+        sel, _, budgets = st.selection(2)
+        assert budgets.tolist() == [6, 6]
+        for i in range(2):  # real entries first, in select's order
+            assert sel[0, i, :6].tolist() == [_slot(bt, i, p) for p in range(5, -1, -1)]
+
+    @pytest.mark.parametrize("recent_window", [0, 2])
+    def test_collect2_subclass_selects_what_the_fast_path_selects(self, recent_window):
+        """Collect2's own select on the generic path and the fused fast path, on the same
+        forward: the same positions per layer and request (the fast path as before the
+        selection paths: see collect_layer_slots)."""
+        from vegas.vllm_plugin.selectors import ScoreTopKFastPath
+        from vegas.vllm_plugin.selectors.generic import GenericPath
+
+        generic = _state("collect2_subclass", kv_budget=7, recent_window=recent_window)
+        fast = _state("collect2", kv_budget=7, recent_window=recent_window)
+        assert isinstance(generic.path, GenericPath) and isinstance(fast.path, ScoreTopKFastPath)
+        lens = [70, 41]
+        _forward(generic, lens, seed=3)
+        bt, md, queries, kvs = _forward(fast, lens, seed=3)
+        plan = _plan(md.query_start_loc, md.seq_lens, 70, "collect2", kv_budget=7, recent_window=recent_window)
+        for layer in range(3):
+            before = collect_layer_slots(plan, queries[layer], kvs[layer].unbind(1)[0], bt, 0.5)
+            for i in range(2):
+                want = sorted(before[i].tolist())
+                assert sorted(fast.sel_buf[layer, i, :7].tolist()) == want
+                assert sorted(generic.sel_buf[layer, i, :7].tolist()) == want
+        assert torch.equal(generic.budget_buf[:2], fast.budget_buf[:2])
+
+    def test_bad_selections_name_the_selector(self):
+        from vegas.config import VegasPluginError
+
+        st = _state("first_positions", kv_budget=6)
+        calls = iter([2, 3, 2])  # a different count per layer
+        st.path.selector.select = lambda inputs, n=calls: Selection(
+            indices=torch.zeros(2, 1, 6, dtype=torch.long), mask=torch.arange(6).expand(2, 1, 6) < next(n)
+        )
+        with pytest.raises(VegasPluginError, match="'first_positions'.*different number of positions per layer"):
+            _forward(st, [40, 30])
+        st = _state("first_positions", kv_budget=6)
+        st.path.selector.select = lambda inputs: Selection(
+            indices=torch.zeros(2, 2, 6, dtype=torch.long), mask=torch.ones(2, 2, 6, dtype=torch.bool)
+        )
+        with pytest.raises(VegasPluginError, match=r"groups=1, k\) indices"):
+            _forward(st, [40, 30])
+
+    def test_query_aware_selector_without_fast_path_is_refused(self):
+        from vegas.vllm_plugin.settings import raise_if_unsupported
+
+        class QuestVariant(QuestSelector):
+            name = "quest_variant"
+
+        config = VegasConfig()
+        with pytest.raises(VegasConfigError, match="'quest_variant'.*query-aware.*no vLLM fast path"):
+            raise_if_unsupported(QuestVariant(config), config)
+
+
+class TestFastPathRegistry(TestSelectors):
+    def test_picked_by_exact_class(self):
+        from vegas.plugins import vllm_fast_path
+        from vegas.vllm_plugin.selectors import ScoreTopKFastPath
+        from vegas.vllm_plugin.selectors.generic import GenericPath
+
+        class AggregatedVariant(AggregatedSelector):
+            name = "aggregated_variant"
+
+            def select(self, inputs):
+                return super().select(inputs)
+
+        config = VegasConfig()
+        assert vllm_fast_path(AggregatedSelector(config)) is ScoreTopKFastPath
+        assert vllm_fast_path(AggregatedVariant(config)) is None
+        assert path_class(AggregatedVariant(config)) is GenericPath
+        assert path_class(Collect2Subclass(config)) is GenericPath
+
+    def test_a_plugin_registers_a_fast_path_through_the_hook(self):
+        from vegas import hookimpl, plugins
+        from vegas.vllm_plugin.selectors.sliding_window import SlidingWindowFastPath
+
+        class Plugin:
+            @hookimpl
+            def vegas_vllm_fast_paths(self):
+                return {FirstPositionsSelector: SlidingWindowFastPath, Collect2Selector: SlidingWindowFastPath}
+
+        plugins.register(Plugin(), name="test_fast_paths")
+        try:
+            config = VegasConfig()
+            assert path_class(FirstPositionsSelector(config)) is SlidingWindowFastPath
+            # a built-in's fast path cannot be replaced
+            assert path_class(Collect2Selector(config)).__name__ == "ScoreTopKFastPath"
+        finally:
+            plugins.unregister("test_fast_paths")

@@ -1,0 +1,144 @@
+"""vLLM backend on the CPU (no vLLM needed): engine arguments, settings, refusals, and the
+selection path ``configure()`` builds for any registered selector. The CUDA runs are in
+``tests/gpu/test_vllm_backend_cuda.py``."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from vegas.backends.vllm import VLLMBackend, engine_args_from_env, verify_cuda_graphs, vllm_engine_kwargs
+from vegas.config import VegasConfig, VegasConfigError
+from vegas.hookspecs import hookimpl
+from vegas.interfaces import Selector
+from vegas.plugins import create_selector
+from vegas.selection import topk_selection
+from vegas.vllm_plugin import CLASS_PATH
+from vegas.vllm_plugin.settings import raise_if_unsupported, settings_json
+
+
+def test_engine_kwargs_switch_vegas_on():
+    plain = vllm_engine_kwargs("m")
+    assert "speculative_config" not in plain and plain["attention_backend"] == "FLASH_ATTN"
+    kw = vllm_engine_kwargs("m", num_draft_tokens=3, gpu_memory_utilization=0.4)
+    assert kw["speculative_config"] == {
+        "method": "custom_class", "model": CLASS_PATH, "num_speculative_tokens": 3,
+    }
+    assert "compilation_config" not in kw  # vLLM's full CUDA graphs stay on for verification
+    assert kw["gpu_memory_utilization"] == 0.4
+
+
+def test_piecewise_verification_graphs_on_request():
+    kw = vllm_engine_kwargs("m", num_draft_tokens=3, verify_cuda_graphs="piecewise",
+                            compilation_config={"cudagraph_capture_sizes": [1, 2]})
+    assert kw["compilation_config"] == {"cudagraph_mode": "PIECEWISE", "cudagraph_capture_sizes": [1, 2]}
+    with pytest.raises(VegasConfigError, match="vllm.verify_cuda_graphs must be one of 'full', 'piecewise'"):
+        VegasConfig(vllm={"verify_cuda_graphs": "fast"})
+    piecewise = VegasConfig(vllm={"verify_cuda_graphs": "piecewise"})
+    assert verify_cuda_graphs(create_selector("collect2", VegasConfig()), VegasConfig()) == "full"
+    assert verify_cuda_graphs(create_selector("collect2", piecewise), piecewise) == "piecewise"
+
+
+def test_engine_args_come_from_the_backend_and_the_environment(monkeypatch):
+    monkeypatch.setenv("VEGAS_VLLM_ENGINE_ARGS", '{"max_model_len": 2048}')
+    assert engine_args_from_env() == {"max_model_len": 2048}
+    monkeypatch.setenv("VEGAS_VLLM_ENGINE_ARGS", "[1]")
+    with pytest.raises(VegasConfigError, match="VEGAS_VLLM_ENGINE_ARGS must be a JSON object"):
+        engine_args_from_env()
+    with pytest.raises(VegasConfigError, match="engine_args must be a dict"):
+        VLLMBackend("m", engine_args=[("max_model_len", 1)])
+
+
+def test_configure_refuses_a_new_selector_under_full_graphs(monkeypatch):
+    from vegas.vllm_plugin import configure
+    from vegas.vllm_plugin.state import STATE
+
+    same = settings_json("collect2", VegasConfig())
+    monkeypatch.setattr(STATE, "settings", same)
+    monkeypatch.setattr(STATE, "gamma", 4)
+    monkeypatch.setattr(STATE, "frozen", True)
+    assert configure(object(), same, reset_stats=False) == same
+    with pytest.raises(VegasConfigError, match="full CUDA graphs"):
+        configure(object(), settings_json("sliding_window", VegasConfig()), reset_stats=False)
+    assert STATE.settings == same
+
+
+def test_settings_round_trip_into_the_proposer():
+    from vegas.vllm_plugin.settings import build_selector, parse_settings
+
+    cfg = VegasConfig(num_draft_tokens=4, sparsity_ratio=0.1, min_kv_budget=32)
+    name, config = parse_settings(settings_json("aggregated", cfg))
+    selector = build_selector(name, config, 4)
+    assert selector.name == "aggregated" and selector.config == cfg
+    assert selector.budget(1000) == 100 and min(selector.budget(10), 10) == 10
+
+
+@pytest.mark.parametrize(
+    "selector,config,match",
+    [
+        ("quest", VegasConfig(page_size=32), "page_size must be 16"),
+        ("collect2", VegasConfig(granularity="kv_head"), "granularity"),
+        ("collect2", VegasConfig(score_mode="weight"), "score_mode"),
+    ],
+)
+def test_unsupported_settings_are_named(selector, config, match):
+    with pytest.raises(VegasConfigError, match=match):
+        raise_if_unsupported(create_selector(selector, config), config)
+
+
+def test_bad_dtype_and_device():
+    with pytest.raises(VegasConfigError, match="CUDA"):
+        VLLMBackend("m", device="cpu")
+    with pytest.raises(VegasConfigError, match="dtype"):
+        VLLMBackend("m", dtype="int8")
+    if importlib.util.find_spec("vllm") is None or not torch.cuda.is_available():
+        with pytest.raises(VegasConfigError, match="backend 'vllm' needs"):
+            VLLMBackend("m")
+    else:
+        assert VLLMBackend("m", dtype="float32").dtype == "bfloat16"
+
+
+class SinksAndTopKSelector(Selector):
+    """A selector defined here, without a vLLM fast path (the generic path runs its ``select``):
+    the first 4 positions as attention sinks plus the top-k of the first and last verify query's
+    logits."""
+
+    name = "test_sinks_topk"
+
+    def score_rows(self, chunk_len):
+        return sorted({0, chunk_len - 1})
+
+    def select(self, inputs):
+        sinks = torch.arange(inputs.valid.shape[1], device=inputs.valid.device) < 4
+        scores = inputs.scores.masked_fill(sinks[None, None, :], float("inf"))
+        return topk_selection(scores, inputs.valid, inputs.budget)
+
+
+class _TestSelectorPlugin:
+    @hookimpl
+    def vegas_selectors(self):
+        return {SinksAndTopKSelector.name: SinksAndTopKSelector}
+
+
+def test_configure_builds_the_path_of_any_registered_selector(monkeypatch):
+    """Under piecewise verification graphs configure() switches to any registered selector: a
+    built-in gets its fast path, a selector without one the generic path."""
+    from vegas import plugins
+    from vegas.vllm_plugin import configure
+    from vegas.vllm_plugin.selectors import ScoreTopKFastPath
+    from vegas.vllm_plugin.selectors.generic import GenericPath
+    from vegas.vllm_plugin.state import STATE
+
+    for name, value in (("gamma", 4), ("frozen", False), ("settings", ""), ("path", None), ("sel_buf", None)):
+        monkeypatch.setattr(STATE, name, value)
+    plugins.register(_TestSelectorPlugin(), name="test_generic_selectors")
+    try:
+        settings = settings_json("test_sinks_topk", VegasConfig(kv_budget=32))
+        assert configure(object(), settings, reset_stats=False) == settings
+        assert isinstance(STATE.path, GenericPath) and STATE.path.selector.config.kv_budget == 32
+        configure(object(), settings_json("last_token", VegasConfig()), reset_stats=False)
+        assert isinstance(STATE.path, ScoreTopKFastPath) and STATE.path.row_table.width == 1
+    finally:
+        plugins.unregister("test_generic_selectors")
