@@ -70,14 +70,23 @@ CLASS_PATH = "vegas.vllm_plugin.proposer.VegasProposer"
 
 def register() -> None:
     """``vllm.general_plugins`` entry point: install the attention override, the scheduler's
-    lookahead allocation and the config check that keeps async scheduling on for the Vegas
-    proposer. Safe to call many times, and a no-op for engines that do not use the Vegas
+    lookahead allocation, the config check that keeps async scheduling on for the Vegas
+    proposer and the opt-in V2 model-runner patches (:func:`~vegas.vllm_plugin.patches.patch_v2_runner`). Safe to call many times, and a no-op for engines that do not use the Vegas
     proposer (the override only acts when it is enabled)."""
     from . import patches
 
     patches.patch_attention()
     patches.patch_scheduler_lookahead()
     patches.patch_config_check()
+    patches.patch_v2_runner(_build_v2_speculator)  # opt-in V2 model runner: lets the Vegas speculator through
+
+
+def _build_v2_speculator(vllm_config, device):
+    """The Vegas speculator of vLLM's V2 model runner (built by the patched ``init_speculator``;
+    imports vLLM, so it is imported only here, inside vLLM's worker)."""
+    from .v2_speculator import VegasSpeculator
+
+    return VegasSpeculator(vllm_config, device)
 
 
 def _drafter(worker):

@@ -17,11 +17,20 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import VllmOptions
+from ..config import VegasConfigError, VllmOptions
 from ..kernels import slots_to_fa_pages
 from .state import STATE
 
-__all__ = ["DraftBuffers", "DraftRunner", "GREEDY_TEMPERATURE", "SLOT_MAPPING_MIN_ROWS", "build_draft_tables"]
+__all__ = [
+    "DraftBuffers",
+    "DraftRunner",
+    "GREEDY_TEMPERATURE",
+    "SLOT_MAPPING_MIN_ROWS",
+    "attention_layers",
+    "build_draft_tables",
+    "draft_graph_key",
+    "draft_tables",
+]
 
 logger = logging.getLogger("vegas.vllm")
 
@@ -71,6 +80,82 @@ def build_draft_tables(
     selected = slots_to_fa_pages(sel_slots.long().clamp(min=0), block_size, page_stride)  # [L, num_seqs, k_max]
     selected = torch.nn.functional.pad(selected, (0, recent_cap))
     return torch.where(col[None] < k[None], selected, recent[None]).to(torch.int32)
+
+
+def draft_tables(step_inputs: torch.Tensor, block_table: torch.Tensor, rows: int, gamma: int):
+    """Page-size-1 draft tables ``(L or 1, rows, width)`` int32, the pages in use before the
+    first draft (``base_used`` ``(rows,)`` int64) and the selection path's per-step page chooser
+    (Quest, else None), from the last verification's selection in :data:`STATE` (whichever
+    path wrote it). Shared by the V1 proposer and the V2 speculator.
+
+    Args:
+        step_inputs: ``(4, rows)`` int64 (see :class:`DraftBuffers`), batch order.
+        block_table: ``(>= rows, max_blocks)`` int32, the same batch order.
+        rows: requests (padded rows included).
+        gamma: γ, draft tokens per iteration.
+    """
+    active, _, first_pos, _ = step_inputs.unbind(0)
+    active = active.bool()
+    sel, ctx_sel, budgets = STATE.selection(rows)
+    ctx_sel = torch.minimum(ctx_sel, first_pos)
+    block_table = block_table[:rows]
+    path = STATE.path
+    # recent positions from ctx_sel on: the verified chunk and the drafts (plus the path's own)
+    recent_cap = 2 * gamma + 2 + path.recent_columns(STATE.block_size)
+    tables = build_draft_tables(
+        sel, budgets, ctx_sel, first_pos + gamma - 1, block_table, STATE.block_size, STATE.page_stride, recent_cap,
+    )
+    base_used = torch.where(active, budgets + (first_pos - ctx_sel + 1), 1)
+    pages = path.draft_pages(STATE, block_table, ctx_sel, budgets, active, sel.shape[2])
+    return tables, base_used, pages
+
+
+def draft_graph_key(rows: int, *extra) -> tuple:
+    """The key of a draft CUDA graph: its rows, the caller's own parts (``extra``), the selection
+    path's kind, its table rows and the selection buffers' generation (buffers reallocated for a
+    larger budget need a new graph)."""
+    path = STATE.path
+    table_rows = 1 if path.shared_across_layers else STATE.num_layers
+    return (rows, *extra, type(path), table_rows, STATE.generation)
+
+
+def attention_layers(vllm_config) -> list[tuple[str, int]]:
+    """``(layer name, layer index)`` of every attention layer of the built model, ascending.
+
+    Raises:
+        VegasConfigError: a layer not on FLASH_ATTN, a sliding-window layer, or layer indices
+            that are not contiguous.
+    """
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
+
+    from .attention import layer_index
+
+    forward_context = vllm_config.compilation_config.static_forward_context
+    layers = []
+    for name, module in forward_context.items():
+        impl = getattr(module, "impl", None)
+        if impl is None:
+            continue
+        if not isinstance(impl, FlashAttentionImpl):
+            raise VegasConfigError(
+                f"vegas needs the FLASH_ATTN attention backend, layer {name} uses "
+                f"{type(impl).__name__}; set attention_backend='FLASH_ATTN'"
+            )
+        if impl.sliding_window is not None and tuple(impl.sliding_window) != (-1, -1):
+            raise VegasConfigError(
+                f"vegas: layer {name} uses sliding-window attention {impl.sliding_window}, which "
+                "the compressed draft tables cannot express; only full-attention models are supported "
+                "(the HF backend, backend='hf', supports sliding-window models)"
+            )
+        layers.append((name, layer_index(name)))
+    layers.sort(key=lambda x: x[1])
+    if [idx for _, idx in layers] != list(range(layers[0][1], layers[-1][1] + 1)):
+        raise VegasConfigError("vegas: attention layer indices must be contiguous, got "
+                               f"{[idx for _, idx in layers]}")
+    STATE.first_layer = layers[0][1]
+    STATE.last_layer = layers[-1][1]
+    STATE.layers_ready = True
+    return layers
 
 
 @dataclass
@@ -171,28 +256,8 @@ class DraftRunner:
         return bufs.tokens, bufs.probs
 
     def tables(self, step_inputs: torch.Tensor, rows: int):
-        """Page-size-1 draft tables ``(L or 1, rows, width)`` int32, the pages in use before
-        the first draft (``base_used`` ``(rows,)`` int64) and the path's per-step page chooser
-        (Quest, else None), from the last verification's selection.
-
-        Args:
-            step_inputs: ``(4, rows)`` int64 (see :class:`DraftBuffers`).
-        """
-        active, _, first_pos, _ = step_inputs.unbind(0)
-        active = active.bool()
-        sel, ctx_sel, budgets = STATE.selection(rows)
-        ctx_sel = torch.minimum(ctx_sel, first_pos)
-        block_table = self._block_table(rows)
-        path = STATE.path
-        # recent positions from ctx_sel on: the verified chunk and the drafts (plus the path's own)
-        recent_cap = 2 * self.gamma + 2 + path.recent_columns(STATE.block_size)
-        tables = build_draft_tables(
-            sel, budgets, ctx_sel, first_pos + self.gamma - 1, block_table, STATE.block_size, STATE.page_stride,
-            recent_cap,
-        )
-        base_used = torch.where(active, budgets + (first_pos - ctx_sel + 1), 1)
-        pages = path.draft_pages(STATE, block_table, ctx_sel, budgets, active, sel.shape[2])
-        return tables, base_used, pages
+        """:func:`draft_tables` over the runner's block table (batch order)."""
+        return draft_tables(step_inputs, self._block_table(rows), rows, self.gamma)
 
     def steps(self, bufs: DraftBuffers, rows: int, num_tokens: int, sampling: bool, mode, desc) -> None:
         """Draft tables, then γ draft forwards over ``rows`` requests (``num_tokens`` >= rows
@@ -278,9 +343,8 @@ class DraftRunner:
         rows = min(1 << max(num_reqs - 1, 0).bit_length(), max_rows)  # next power of two
         if rows > self.max_graph_rows or rows < num_reqs:
             return None, None
-        path = STATE.path
-        table_rows = 1 if path.shared_across_layers else STATE.num_layers
-        key = (rows, sampling, type(path), table_rows, STATE.generation)
+        key = draft_graph_key(rows, sampling)
+        table_rows = key[-2]
         entry = self._graphs.get(key)
         device = self.runner.device
         if entry is None:

@@ -9,12 +9,27 @@ were. Nothing here imports vLLM at module import time.
 - :func:`patch_draft_probs_gather`: ``GPUModelRunner._get_spec_decode_draft_probs``;
 - :func:`patch_config_check`: ``VllmConfig.__post_init__`` (async scheduling stays on);
 - :func:`patch_bookkeeping`: ``GPUModelRunner._bookkeeping_sync`` (publish before bookkeeping);
-- :func:`time_runner_forward`: one runner's ``_model_forward`` (CUDA events around it).
+- :func:`time_runner_forward`: one runner's ``_model_forward`` (CUDA events around it);
+- :func:`patch_v2_runner` (opt-in, :func:`v2_opted_in`; V1 stays the default):
+  ``VllmConfig._get_v2_model_runner_unsupported_features`` and
+  ``vllm.v1.worker.gpu.spec_decode.init_speculator`` (the Vegas speculator on the V2 model
+  runner, :mod:`vegas.vllm_plugin.v2_speculator`).
+
+Which runner serves a Vegas engine:
+
+- ``VLLM_USE_V2_MODEL_RUNNER=1``: the V2 runner (vLLM's own switch; without
+  :func:`patch_v2_unsupported_check` vLLM would refuse the ``custom_class`` method);
+- ``VEGAS_V2_RUNNER=1``: whatever vLLM picks by itself, which is V2 for its default
+  architectures (Llama, Qwen3, ...) once Vegas's ``custom_class`` no longer counts as unsupported;
+- otherwise (the default) the V1 runner and :class:`~vegas.vllm_plugin.proposer.VegasProposer`:
+  vLLM keeps rejecting ``custom_class`` on V2 and falls back to V1 itself.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
+import os
 from collections.abc import Callable
 
 import torch
@@ -22,14 +37,20 @@ import torch
 from .async_sched import is_vegas_proposer, wants_async
 
 __all__ = [
+    "V2_ENV",
     "VLLM_VERSION",
+    "VllmVersionError",
     "patch_attention",
     "patch_bookkeeping",
     "patch_config_check",
     "patch_draft_probs_gather",
     "patch_scheduler_lookahead",
+    "patch_v2_init_speculator",
+    "patch_v2_runner",
+    "patch_v2_unsupported_check",
     "stacked_draft_probs",
     "time_runner_forward",
+    "v2_opted_in",
 ]
 
 logger = logging.getLogger("vegas.vllm")
@@ -224,3 +245,149 @@ def time_runner_forward(runner, on_forward: Callable[[object, object], None]) ->
 
     _model_forward._vegas = True  # type: ignore[attr-defined]
     runner._model_forward = _model_forward
+
+
+# ---- the V2 model runner (opt-in) -----------------------------------------------------------
+
+#: ``1``: let vLLM pick the V2 runner for a Vegas engine where it would by default
+V2_ENV = "VEGAS_V2_RUNNER"
+_V2_UNSUPPORTED = "speculative method 'custom_class'"
+_logged: set[str] = set()
+
+
+class VllmVersionError(RuntimeError):
+    """A vLLM function that Vegas patches is not what vLLM 0.24.0 had."""
+
+
+def _log_once(key: str, msg: str, *args, level: int = logging.INFO) -> None:
+    if key not in _logged:
+        _logged.add(key)
+        logger.log(level, msg, *args)
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes")
+
+
+def v2_opted_in() -> bool:
+    """Whether a Vegas engine may run on the V2 runner: ``VLLM_USE_V2_MODEL_RUNNER=1`` or
+    ``VEGAS_V2_RUNNER=1`` in this process's environment (read at each call)."""
+    return _truthy(os.environ.get("VLLM_USE_V2_MODEL_RUNNER")) or _truthy(os.environ.get(V2_ENV))
+
+
+def _check_params(func, expected: tuple[str, ...], name: str) -> None:
+    """Raise :class:`VllmVersionError` unless ``func`` is callable with exactly these parameters."""
+    if not callable(func):
+        raise VllmVersionError(f"vegas: {name} is missing; the V2 patches target vLLM {VLLM_VERSION}")
+    params = tuple(inspect.signature(func).parameters)
+    if params != expected:
+        raise VllmVersionError(
+            f"vegas: {name} has parameters {params}, expected {expected} as in vLLM {VLLM_VERSION}; "
+            "the Vegas V2 patches need updating (or run V1: VLLM_USE_V2_MODEL_RUNNER=0)"
+        )
+
+
+def patch_v2_unsupported_check() -> None:
+    """Replace ``vllm.config.VllmConfig._get_v2_model_runner_unsupported_features`` (vLLM 0.24.0)
+    with a wrapper that drops ``"speculative method 'custom_class'"`` for a Vegas engine when
+    :func:`v2_opted_in`; every other engine and every other entry is unchanged. Idempotent.
+
+    Why: vLLM 0.24.0 lists every speculative method but eagle/eagle3/mtp/dflash as unsupported
+    by the V2 runner, so it would refuse (``VLLM_USE_V2_MODEL_RUNNER=1``) or skip V2.
+
+    Raises:
+        VllmVersionError: if the method is missing or no longer takes ``(self)``.
+    """
+    from vllm.config import VllmConfig
+
+    name = "VllmConfig._get_v2_model_runner_unsupported_features"
+    original = getattr(VllmConfig, "_get_v2_model_runner_unsupported_features", None)
+    if getattr(original, "_vegas", False):
+        return
+    _check_params(original, ("self",), name)
+
+    def _get_v2_model_runner_unsupported_features(self) -> list[str]:
+        unsupported = original(self)
+        if not is_vegas_proposer(self.speculative_config):
+            return unsupported
+        if not v2_opted_in():
+            _log_once("v1", "vegas: V1 model runner (default; VLLM_USE_V2_MODEL_RUNNER=1 or %s=1 for V2)", V2_ENV)
+            return unsupported
+        kept = [u for u in unsupported if u != _V2_UNSUPPORTED]
+        if kept:
+            _log_once("v2-blocked", "vegas: V2 model runner asked for, but vLLM does not support %s here",
+                      ", ".join(kept))
+        else:
+            _log_once("v2", "vegas: V2 model runner allowed for the Vegas speculator (opt-in)")
+        return kept
+
+    _get_v2_model_runner_unsupported_features._vegas = True  # type: ignore[attr-defined]
+    VllmConfig._get_v2_model_runner_unsupported_features = _get_v2_model_runner_unsupported_features
+
+
+def patch_v2_init_speculator(build: Callable) -> None:
+    """Replace ``vllm.v1.worker.gpu.spec_decode.init_speculator`` (vLLM 0.24.0) with a wrapper
+    that returns ``build(vllm_config, device)`` for a Vegas engine (the caller's builder of
+    :class:`~vegas.vllm_plugin.v2_speculator.VegasSpeculator`: this module does not import the
+    speculator, which imports the proposer) and calls vLLM's function otherwise. Idempotent.
+
+    The V2 runner module imports the function by name (``from vllm.v1.worker.gpu.spec_decode
+    import init_speculator``) and calls it in ``GPUModelRunner.__init__``: the package attribute
+    is patched before that import, and ``vllm.v1.worker.gpu.model_runner.init_speculator`` too
+    when the runner module is already imported (it is not imported here: it is heavy).
+
+    Why: vLLM's ``init_speculator`` is a fixed if-chain (dflash, gemma4 MTP, mtp, eagle) that
+    raises ``NotImplementedError`` for ``custom_class``; it has no registry.
+
+    Raises:
+        VllmVersionError: if the function is missing, no longer takes ``(vllm_config, device)``,
+            or the V2 runner module no longer imports and calls it.
+    """
+    import importlib.util
+    import sys
+
+    from vllm.v1.worker.gpu import spec_decode
+
+    name = "vllm.v1.worker.gpu.spec_decode.init_speculator"
+    original = getattr(spec_decode, "init_speculator", None)
+    if getattr(original, "_vegas", False):
+        return
+    _check_params(original, ("vllm_config", "device"), name)
+    try:
+        spec = importlib.util.find_spec("vllm.v1.worker.gpu.model_runner")
+        with open(spec.origin, encoding="utf-8") as f:  # type: ignore[union-attr]
+            src = f.read()
+    except (ImportError, ValueError, AttributeError, TypeError, OSError):  # no source: trust the signature
+        src = None
+    if src is not None and not (
+        "from vllm.v1.worker.gpu.spec_decode import init_speculator" in src and "init_speculator(" in src
+    ):
+        raise VllmVersionError(
+            f"vegas: vllm/v1/worker/gpu/model_runner.py no longer imports and calls {name} "
+            f"(as vLLM {VLLM_VERSION} did); the Vegas V2 patches need updating "
+            "(or run V1: VLLM_USE_V2_MODEL_RUNNER=0)"
+        )
+
+    def init_speculator(vllm_config, device):
+        if not is_vegas_proposer(vllm_config.speculative_config):
+            return original(vllm_config, device)
+        return build(vllm_config, device)
+
+    init_speculator._vegas = True  # type: ignore[attr-defined]
+    spec_decode.init_speculator = init_speculator
+    runner_mod = sys.modules.get("vllm.v1.worker.gpu.model_runner")
+    if runner_mod is not None:
+        runner_mod.init_speculator = init_speculator
+
+
+def patch_v2_runner(build: Callable) -> None:
+    """Both V2 patches (idempotent; ``build``: see :func:`patch_v2_init_speculator`); warns once
+    if vLLM is not 0.24.0."""
+    import vllm
+
+    version = getattr(vllm, "__version__", "?")
+    if not str(version).startswith(VLLM_VERSION):
+        _log_once("version", "vegas: the V2 patches were written for vLLM %s, found %s", VLLM_VERSION, version,
+                  level=logging.WARNING)
+    patch_v2_unsupported_check()
+    patch_v2_init_speculator(build)

@@ -29,14 +29,21 @@ import numpy as np
 import torch
 
 from ..config import VegasConfigError
+from ..interfaces import Selector
 from . import patches
 from .async_sched import draft_start_positions, next_tokens_and_counts
-from .drafting import DraftRunner
+from .drafting import DraftRunner, attention_layers
 from .settings import build_selector, path_class, read_settings, settings_json
 from .state import STATE
 from .stats import StatsRecorder
 
-__all__ = ["CLASS_PATH", "VegasProposer"]
+__all__ = [
+    "CLASS_PATH",
+    "VegasProposer",
+    "reserve_selection_buffers",
+    "start_drafter",
+    "use_path",
+]
 
 logger = logging.getLogger("vegas.vllm")
 
@@ -94,6 +101,49 @@ def _apply_graph_mode(vllm_config, selector, verify_cuda_graphs: str) -> bool:
     return bool(mode is not None and mode.has_full_cudagraphs())
 
 
+def start_drafter(vllm_config, gamma: int) -> tuple[Selector, str]:
+    """What every Vegas drafter does when vLLM builds it (the V1 proposer and the V2
+    speculator alike): refuse unsupported engine settings, build the selector of
+    ``$VEGAS_VLLM_CONFIG``, set up :data:`STATE` (γ, enabled, full or piecewise verification
+    graphs, the TP all-reduce) and apply the attention and scheduler patches.
+
+    Returns:
+        ``(selector, settings JSON)``; the selection path is made with the device
+        (:func:`use_path`).
+
+    Raises:
+        VegasConfigError: an unsupported engine setting or bad Vegas settings.
+    """
+    _raise_if_unsupported(vllm_config)
+    name, config = read_settings()
+    selector = build_selector(name, config, gamma)
+    STATE.gamma = gamma
+    STATE.enabled = True
+    STATE.frozen = _apply_graph_mode(vllm_config, selector, selector.config.vllm.verify_cuda_graphs)
+    if int(vllm_config.parallel_config.tensor_parallel_size) > 1:
+        from vllm.distributed import tensor_model_parallel_all_reduce
+
+        STATE.all_reduce = tensor_model_parallel_all_reduce
+    patches.patch_attention()
+    patches.patch_scheduler_lookahead()
+    return selector, settings_json(name, selector.config)
+
+
+def use_path(selector: Selector, settings: str, gamma: int, device) -> None:
+    """Put the selector's selection path (its fast path, else the generic one) in force."""
+    STATE.use(path_class(selector)(selector, gamma, device), settings)
+
+
+def reserve_selection_buffers(vllm_config, selector: Selector, gamma: int, max_seqs: int, device) -> None:
+    """The selection buffers at their largest, before vLLM captures CUDA graphs."""
+    from .plan import budget_cap
+
+    model_config, parallel = vllm_config.model_config, vllm_config.parallel_config
+    q_elems = (gamma + 1) * model_config.get_num_attention_heads(parallel) * model_config.get_head_size()
+    k_cap = budget_cap(selector, model_config.max_model_len)
+    STATE.reserve(max_seqs, k_cap, q_elems, model_config.dtype, device)
+
+
 class VegasProposer:
     """vLLM custom-class proposer: self-speculative drafting with verification-guided sparse attention.
 
@@ -106,24 +156,13 @@ class VegasProposer:
     """
 
     def __init__(self, vllm_config):
-        _raise_if_unsupported(vllm_config)
         self.vllm_config = vllm_config
         self.gamma = int(vllm_config.speculative_config.num_speculative_tokens)
+        self.selector, self._settings = start_drafter(vllm_config, self.gamma)
         self.runner = _find_runner()
-        name, config = read_settings()
-        self.selector = build_selector(name, config, self.gamma)
+        name = self.selector.name
         self.config = self.selector.config
-        self._settings = settings_json(name, self.config)
-        STATE.gamma = self.gamma
-        STATE.enabled = True
-        STATE.frozen = _apply_graph_mode(vllm_config, self.selector, self.config.vllm.verify_cuda_graphs)
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
-        if self.tp_size > 1:
-            from vllm.distributed import tensor_model_parallel_all_reduce
-
-            STATE.all_reduce = tensor_model_parallel_all_reduce
-        patches.patch_attention()
-        patches.patch_scheduler_lookahead()
         patches.patch_draft_probs_gather()
         patches.patch_bookkeeping()
         self.recorder = StatsRecorder()
@@ -160,7 +199,7 @@ class VegasProposer:
         if self.runner is None:
             raise RuntimeError("vegas: could not find vLLM's GPU model runner (V1 runner required; "
                                "set VLLM_USE_V2_MODEL_RUNNER=0)")
-        STATE.use(path_class(self.selector)(self.selector, self.gamma, self.runner.device), self._settings)
+        use_path(self.selector, self._settings, self.gamma, self.runner.device)
         # the layers are registered once the model is built: learn them before the first
         # forward (the prefill), whose last queries give the first selection
         self._init_layers()
@@ -172,46 +211,13 @@ class VegasProposer:
     # ---- helpers ----------------------------------------------------------------------------
     def _reserve_buffers(self) -> None:
         """Selection buffers at their largest (before vLLM captures CUDA graphs)."""
-        from .plan import budget_cap
-
-        model_config, parallel = self.vllm_config.model_config, self.vllm_config.parallel_config
-        q_elems = (self.gamma + 1) * model_config.get_num_attention_heads(parallel) * model_config.get_head_size()
         max_seqs = self.vllm_config.scheduler_config.max_num_seqs
-        k_cap = budget_cap(self.selector, model_config.max_model_len)
-        STATE.reserve(max_seqs, k_cap, q_elems, model_config.dtype, self.runner.device)
+        reserve_selection_buffers(self.vllm_config, self.selector, self.gamma, max_seqs, self.runner.device)
 
     def _init_layers(self) -> None:
-        from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
-
-        from .attention import layer_index
-
-        forward_context = self.vllm_config.compilation_config.static_forward_context
-        layers = []
-        for name, module in forward_context.items():
-            impl = getattr(module, "impl", None)
-            if impl is None:
-                continue
-            if not isinstance(impl, FlashAttentionImpl):
-                raise VegasConfigError(
-                    f"vegas needs the FLASH_ATTN attention backend, layer {name} uses "
-                    f"{type(impl).__name__}; set attention_backend='FLASH_ATTN'"
-                )
-            if impl.sliding_window is not None and tuple(impl.sliding_window) != (-1, -1):
-                raise VegasConfigError(
-                    f"vegas: layer {name} uses sliding-window attention {impl.sliding_window}, which "
-                    "the compressed draft tables cannot express; only full-attention models are supported "
-                    "(the HF backend, backend='hf', supports sliding-window models)"
-                )
-            layers.append((name, layer_index(name)))
-        layers.sort(key=lambda x: x[1])
-        if [idx for _, idx in layers] != list(range(layers[0][1], layers[-1][1] + 1)):
-            raise VegasConfigError("vegas: attention layer indices must be contiguous, got "
-                                   f"{[idx for _, idx in layers]}")
+        layers = attention_layers(self.vllm_config)
         self.drafting.layers = layers
         self.drafting.layer_rows = {idx: i for i, (_, idx) in enumerate(layers)}
-        STATE.first_layer = layers[0][1]
-        STATE.last_layer = layers[-1][1]
-        STATE.layers_ready = True
         self._layers_known = True
 
     def reset_stats(self) -> None:

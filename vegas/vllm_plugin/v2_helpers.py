@@ -1,0 +1,154 @@
+"""Pure tensor helpers of the Vegas speculator on vLLM's V2 model runner (no vLLM import).
+
+The V2 runner keeps per-request state in *request slots* (``req_states``, indexed by
+``req_state_idx``) and sorts the batch anew every step; ``input_batch.idx_mapping`` maps batch
+row ``i`` to its slot. The selection buffers and the gathered block tables are in batch order;
+V2's rejection sampler reads draft logits by slot. These helpers do the mapping and the
+per-step draft inputs on the device, without host lists.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "acceptance_counts",
+    "bucket_rows",
+    "draft_noise_positions",
+    "draft_slots",
+    "one_hot_draft_logits",
+    "padded_idx_mapping",
+    "step_inputs",
+]
+
+
+def step_inputs(
+    num_sampled: torch.Tensor,
+    num_rejected: torch.Tensor,
+    seq_lens: torch.Tensor,
+    idx_mapping: torch.Tensor,
+    last_sampled: torch.Tensor,
+    nblocks: torch.Tensor,
+) -> torch.Tensor:
+    """The step's draft inputs, batch order: ``[4, num_reqs]`` int64 rows (active, token, pos0, nblocks).
+
+    The verified chunk of row ``i`` ends at position ``seq_lens[i] - 1`` and V2 counts
+    ``num_rejected = num_logits - num_sampled``, so the last sampled token sits at
+    ``pos0 = seq_lens - num_rejected`` (its KV is not written yet: the first draft forward
+    writes it). Rows with nothing sampled (a chunk of a longer prefill) are inactive, pos0 0.
+
+    Args:
+        num_sampled: ``[num_reqs]`` int32, tokens sampled per row (0: partial prefill).
+        num_rejected: ``[num_reqs]`` int32, logits of the row minus ``num_sampled``.
+        seq_lens: ``[>= num_reqs]`` int32, sequence lengths of the verified step (batch order).
+        idx_mapping: ``[num_reqs]`` int32, batch row -> request slot.
+        last_sampled: ``[max_num_reqs]`` int32/int64, last sampled token per request slot
+            (V2's ``req_states.last_sampled_tokens``, already updated for this step).
+        nblocks: ``[num_reqs]`` int, KV blocks the row's request owns (batch order).
+    """
+    n = idx_mapping.shape[0]
+    active = num_sampled[:n] > 0
+    token = last_sampled[idx_mapping.long()].long()
+    pos0 = seq_lens[:n].long() - num_rejected[:n].long()
+    zero = torch.zeros_like(pos0)
+    return torch.stack([active.long(), torch.where(active, token, zero), torch.where(active, pos0, zero),
+                        nblocks[:n].long()])
+
+
+def padded_idx_mapping(idx_mapping: torch.Tensor, out: torch.Tensor, scratch: int) -> torch.Tensor:
+    """Write ``idx_mapping`` into ``out[:n]`` and ``scratch`` into ``out[n:]`` (padded rows of a
+    captured graph write their draft logits into a scratch slot, never into a live request's).
+
+    Args:
+        idx_mapping: ``[n]`` int32 batch row -> request slot.
+        out: ``[rows]`` int32 static buffer, ``rows >= n``.
+        scratch: the scratch slot (``max_num_reqs``).
+
+    Returns:
+        ``out``.
+
+    Raises:
+        ValueError: if ``out`` is shorter than ``idx_mapping``.
+    """
+    n = idx_mapping.shape[0]
+    if n > out.shape[0]:
+        raise ValueError(f"padded_idx_mapping: {n} rows do not fit a buffer of {out.shape[0]}")
+    out[:n].copy_(idx_mapping, non_blocking=True)
+    out[n:] = scratch
+    return out
+
+
+def draft_slots(
+    pos: torch.Tensor,
+    active: torch.Tensor,
+    nblocks: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    max_model_len: int,
+) -> torch.Tensor:
+    """KV slot of each row's draft token at ``pos``, or -1 (no write).
+
+    A slot is written only for active rows whose block index lies inside the blocks the
+    request owns (and the table) and whose position is below ``max_model_len``: the gathered
+    V2 block table holds stale ids of other requests past ``nblocks``.
+
+    Args:
+        pos: ``[rows]`` int64 positions; active: ``[rows]`` bool; nblocks: ``[rows]`` int64.
+        block_table: ``[rows, max_blocks]`` int32 (batch order).
+
+    Returns:
+        ``[rows]`` int64 slot ids.
+    """
+    blk_idx = pos // block_size
+    valid = active & (blk_idx < nblocks) & (blk_idx < block_table.shape[1]) & (pos < max_model_len)
+    blk_idx = torch.clamp(blk_idx, min=0, max=block_table.shape[1] - 1)
+    blk = torch.gather(block_table, 1, blk_idx[:, None])[:, 0].long()
+    return torch.where(valid, blk * block_size + pos % block_size, torch.full_like(pos, -1))
+
+
+def draft_noise_positions(pos: torch.Tensor, max_model_len: int) -> torch.Tensor:
+    """Gumbel-noise counters of the draft samples: ``pos + max_model_len`` (``[rows]`` int64).
+
+    V2 draws the target's acceptance uniforms and resampling noise from counters
+    ``< max_model_len`` (the query positions). Draft noise from disjoint counters keeps the
+    draft sample independent of the resampling noise, as rejection sampling requires;
+    vLLM's own ``sample_draft`` (``positions + 1`` on EAGLE's shifted positions) reuses the
+    resampling counter of the same token, which biases the residual sample.
+    """
+    return pos.long() + max_model_len
+
+
+def one_hot_draft_logits(draft_logits: torch.Tensor, slots: torch.Tensor, token: int = 0) -> None:
+    """Make the draft distribution of request ``slots`` one-hot at ``token`` for every step
+    (``draft_logits[slots] = -inf``, ``[..., token] = 0``): the logits V2's rejection sampler
+    reads then match drafts that are all ``token``.
+
+    Args:
+        draft_logits: ``[max_num_reqs + 1, γ, vocab]`` float32, by request slot.
+        slots: ``[n]`` int request slots.
+    """
+    idx = slots.long()
+    draft_logits.index_fill_(0, idx, float("-inf"))
+    draft_logits[idx, :, token] = 0.0
+
+
+def acceptance_counts(num_sampled: torch.Tensor, cu_num_logits: torch.Tensor) -> torch.Tensor:
+    """``[2]`` int64 (iterations, emitted) of one verified step, on the device: rows that
+    verified drafts (more than one logit) and the tokens they emitted (accepted + bonus).
+
+    Args:
+        num_sampled: ``[num_reqs]`` int32.
+        cu_num_logits: ``[num_reqs + 1]`` int32 cumulative logits per row.
+    """
+    n = num_sampled.shape[0]
+    had_drafts = (cu_num_logits[1 : n + 1] - cu_num_logits[:n]) > 1
+    emitted = torch.where(had_drafts, num_sampled.long(), 0)
+    return torch.stack([had_drafts.long().sum(), emitted.sum()])
+
+
+def bucket_rows(num_reqs: int, cap: int, max_graph_rows: int) -> int | None:
+    """Rows of the captured draft graph for ``num_reqs`` requests: the next power of two,
+    clamped to ``cap`` (the rows the buffers hold); None when it exceeds ``max_graph_rows``
+    or cannot hold ``num_reqs`` (then the step drafts eagerly)."""
+    rows = min(1 << max(num_reqs - 1, 0).bit_length(), cap)
+    return rows if num_reqs <= rows <= max_graph_rows else None

@@ -1,0 +1,294 @@
+"""Vegas as a speculator of vLLM 0.24.0's V2 model runner (``vllm/v1/worker/gpu/model_runner.py``).
+
+:class:`VegasSpeculator` subclasses V2's ``DraftModelSpeculator`` so that the runner hands it
+the target model (``load_draft_model`` returns the target itself: no second copy) and its
+block tables (``set_attn``). Built by the patched ``init_speculator``
+(:func:`vegas.vllm_plugin.patches.patch_v2_init_speculator`). Per step, in ``sample_tokens`` after the rejection
+sampler and V2's ``postprocess_sampled``, :meth:`VegasSpeculator.propose`:
+
+1. builds the step's draft inputs on the device from ``num_sampled``, ``num_rejected``,
+   ``input_batch.seq_lens``/``idx_mapping`` and ``last_sampled`` (no host lists; one small
+   host-to-device copy of the blocks each request owns);
+2. replays one CUDA graph (captured per power-of-two row count) that turns the selection of
+   the verification that just ran (:data:`~vegas.vllm_plugin.state.STATE`, batch order, written
+   by whichever selection path is in force) into page-size-1 draft tables
+   (:func:`vegas.vllm_plugin.drafting.draft_tables`, shared with the V1 proposer) and runs γ
+   query-length-1 forwards of the target through the attention override;
+3. samples every draft with V2's ``gumbel_sample`` and writes its temperature-scaled logits
+   into ``draft_logits[request slot, step]``, which the runner hands to V2's rejection
+   sampler: sampling keeps the target distribution, greedy rows take the argmax.
+
+Returns ``[num_reqs, γ]`` int64 drafts in batch order; the runner scatters them to slots.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from vllm.config.compilation import CUDAGraphMode
+from vllm.forward_context import BatchDescriptor, set_forward_context
+from vllm.v1.worker.gpu.buffer_utils import async_copy_to_gpu
+from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
+from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
+
+from .attention import DraftMetadata
+from .drafting import attention_layers, draft_graph_key, draft_tables
+from .proposer import reserve_selection_buffers, start_drafter, use_path
+from .state import STATE
+from .v2_helpers import (
+    acceptance_counts,
+    bucket_rows,
+    draft_noise_positions,
+    draft_slots,
+    one_hot_draft_logits,
+    padded_idx_mapping,
+    step_inputs,
+)
+
+__all__ = ["VegasSpeculator", "get_v2_stats"]
+
+logger = logging.getLogger("vegas.vllm")
+
+
+class VegasSpeculator(DraftModelSpeculator):
+    """Self-speculative drafting with verification-guided sparse attention, V2 runner.
+
+    Settings: ``$VEGAS_VLLM_CONFIG`` (:mod:`vegas.vllm_plugin.settings`), as for the V1
+    proposer: any registered selector, through its fast path or the generic path;
+    ``VegasConfig.vllm.draft_cuda_graphs`` / ``draft_graph_max_rows`` for the draft graphs.
+
+    Raises:
+        VegasConfigError: for settings Vegas does not support (see
+            :func:`~vegas.vllm_plugin.proposer.start_drafter`), or a non-FLASH_ATTN /
+            sliding-window attention layer.
+        ValueError: more than one KV-cache group.
+    """
+
+    def __init__(self, vllm_config, device: torch.device):
+        gamma = int(vllm_config.speculative_config.num_speculative_tokens)
+        # refuses unsupported settings before vLLM allocates anything; also patches attention
+        # and the scheduler (single-process engines build the scheduler after the runner)
+        self.selector, self._settings = start_drafter(vllm_config, gamma)
+        super().__init__(vllm_config, device)
+        self.gamma = int(self.num_speculative_steps)
+        use_path(self.selector, self._settings, self.gamma, device)
+        options = self.selector.config.vllm
+        self.supports_mm_inputs = False
+        n = self.max_num_reqs
+        self.scratch = n  # request slot of padded graph rows
+        # [max_num_reqs + 1, γ, vocab] float32 temperature-scaled draft logits by request slot,
+        # always allocated (whatever draft_sample_method says): V2's rejection sampler then
+        # uses the real draft distribution q instead of a one-hot
+        self.draft_logits = torch.zeros(n + 1, self.gamma, self.vocab_size, dtype=torch.float32, device=device)
+        self.temp_buf = torch.zeros(n + 1, dtype=torch.float32, device=device)  # [slots + 1], 0 = greedy
+        self.seed_buf = torch.zeros(n + 1, dtype=torch.int64, device=device)  # [slots + 1]
+        self.step_cols = [torch.tensor(j, dtype=torch.int64, device=device) for j in range(self.gamma)]
+        self.counters = torch.zeros(2, dtype=torch.int64, device=device)  # iterations, emitted
+        self.proposals = 0
+        self._layers: list[tuple[str, int]] = []
+        self._layer_pos: dict[int, int] = {}
+        self._graphs: dict = {}
+        self._graph_pool = None
+        self._graph_failed = False
+        self.use_cuda_graphs = options.draft_cuda_graphs
+        self.max_graph_rows = options.draft_graph_max_rows
+        logger.info("vegas: V2 model runner speculator, gamma=%d settings=%s", self.gamma, self._settings)
+
+    # ---- DraftModelSpeculator hooks ---------------------------------------------------------
+    def load_draft_model(self, target_model, target_attn_layer_names):
+        """The target is the draft model. Learns its attention layers and reserves the
+        selection buffers at their largest, before vLLM captures the verification graphs."""
+        self._layers = attention_layers(self.vllm_config)
+        self._layer_pos = {idx: i for i, (_, idx) in enumerate(self._layers)}
+        reserve_selection_buffers(self.vllm_config, self.selector, self.gamma, self.max_num_reqs, self.device)
+        return target_model
+
+    def set_attn(self, model_state, kv_cache_config, block_tables) -> None:
+        """Keep the runner's block tables (no attention backend of our own: the draft
+        forwards carry :class:`DraftMetadata`).
+
+        Raises:
+            ValueError: for more than one KV-cache group.
+        """
+        groups = kv_cache_config.kv_cache_groups
+        if len(groups) != 1:
+            raise ValueError(
+                f"vegas: the model has {len(groups)} KV-cache groups (hybrid or mixed attention); "
+                "only single-group full-attention models are supported"
+            )
+        self.model_state = model_state
+        self.kv_cache_config = kv_cache_config
+        self.block_tables = block_tables
+
+    def init_cudagraph_manager(self, cudagraph_mode) -> None:
+        self.cudagraph_mode = cudagraph_mode
+
+    def capture(self, attn_states) -> None:
+        """Capture the draft graphs of every power-of-two row count up to the largest
+        captured one, once, after vLLM's verification graphs."""
+        mode = getattr(self, "cudagraph_mode", CUDAGraphMode.NONE)
+        if not self.use_cuda_graphs or mode == CUDAGraphMode.NONE or not STATE.has_selection:
+            return  # no selection yet (the verification capture writes one): capture lazily
+        cap = self._row_cap()
+        rows = 1
+        while rows <= min(cap, self.max_graph_rows):
+            self._graph_entry(rows)
+            rows *= 2
+
+    # ---- propose ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states,
+                num_sampled, num_rejected, last_sampled, next_prefill_tokens, temperature, seeds,
+                num_tokens_across_dp=None, dummy_run=False, skip_attn_for_dummy_run=False,
+                mm_inputs=None, is_profile=False) -> torch.Tensor:
+        """γ drafts per request: ``[num_reqs, γ]`` int64 on the device, batch order.
+
+        Dummy and profile runs return zeros (their output is discarded). When no selection
+        exists yet, the drafts are zeros and their logits one-hot, so rejection sampling
+        stays exact.
+        """
+        n = input_batch.num_reqs
+        if dummy_run or is_profile or attn_metadata is None:
+            return self.draft_tokens[:n].zero_()
+        idx = input_batch.idx_mapping  # [n] int32 batch row -> request slot
+        if not STATE.has_selection or STATE.sel_buf is None or n > self._row_cap():
+            one_hot_draft_logits(self.draft_logits, idx)
+            return self.draft_tokens[:n].zero_()
+        if input_batch.num_draft_tokens > 0:
+            self.counters += acceptance_counts(num_sampled, input_batch.cu_num_logits)
+        # blocks owned per row: the host's values of this step (the UVA view rotates under
+        # async scheduling, so it is not read from the device later)
+        nblocks = async_copy_to_gpu(self.block_tables.num_blocks.np[0][input_batch.idx_mapping_np],
+                                    device=self.device)
+        step_in = step_inputs(num_sampled, num_rejected, input_batch.seq_lens, idx, last_sampled, nblocks)
+        self.temp_buf[: self.max_num_reqs].copy_(temperature)
+        self.seed_buf[: self.max_num_reqs].copy_(seeds)
+        self.proposals += 1
+        b = None
+        rows = bucket_rows(n, self._row_cap(), self.max_graph_rows)
+        if self.use_cuda_graphs and not self._graph_failed and rows is not None:
+            try:
+                graph, b = self._graph_entry(rows)
+                self._fill(b, n, step_in, idx)
+                graph.replay()
+            except Exception as e:  # fall back to eager drafting for good
+                logger.warning("vegas: CUDA-graph drafting failed (%r); drafting eagerly from now on", e)
+                self._graph_failed = True
+                b = None
+        if b is None:
+            b = self._make_bufs(n)
+            self._fill(b, n, step_in, idx)
+            self._draft_body(b, n)
+        return b["out_tok"][:n]
+
+    # ---- drafting ---------------------------------------------------------------------------
+    def _row_cap(self) -> int:
+        return min(self.max_num_reqs, STATE.sel_buf.shape[1] if STATE.sel_buf is not None else 0)
+
+    def _make_bufs(self, rows: int) -> dict:
+        dev = self.device
+        return {
+            "step_in": torch.zeros((4, rows), dtype=torch.int64, device=dev),  # active, token, pos0, nblocks
+            "idx": torch.full((rows,), self.scratch, dtype=torch.int32, device=dev),  # row -> request slot
+            "seqused": torch.ones(rows, dtype=torch.int32, device=dev),
+            "cu_q": torch.arange(rows + 1, dtype=torch.int32, device=dev),
+            "slot": torch.full((rows,), -1, dtype=torch.int64, device=dev),
+            "input_ids": torch.zeros(rows, dtype=torch.int32, device=dev),
+            "positions": torch.zeros(rows, dtype=torch.int64, device=dev),
+            "out_tok": torch.zeros((rows, self.gamma), dtype=torch.int64, device=dev),
+        }
+
+    def _fill(self, b: dict, n: int, step_in: torch.Tensor, idx: torch.Tensor) -> None:
+        """The step's inputs into the static buffers; rows ``>= n`` become inactive and
+        sample into the scratch slot."""
+        b["step_in"][:, :n].copy_(step_in)
+        b["step_in"][:, n:] = 0
+        padded_idx_mapping(idx, b["idx"], self.scratch)
+
+    def _graph_entry(self, rows: int):
+        """``(graph, buffers)`` of ``rows`` rows, captured on first use (keyed also by the
+        selection kind and the selection buffers' generation)."""
+        key = draft_graph_key(rows, "v2")
+        sel_kind = key[-2]
+        entry = self._graphs.get(key)
+        if entry is not None:
+            return entry
+        from vllm.distributed.parallel_state import graph_capture
+
+        b = self._make_bufs(rows)
+        self._draft_body(b, rows)  # warm-up: no active row, so every KV slot is -1
+        torch.cuda.synchronize(self.device)
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with graph_capture(device=self.device) as ctx, torch.cuda.graph(
+            graph, pool=self._graph_pool, stream=ctx.stream, capture_error_mode="thread_local"
+        ):
+            self._draft_body(b, rows)
+        self._graphs[key] = (graph, b)
+        logger.info("vegas: captured V2 draft graph rows=%d tables=%d", rows, sel_kind)
+        return graph, b
+
+    def _draft_body(self, b: dict, rows: int) -> None:
+        """Draft tables, then γ forwards of ``rows`` requests (query length 1), each sampled
+        by ``gumbel_sample`` into ``b["out_tok"][:, j]`` and ``draft_logits[b["idx"], j]``."""
+        bs = STATE.block_size
+        max_len = int(self.max_model_len)
+        bt = self.block_tables.input_block_tables[0][:rows]  # [rows, max_blocks] int32, batch order
+        tables, base_used, pages = draft_tables(b["step_in"], bt, rows, self.gamma)
+        width = tables.shape[-1]
+        layer_rows = {idx: 0 for _, idx in self._layers} if tables.shape[0] == 1 else self._layer_pos
+        active, tokens, pos0, nblocks = b["step_in"].unbind(0)
+        active = active.bool()
+        idx = b["idx"]
+        for j in range(self.gamma):
+            pos = pos0 + j
+            b["slot"].copy_(draft_slots(pos, active, nblocks, bt, bs, max_len))
+            b["input_ids"].copy_(tokens)
+            b["positions"].copy_(torch.where(active, torch.clamp(pos, max=max_len - 1), 0))
+            b["seqused"].copy_(torch.clamp(base_used + j, max=width))
+            attn_md = {
+                name: DraftMetadata(
+                    tables[layer_rows[i]], b["seqused"], b["cu_q"], width, rows, quest=pages, quest_row=layer_rows[i],
+                )
+                for name, i in self._layers
+            }
+            with set_forward_context(
+                attn_md, self.vllm_config, num_tokens=rows, cudagraph_runtime_mode=CUDAGraphMode.NONE,
+                batch_descriptor=BatchDescriptor(num_tokens=rows),
+                slot_mapping={name: b["slot"] for name, _ in self._layers},
+            ):
+                hidden = self.model(
+                    input_ids=b["input_ids"], positions=b["positions"], intermediate_tensors=None, inputs_embeds=None,
+                )
+            if isinstance(hidden, tuple):
+                hidden = hidden[0]
+            logits = self.model.compute_logits(hidden[:rows])
+            tokens = gumbel_sample(
+                logits, idx, self.temp_buf, self.seed_buf, draft_noise_positions(b["positions"], max_len),
+                apply_temperature=True, output_processed_logits=self.draft_logits,
+                output_processed_logits_col=self.step_cols[j], use_fp64=self.use_fp64_gumbel,
+            )
+            b["out_tok"][:, j].copy_(tokens)
+
+
+def get_v2_stats(worker) -> dict:
+    """``LLM.collective_rpc(get_v2_stats)``: the V2 speculator's counters (``{}`` on V1):
+    proposals, iterations (verified steps of rows with drafts), emitted tokens of those
+    (accepted + bonus) and ``acceptance_length`` = emitted / iterations. Waits for the GPU."""
+    runner = getattr(worker, "model_runner", worker)
+    spec = getattr(runner, "speculator", None)
+    if not isinstance(spec, VegasSpeculator):
+        return {}
+    iterations, emitted = (int(x) for x in spec.counters.tolist())
+    return {
+        "runner": "v2",
+        "proposals": spec.proposals,
+        "iterations": iterations,
+        "emitted": emitted,
+        "acceptance_length": emitted / iterations if iterations else 0.0,
+        "full_cuda_graphs": STATE.frozen,
+        "draft_graphs": len(spec._graphs),
+        "graph_failed": spec._graph_failed,
+    }
