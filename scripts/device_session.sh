@@ -58,7 +58,7 @@ case ${1:-} in
     tail -3 "$OUT/fa_tests.log"
     if [ -f scripts/vllm_v2_smoke.py ] && [ "$(left)" -gt 100 ]; then
       say "V2 runner smoke"
-      timeout $(( $(left) - 20 )) python3 scripts/vllm_v2_smoke.py vegas/model > "$OUT/v2_smoke.log" 2>&1
+      timeout $(( $(left) - 20 )) python3 scripts/vllm_v2_smoke.py vegas/model --selector collect2 --batch 8 --new-tokens 128 > "$OUT/v2_smoke.log" 2>&1
       tail -8 "$OUT/v2_smoke.log"
     fi
     say "background logs"
