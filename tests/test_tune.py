@@ -148,3 +148,11 @@ def test_bench_plot_writes_a_png(tmp_path):
     assert "collect2: sampling, run 1/1 done in" in result.output  # the log line per run
     result = CliRunner().invoke(main, ["bench", "--plot", str(tmp_path), "--selectors", "collect2"])
     assert result.exit_code == 2 and "--plot" in result.output
+
+
+def test_quick_preset_is_small_and_bounded_and_explicit_options_win():
+    quick = TuneOptions(quick=True).resolved()
+    assert (quick.context, quick.new_tokens, quick.batch_size, quick.time_budget) == (1024, 32, 1, 570.0)
+    assert len(quick.sparsities) == 4 and quick.gammas == [2, 4, 6] and quick.fine_steps == 1
+    assert TuneOptions(quick=True, context=512, time_budget=60).resolved().time_budget == 60
+    assert TuneOptions().resolved().time_budget is None and TuneOptions().resolved().context == 4096

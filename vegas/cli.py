@@ -196,8 +196,8 @@ def _tune_options(fn):
 @click.option("--selectors", default="collect2", show_default=True,
               help="Comma-separated selector names to tune ('all' = every registered one); each gets its curves.")
 @click.option("--quick", is_flag=True,
-              help="Small sweep (context 1024, 32 new tokens, batch 1, 4 sparsities, γ 2,4,6, 3 fine points) for a "
-                   "first look on a CPU.")
+              help="Small sweep (context 1024, 32 new tokens, batch 1, 4 sparsities, γ 2,4,6, 3 fine points, "
+                   "time budget 570 s) for a first look on a CPU.")
 @click.option("--context", default=None, type=int, help="Prompt length in tokens [default: 4096; --quick 1024].")
 @click.option("--new-tokens", default=None, type=int, help="Tokens generated per prompt and point [default: 64; --quick 32].")
 @click.option("--batch-size", default=None, type=int, help="Prompts decoded together [default: 2; --quick 1].")
@@ -217,7 +217,8 @@ def _tune_options(fn):
 @click.option("--min-kv-budget", default=0, show_default=True, type=int,
               help="Floor of the KV budget in tokens (VegasConfig.min_kv_budget; 0 lets the grid set the budget).")
 @click.option("--time-budget", default=None, type=float,
-              help="Seconds: stop before a point that would not finish in time, then write plots and a recommendation.")
+              help="Seconds: stop before a point that would not finish in time, then write plots and a "
+                   "recommendation [default: none; --quick 570].")
 @click.option("--out", default="vegas-tune", show_default=True, type=click.Path(file_okay=False),
               help="Directory for points.json, recommendation.json and the PNG plots; a rerun resumes from it.")
 @click.option("--fresh", is_flag=True, help="Discard the points already in --out instead of resuming.")

@@ -67,12 +67,13 @@ FORMAT_VERSION = 1
 FULL = {
     "context": 4096, "new_tokens": 64, "batch_size": 2,
     "sparsities": [0.01, 0.018, 0.033, 0.06, 0.11, 0.2],  # log-spaced 0.01 .. 0.2
-    "gammas": [1, 2, 3, 4, 6, 8], "fine_steps": 2,
+    "gammas": [1, 2, 3, 4, 6, 8], "fine_steps": 2, "time_budget": None,
 }
 QUICK = {
     "context": 1024, "new_tokens": 32, "batch_size": 1,
     "sparsities": [0.01, 0.025, 0.06, 0.15],
     "gammas": [2, 4, 6], "fine_steps": 1,
+    "time_budget": 570.0,  # seconds: --quick ends within 10 minutes whatever the load (rerun resumes)
 }
 
 #: options whose change alters what a point measures: a rerun must match them to resume
@@ -120,7 +121,7 @@ class TuneOptions:
     def resolved(self) -> "TuneOptions":
         """A copy with every None default filled from :data:`QUICK` or :data:`FULL`."""
         preset = QUICK if self.quick else FULL
-        return replace(self, **{k: v for k, v in preset.items() if getattr(self, k) is None})
+        return replace(self, **{k: v for k, v in preset.items() if getattr(self, k) is None and v is not None})
 
 
 def raise_if_bad_options(opts: TuneOptions) -> None:
