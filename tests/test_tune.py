@@ -95,6 +95,14 @@ def test_tiny_sweep_writes_points_plots_recommendation_and_resumes(counted, tmp_
     assert len(calls) == measured and rec["reused_points"] == 8
     assert len(json.loads((tmp_path / "points.json").read_text())["points"]) == 8
 
+    result = CliRunner().invoke(main, [  # the command resumes the same points too
+        "tune", "--context", "128", "--new-tokens", "4", "--batch-size", "1", "--sparsities", "0.05,0.5",
+        "--gammas", "2", "--fine-steps", "1", "--device", "cpu", "--out", str(tmp_path),
+    ])
+    assert result.exit_code == 0, result.output
+    assert "8 points (8 reused from an earlier run)" in result.output and " done in " not in result.output
+    assert "VegasConfig(num_draft_tokens=2" in result.output and "--speculative-config" in result.output
+
     with pytest.raises(VegasConfigError, match=r"other settings \(new_tokens: 4 -> 5\).*--fresh"):
         run_tune(TuneOptions(**{**vars(_tiny(tmp_path)), "new_tokens": 5}), Console(file=io.StringIO()), pipe=pipe)
 

@@ -240,4 +240,5 @@ def tune(selectors, **kwargs) -> None:
         raise click.UsageError(str(exc)) from exc
     for line in describe(results):
         click.echo(line)
-    click.echo(f"points, recommendation and plots ({', '.join(results['plots'])}) in {kwargs['out']}")
+    click.echo(f"{results['points']} points ({results['reused_points']} reused from an earlier run), "
+               f"recommendation and plots ({', '.join(results['plots'])}) in {kwargs['out']}")
