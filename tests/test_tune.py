@@ -116,6 +116,16 @@ def test_time_budget_stops_cleanly_and_still_writes(counted, tmp_path):
         assert (tmp_path / name).read_bytes().startswith(PNG)
 
 
+def test_repeats_time_each_point_several_times(counted, tmp_path):
+    pipe, calls = counted
+    opts = TuneOptions(**{**vars(_tiny(tmp_path)), "sparsities": [0.5], "fine_steps": 0, "repeats": 2})
+    run_tune(opts, Console(file=io.StringIO()), pipe=pipe)
+    points = json.loads((tmp_path / "points.json").read_text())["points"]
+    assert len(points) == 5  # step 1: 1; step 2: plain + 1 γ; step 3: plain + 1
+    assert all(len(p["tokens_per_second_runs"]) == 2 for p in points)
+    assert len(calls) == 2 + 2 * 5  # warm-up (plain, collect2) + 2 runs per point
+
+
 @pytest.mark.parametrize("args, message", [
     (["--selectors", ","], "--selectors"),
     (["--selectors", "nope"], "registered: "),
@@ -126,6 +136,7 @@ def test_time_budget_stops_cleanly_and_still_writes(counted, tmp_path):
     (["-g", "0"], "--num-draft-tokens"),
     (["--time-budget", "0"], "--time-budget"),
     (["--tolerance", "1"], "--tolerance"),
+    (["--repeats", "0"], "--repeats"),
 ])
 def test_tune_names_bad_options(args, message):
     result = CliRunner().invoke(main, ["tune", *args])

@@ -219,6 +219,8 @@ def _tune_options(fn):
 @click.option("--time-budget", default=None, type=float,
               help="Seconds: stop before a point that would not finish in time, then write plots and a "
                    "recommendation [default: none; --quick 570].")
+@click.option("--repeats", default=1, show_default=True, type=int,
+              help="Timed runs per point; the point keeps the run of median tokens/s (a noisy machine wants 3).")
 @click.option("--out", default="vegas-tune", show_default=True, type=click.Path(file_okay=False),
               help="Directory for points.json, recommendation.json and the PNG plots; a rerun resumes from it.")
 @click.option("--fresh", is_flag=True, help="Discard the points already in --out instead of resuming.")

@@ -49,7 +49,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from .bench import summarize
+from .bench import _median_row, summarize
 from .config import VegasConfig, VegasConfigError, kv_budget_for
 from .pipeline import Pipeline
 from .plugins import selector_names
@@ -79,7 +79,7 @@ QUICK = {
 #: options whose change alters what a point measures: a rerun must match them to resume
 MEASUREMENT_SETTINGS = (
     "model", "rope_scaling", "backend", "prompts", "context", "new_tokens", "batch_size",
-    "temperature", "top_p", "seed", "dtype", "device", "min_kv_budget",
+    "temperature", "top_p", "seed", "dtype", "device", "min_kv_budget", "repeats",
 )
 
 
@@ -113,6 +113,7 @@ class TuneOptions:
     dtype: str = "float32"
     device: str | None = None
     seed: int = 0
+    repeats: int = 1  # timed runs per point; the point reports the run of median tokens/s
     out: str = "vegas-tune"
     time_budget: float | None = None
     quick: bool = False
@@ -148,7 +149,7 @@ def raise_if_bad_options(opts: TuneOptions) -> None:
     for name, flag, minimum in (
         ("num_draft_tokens", "--num-draft-tokens/-g", 1), ("context", "--context", 2),
         ("new_tokens", "--new-tokens", 1), ("batch_size", "--batch-size", 1),
-        ("fine_steps", "--fine-steps", 0), ("min_kv_budget", "--min-kv-budget", 0),
+        ("fine_steps", "--fine-steps", 0), ("min_kv_budget", "--min-kv-budget", 0), ("repeats", "--repeats", 1),
     ):
         value = getattr(opts, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -315,13 +316,14 @@ def run_tune(opts: TuneOptions, console: Console | None = None, pipe: Pipeline |
         cfg = replace(base, num_draft_tokens=gamma, sparsity_ratio=sparsity or base.sparsity_ratio)
         pipe.config = cfg
         t0 = time.monotonic()
-        outputs = pipe.generate(prompts, max_new_tokens=opts.new_tokens, selector=selector, **sampled)
+        runs = [summarize(pipe.generate(prompts, max_new_tokens=opts.new_tokens, selector=selector, **sampled))
+                for _ in range(opts.repeats)]
         state["last"] = time.monotonic() - t0
         point = {
             "step": step, "selector": selector, "num_draft_tokens": gamma,
             "sparsity_ratio": _round(sparsity) if selector else None,
             "kv_budget": kv_budget_for(cfg, opts.context) if selector else None,
-            **summarize(outputs), "wall_seconds": state["last"], "measured_at": time.time(),
+            **_median_row(runs), "wall_seconds": state["last"], "measured_at": time.time(),
         }
         store.add(point)
         progress.advance(task, note=f"τ {point['acceptance_length']:.2f}, {point['tokens_per_second']:.2f} tok/s")
