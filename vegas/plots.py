@@ -13,13 +13,14 @@ __all__ = ["plot_tune", "plot_bench"]
 THROUGHPUT = "throughput (generated tokens / decode second)"
 
 
-def _plain_ticks(axis) -> None:
-    """Tick labels such as 20, 0.05 instead of 2×10^1, 5×10^-2 on a log axis."""
-    from matplotlib.ticker import FuncFormatter
+def _plain_ticks(axis, minor: bool = True) -> None:
+    """Tick labels such as 20, 0.05 instead of 2×10^1, 5×10^-2 on a log axis (``minor``:
+    the minor ticks labelled too)."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
 
     fmt = FuncFormatter(lambda v, _: f"{v:g}")
     axis.set_major_formatter(fmt)
-    axis.set_minor_formatter(fmt)
+    axis.set_minor_formatter(fmt if minor else NullFormatter())
 
 
 def _figure(ncols: int = 1, width: float = 6.4):
@@ -87,7 +88,7 @@ def plot_tune(points: list[dict], recommendation: dict, opts, out: Path) -> list
     _plain_ticks(ax.xaxis)
     top = ax.secondary_xaxis("top", functions=(lambda b: b / context, lambda s: s * context))
     top.set_xlabel("sparsity (KV budget / context)")
-    _plain_ticks(top.xaxis)
+    _plain_ticks(top.xaxis, minor=False)
     save(fig, ax, "tau_vs_budget.png", "KV budget (tokens)", "τ, acceptance length (tokens / iteration)",
          f"step 1: τ against KV budget, γ={opts.num_draft_tokens}, context {context} tokens")
 
