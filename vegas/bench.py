@@ -14,13 +14,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
 from .backends.base import RequestOutput
 from .config import VegasConfigError, VegasPluginError, kv_budget_for
 from .pipeline import Pipeline
 from .plugins import create_selector, selector_names
+from .progress import LoggedProgress
 from .prompts import cut_contexts, package_source, read_text_source
 from .sampling import SamplingParams
 
@@ -141,7 +141,7 @@ def run_bench(opts: BenchOptions, console: Console | None = None) -> dict:
         "skipped": skipped,
     }
 
-    with Progress(console=console, transient=True) as progress:
+    with LoggedProgress(console=console, transient=True) as progress:  # off a terminal: a line per run
         total = 1 + len(opts.selectors) + opts.repeats * (1 + len(opts.selectors))
         task = progress.add_task("vegas bench", total=total)
         progress.update(task, description="plain greedy (reference)")
@@ -166,7 +166,8 @@ def run_bench(opts: BenchOptions, console: Console | None = None) -> dict:
                     del timed[name]
                     continue
                 timed[name].append(summarize(out))
-                progress.advance(task)
+                row = timed[name][-1]
+                progress.advance(task, note=f"{row['tokens_per_second']:.1f} tok/s, τ {row['acceptance_length']:.2f}")
         results["plain"] = _median_row(timed.pop(None))
         for name, rows in timed.items():
             row = _median_row(rows)

@@ -28,7 +28,7 @@ def _rope_scaling(ctx, param, value: str | None) -> dict | None:
     return parsed
 
 
-_CONFIG_OPTIONS = [
+_MODEL_OPTIONS = [
     click.option("--model", default=None,
                  help="Model name (smollm2-135m), .gguf file, model directory or cached hub id "
                       "(default: the embedded vegas-tiny-code)."),
@@ -36,9 +36,13 @@ _CONFIG_OPTIONS = [
                  help=f"RoPE scaling as JSON, e.g. '{ROPE_EXAMPLE}' (yarn, linear, llama3): "
                       "raises the model's context by the factor."),
     click.option("--backend", default="hf", show_default=True, help="Registered backend: hf, vllm, or a plugin's."),
+]
+_DRAFT_OPTIONS = [  # vegas tune sweeps these: it takes only the others
     click.option("--num-draft-tokens", "-g", default=4, show_default=True, type=int, help="γ, draft tokens per iteration."),
     click.option("--sparsity-ratio", default=0.05, show_default=True, type=float, help="KV budget / context, in (0, 1]."),
     click.option("--kv-budget", default=None, type=int, help="KV budget in tokens (overrides --sparsity-ratio)."),
+]
+_SAMPLING_OPTIONS = [
     click.option("--temperature", default=0.8, show_default=True, type=float, help="0 = greedy."),
     click.option("--top-p", default=0.95, show_default=True, type=float),
     click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"])),
@@ -47,8 +51,11 @@ _CONFIG_OPTIONS = [
 ]
 
 
-def _config_options(fn):
-    for option in reversed(_CONFIG_OPTIONS):
+_CONFIG_OPTIONS = _MODEL_OPTIONS + _DRAFT_OPTIONS + _SAMPLING_OPTIONS
+
+
+def _config_options(fn, options=None):
+    for option in reversed(_CONFIG_OPTIONS if options is None else options):
         fn = option(fn)
     return fn
 
@@ -75,7 +82,9 @@ def main(verbose: bool) -> None:
 @click.option("--repeats", default=1, show_default=True, type=int,
               help="Timed runs per method, interleaved across methods; rows report the median tok/s.")
 @click.option("--json", "json_path", default=None, type=click.Path(), help="Write results as JSON here.")
-def bench(json_path, selectors, **kwargs) -> None:
+@click.option("--plot", "plot_path", default=None, type=click.Path(),
+              help="Write the table as a chart here (PNG: τ and speedup per selector).")
+def bench(json_path, plot_path, selectors, **kwargs) -> None:
     """Plain decoding vs each selector on the same long prompts: τ, tok/s, speedup, exactness."""
     from .bench import BenchOptions, render, run_bench, write_json
 
@@ -84,10 +93,12 @@ def bench(json_path, selectors, **kwargs) -> None:
         names = None if selectors == "all" else [s.strip() for s in selectors.split(",") if s.strip()]
         if names == []:
             raise VegasConfigError("selectors (--selectors) must name at least one selector, or 'all'")
-        if json_path and (Path(json_path).is_dir() or not Path(json_path).resolve().parent.is_dir()):
-            raise VegasConfigError(f"--json {json_path!r} must be a file path in an existing directory")
-        if json_path:
-            _check_writable(Path(json_path))
+        for flag, path in (("--json", json_path), ("--plot", plot_path)):
+            if path and (Path(path).is_dir() or not Path(path).resolve().parent.is_dir()):
+                raise VegasConfigError(f"{flag} {path!r} must be a file path in an existing directory")
+        for flag, path in (("--json", json_path), ("--plot", plot_path)):
+            if path:
+                _check_writable(Path(path), flag)
         opts = BenchOptions(selectors=names, **kwargs)
         results = run_bench(opts, Console(stderr=True))
     except VegasConfigError as exc:
@@ -96,18 +107,23 @@ def bench(json_path, selectors, **kwargs) -> None:
     if json_path:
         write_json(results, json_path)
         console.print(f"results written to {json_path}")
+    if plot_path:
+        from .plots import plot_bench
+
+        plot_bench(results, plot_path)
+        console.print(f"chart written to {plot_path}")
     if not all(r["lossless"] for r in results["selectors"].values()):
         raise click.ClickException("greedy exactness check failed for some selector")
 
 
-def _check_writable(path: Path) -> None:
+def _check_writable(path: Path, flag: str = "--json") -> None:
     """Fail before the run, not after it, when ``path`` cannot be written (leaves no file behind)."""
     existed = path.exists()
     try:
         with path.open("a"):
             pass
     except OSError as exc:
-        raise VegasConfigError(f"--json {str(path)!r} cannot be written: {exc.strerror}") from None
+        raise VegasConfigError(f"{flag} {str(path)!r} cannot be written: {exc.strerror}") from None
     if not existed:
         path.unlink()
 
@@ -155,3 +171,76 @@ def generate(prompt, selector, max_new_tokens, chat, model, rope_scaling, backen
         f"decode {s.decode_seconds:.2f} s, selection {s.selection_seconds:.3f} s]",
         err=True,
     )
+
+
+def _number_list(kind):
+    """Callback: a comma-separated list of ``kind`` (None stays None: the preset's)."""
+
+    def parse(ctx, param, value: str | None):
+        if value is None:
+            return None
+        try:
+            return [kind(v) for v in value.split(",") if v.strip()]
+        except ValueError:
+            raise click.BadParameter(f"must be comma-separated {kind.__name__}s, got {value!r}") from None
+
+    return parse
+
+
+def _tune_options(fn):
+    return _config_options(_config_options(fn, _SAMPLING_OPTIONS), _MODEL_OPTIONS)
+
+
+@main.command()
+@_tune_options
+@click.option("--selectors", default="collect2", show_default=True,
+              help="Comma-separated selector names to tune ('all' = every registered one); each gets its curves.")
+@click.option("--quick", is_flag=True,
+              help="Small sweep (context 1024, 32 new tokens, batch 1, 4 sparsities, γ 2,4,6, 3 fine points, "
+                   "time budget 570 s) for a first look on a CPU.")
+@click.option("--context", default=None, type=int, help="Prompt length in tokens [default: 4096; --quick 1024].")
+@click.option("--new-tokens", default=None, type=int, help="Tokens generated per prompt and point [default: 64; --quick 32].")
+@click.option("--batch-size", default=None, type=int, help="Prompts decoded together [default: 2; --quick 1].")
+@click.option("--prompts", default=None, type=click.Path(exists=True),
+              help="Text file or directory to cut prompts from (default: installed click source).")
+@click.option("--num-draft-tokens", "-g", default=4, show_default=True, type=int, help="γ of step 1 (the sparsity sweep).")
+@click.option("--sparsities", default=None, callback=_number_list(float),
+              help="Step 1's sparsity grid, KV budget / context in (0, 1], comma-separated "
+                   "[default: 0.01,0.018,0.033,0.06,0.11,0.2; --quick 0.01,0.025,0.06,0.15].")
+@click.option("--gammas", default=None, callback=_number_list(int),
+              help="Step 2's γ grid, integers >= 1 [default: 1,2,3,4,6,8; --quick 2,4,6].")
+@click.option("--tolerance", default=0.05, show_default=True, type=float,
+              help="Knee rule: the smallest sparsity whose τ is within this fraction of the best τ.")
+@click.option("--fine-factor", default=1.5, show_default=True, type=float,
+              help="Step 3 tries knee × factor^k, |k| <= --fine-steps.")
+@click.option("--fine-steps", default=None, type=int, help="Step 3's points on each side of the knee [default: 2; --quick 1].")
+@click.option("--min-kv-budget", default=0, show_default=True, type=int,
+              help="Floor of the KV budget in tokens (VegasConfig.min_kv_budget; 0 lets the grid set the budget).")
+@click.option("--time-budget", default=None, type=float,
+              help="Seconds: stop before a point that would not finish in time, then write plots and a "
+                   "recommendation [default: none; --quick 570].")
+@click.option("--repeats", default=1, show_default=True, type=int,
+              help="Timed runs per point; the point keeps the run of median tokens/s (a noisy machine wants 3).")
+@click.option("--out", default="vegas-tune", show_default=True, type=click.Path(file_okay=False),
+              help="Directory for points.json, recommendation.json and the PNG plots; a rerun resumes from it.")
+@click.option("--fresh", is_flag=True, help="Discard the points already in --out instead of resuming.")
+def tune(selectors, **kwargs) -> None:
+    """Find the sparsity and γ to run with: τ over sparsities at a fixed γ (knee), tokens/s over γ
+    at the knee, then tokens/s over sparsities near the knee; writes JSON and PNG plots to --out
+    and prints the recommended VegasConfig (and the vLLM settings)."""
+    from .tune import TuneOptions, describe, run_tune
+
+    try:
+        if selectors.strip() == "all":
+            from .plugins import selector_names
+
+            names = selector_names()
+        else:
+            names = [s.strip() for s in selectors.split(",") if s.strip()]
+        results = run_tune(TuneOptions(selectors=names, **kwargs), Console(stderr=True))
+    except VegasConfigError as exc:
+        raise click.UsageError(str(exc)) from exc
+    for line in describe(results):
+        click.echo(line)
+    click.echo(f"{results['points']} points ({results['reused_points']} reused from an earlier run), "
+               f"recommendation and plots ({', '.join(results['plots'])}) in {kwargs['out']}")

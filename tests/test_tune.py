@@ -1,0 +1,177 @@
+"""``vegas tune`` (a tiny sweep on the embedded model), its knee rule, plots, and ``vegas bench --plot``."""
+
+import io
+import json
+
+import pytest
+from click.testing import CliRunner
+from rich.console import Console
+
+from vegas.cli import main
+from vegas.config import VegasConfigError
+from vegas.progress import LoggedProgress
+from vegas.tune import TuneOptions, describe, fine_grid, knee, recommend, run_tune
+
+PNG = b"\x89PNG\r\n\x1a\n"
+PLOTS = ("tau_vs_budget.png", "throughput_vs_gamma.png", "throughput_vs_sparsity.png")
+
+
+def _point(step, sparsity, tau, tps, selector="collect2", gamma=4):
+    return {"step": step, "selector": selector, "num_draft_tokens": gamma, "sparsity_ratio": sparsity,
+            "kv_budget": int(sparsity * 1000), "acceptance_length": tau, "tokens_per_second": tps}
+
+
+def test_knee_is_the_smallest_sparsity_within_tolerance_of_the_best_tau():
+    curve = [_point(1, s, tau, 1.0) for s, tau in [(0.01, 2.0), (0.02, 3.5), (0.05, 3.9), (0.1, 4.0), (0.2, 3.95)]]
+    assert knee(curve, 0.05)["sparsity_ratio"] == 0.02 + 0.03  # 3.9 >= 0.95 * 4.0; 3.5 is not
+    assert knee(curve, 0.15)["sparsity_ratio"] == 0.02  # 3.5 >= 0.85 * 4.0
+    assert knee(curve, 0.0)["sparsity_ratio"] == 0.1  # only the best itself
+    assert knee(list(reversed(curve)), 0.05)["sparsity_ratio"] == 0.05  # order does not matter
+    assert knee([], 0.05) is None
+    assert fine_grid(0.1, 1.5, 1) == [0.06667, 0.1, 0.15]
+    assert fine_grid(0.8, 1.5, 1) == [0.5333, 0.8]  # above 1 dropped
+
+
+def test_recommend_follows_the_three_steps_on_synthetic_points():
+    opts = TuneOptions(sparsities=[0.01, 0.05, 0.2], gammas=[2, 4, 8], fine_steps=1).resolved()
+    points = [_point(1, s, tau, 1.0) for s, tau in [(0.01, 2.0), (0.05, 3.9), (0.2, 4.0)]]
+    points += [{"step": 2, "selector": None, "num_draft_tokens": 1, "sparsity_ratio": None, "kv_budget": None,
+                "acceptance_length": 1.0, "tokens_per_second": 10.0}]
+    points += [_point(2, 0.05, 3.0, tps, gamma=g) for g, tps in [(2, 11.0), (4, 14.0), (8, 12.0)]]
+    rec = recommend(points, opts)  # step 3 not measured yet: the step-2 choice
+    assert rec["best"]["knee"]["sparsity_ratio"] == 0.05
+    assert (rec["best"]["num_draft_tokens"], rec["best"]["sparsity_ratio"]) == (4, 0.05)
+    assert rec["best"]["speedup"] == pytest.approx(1.4)
+    points += [{**points[3], "step": 3, "tokens_per_second": 9.0}]
+    points += [_point(3, s, 3.0, tps, gamma=4) for s, tps in [(0.03333, 13.0), (0.05, 12.0), (0.075, 12.5)]]
+    rec = recommend(points, opts)
+    assert (rec["best"]["num_draft_tokens"], rec["best"]["sparsity_ratio"]) == (4, 0.03333)
+    assert rec["best"]["speedup"] == pytest.approx(13.0 / 9.0)  # against step 3's plain run
+    assert rec["best"]["config"]["min_kv_budget"] == 0
+    text = "\n".join(describe({**rec, "complete": True}))
+    assert "VegasConfig(sparsity_ratio=0.03333, min_kv_budget=0)" in text
+    assert "VEGAS_VLLM_CONFIG=" in text and '"num_speculative_tokens": 4' in text
+
+
+@pytest.fixture
+def counted(pipe, monkeypatch):
+    """The session pipeline, counting ``generate`` calls."""
+    calls = []
+    original = pipe.generate
+
+    def generate(*args, **kwargs):
+        calls.append(kwargs.get("selector"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(pipe, "generate", generate)
+    return pipe, calls
+
+
+def _tiny(out, **kw):
+    return TuneOptions(context=128, new_tokens=4, batch_size=1, sparsities=[0.05, 0.5], gammas=[2], fine_steps=1,
+                       device="cpu", out=str(out), **kw)
+
+
+def test_tiny_sweep_writes_points_plots_recommendation_and_resumes(counted, tmp_path):
+    pipe, calls = counted
+    stream = io.StringIO()
+    rec = run_tune(_tiny(tmp_path), Console(file=stream, width=200), pipe=pipe)
+    data = json.loads((tmp_path / "points.json").read_text())
+    # step 1: 2 sparsities; step 2: plain + 1 γ; step 3: plain + 3 fine sparsities
+    assert len(data["points"]) == 8 and data["settings"]["context"] == 128
+    assert {p["step"] for p in data["points"]} == {1, 2, 3}
+    for name in PLOTS:
+        blob = (tmp_path / name).read_bytes()
+        assert blob.startswith(PNG) and len(blob) > 1000
+    saved = json.loads((tmp_path / "recommendation.json").read_text())
+    assert saved["best"]["selector"] == "collect2" and saved["complete"] is True
+    assert saved["best"]["num_draft_tokens"] == 2 and saved["plots"] == list(PLOTS)
+    assert rec["best"] == saved["best"]
+    log = stream.getvalue()  # not a terminal: one line per measured point, with seconds
+    assert log.count(" done in ") == 8 and "step 3: collect2 γ=2" in log and "elapsed" in log
+    measured = len(calls)
+
+    rec = run_tune(_tiny(tmp_path), Console(file=io.StringIO()), pipe=pipe)  # resumed: nothing to measure
+    assert len(calls) == measured and rec["reused_points"] == 8
+    assert len(json.loads((tmp_path / "points.json").read_text())["points"]) == 8
+
+    result = CliRunner().invoke(main, [  # the command resumes the same points too
+        "tune", "--context", "128", "--new-tokens", "4", "--batch-size", "1", "--sparsities", "0.05,0.5",
+        "--gammas", "2", "--fine-steps", "1", "--device", "cpu", "--out", str(tmp_path),
+    ])
+    assert result.exit_code == 0, result.output
+    assert "8 points (8 reused from an earlier run)" in result.output and " done in " not in result.output
+    assert "VegasConfig(num_draft_tokens=2" in result.output and "--speculative-config" in result.output
+
+    with pytest.raises(VegasConfigError, match=r"other settings \(new_tokens: 4 -> 5\).*--fresh"):
+        run_tune(TuneOptions(**{**vars(_tiny(tmp_path)), "new_tokens": 5}), Console(file=io.StringIO()), pipe=pipe)
+
+
+def test_time_budget_stops_cleanly_and_still_writes(counted, tmp_path):
+    pipe, calls = counted
+    rec = run_tune(_tiny(tmp_path, time_budget=1e-3), Console(file=io.StringIO()), pipe=pipe)
+    assert calls == [] and rec["complete"] is False and "time budget" in rec["stopped"]
+    assert rec["best"] is None and "nothing to recommend" in describe(rec)[0]
+    for name in PLOTS:
+        assert (tmp_path / name).read_bytes().startswith(PNG)
+
+
+def test_repeats_time_each_point_several_times(counted, tmp_path):
+    pipe, calls = counted
+    opts = TuneOptions(**{**vars(_tiny(tmp_path)), "sparsities": [0.5], "fine_steps": 0, "repeats": 2})
+    run_tune(opts, Console(file=io.StringIO()), pipe=pipe)
+    points = json.loads((tmp_path / "points.json").read_text())["points"]
+    assert len(points) == 5  # step 1: 1; step 2: plain + 1 γ; step 3: plain + 1
+    assert all(len(p["tokens_per_second_runs"]) == 2 for p in points)
+    assert len(calls) == 2 + 2 * 5  # warm-up (plain, collect2) + 2 runs per point
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--selectors", ","], "--selectors"),
+    (["--selectors", "nope"], "registered: "),
+    (["--sparsities", "0.1,1.5"], "(0, 1]"),
+    (["--sparsities", "0"], "--sparsities"),
+    (["--sparsities", "x"], "comma-separated floats"),
+    (["--gammas", "2,0"], "--gammas"),
+    (["-g", "0"], "--num-draft-tokens"),
+    (["--time-budget", "0"], "--time-budget"),
+    (["--tolerance", "1"], "--tolerance"),
+    (["--repeats", "0"], "--repeats"),
+])
+def test_tune_names_bad_options(args, message):
+    result = CliRunner().invoke(main, ["tune", *args])
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_logged_progress_prints_a_line_per_step_off_a_terminal():
+    stream = io.StringIO()
+    with LoggedProgress(console=Console(file=stream), transient=True) as progress:
+        task = progress.add_task("x", total=2)
+        progress.update(task, description="run a")
+        progress.advance(task, note="τ 3.00")
+        progress.skip(task)
+    lines = [line for line in stream.getvalue().splitlines() if line]  # rich ends with a blank line
+    assert len(lines) == 1 and lines[0].startswith("run a done in ") and lines[0].endswith("τ 3.00")
+    assert "(1/2, elapsed" in lines[0]
+
+
+def test_bench_plot_writes_a_png(tmp_path):
+    out = tmp_path / "bench.png"
+    result = CliRunner().invoke(main, [
+        "bench", "--context", "128", "--new-tokens", "4", "--check-tokens", "4", "--batch-size", "1",
+        "--selectors", "collect2", "--plot", str(out), "--device", "cpu",
+    ])
+    assert result.exit_code == 0, result.output
+    blob = out.read_bytes()
+    assert blob.startswith(PNG) and len(blob) > 1000
+    assert "collect2: sampling, run 1/1 done in" in result.output  # the log line per run
+    result = CliRunner().invoke(main, ["bench", "--plot", str(tmp_path), "--selectors", "collect2"])
+    assert result.exit_code == 2 and "--plot" in result.output
+
+
+def test_quick_preset_is_small_and_bounded_and_explicit_options_win():
+    quick = TuneOptions(quick=True).resolved()
+    assert (quick.context, quick.new_tokens, quick.batch_size, quick.time_budget) == (1024, 32, 1, 570.0)
+    assert len(quick.sparsities) == 4 and quick.gammas == [2, 4, 6] and quick.fine_steps == 1
+    assert TuneOptions(quick=True, context=512, time_budget=60).resolved().time_budget == 60
+    assert TuneOptions().resolved().time_budget is None and TuneOptions().resolved().context == 4096

@@ -1,0 +1,467 @@
+"""``vegas tune``: find an operating point (sparsity, γ) for a model, a prompt set and a selector.
+
+Three steps, each run on the same prompts (cut from held-out source, as ``vegas bench``) with
+sampled decoding (T = 0.8, top-p 0.95 by default):
+
+1. **Sparsity knee.** At a fixed γ (``num_draft_tokens``, default 4), the acceptance length τ
+   (tokens per iteration) over a grid of sparsity ratios (KV budget / context). The knee is
+   the *smallest* sparsity whose τ is within ``tolerance`` (default 5 %) of the best τ of the
+   grid: ``τ(s) >= (1 - tolerance) * max τ`` (:func:`knee`). Beyond it a larger budget buys
+   little acceptance and costs drafting time.
+2. **γ sweep.** At the knee sparsity, throughput (generated tokens / decode seconds) for each
+   γ of a grid, and plain decoding in the same step for the speedup; the best γ has the
+   highest tokens/s.
+3. **Fine sparsity.** At that γ, the knee sparsity times ``fine_factor ** k`` for
+   ``k = -fine_steps .. fine_steps``; the chosen point has the highest tokens/s.
+
+Every selector in ``selectors`` goes through every step (step 1 of all of them first, so a
+short time budget still gives the τ curves); the recommendation is the selector whose chosen
+point decodes fastest.
+
+Every measured point is appended to ``OUT/points.json`` as soon as it is measured. A rerun
+with the same measurement settings (model, backend, prompts, context, new tokens, batch,
+sampling, dtype, device, min KV budget) skips the points already there; different settings
+raise :class:`~vegas.config.VegasConfigError` naming them (``fresh=True`` discards the old
+points). A point is identified by (step, selector, γ, sparsity): each step
+measures its own points, plain decoding included, so that the throughputs it compares come
+from minutes close together (a load that drifts over a long run would otherwise favour the
+points measured later). ``time_budget`` (seconds, counted from the start, model loading included)
+stops before a point that would not finish in time, judged by the previous point's duration;
+plots and the recommendation are then written from what was measured.
+
+Outputs in ``OUT``: ``points.json``, ``recommendation.json``, ``tau_vs_budget.png``,
+``throughput_vs_gamma.png``, ``throughput_vs_sparsity.png``.
+
+The KV budget of a point is ``max(ceil(context * sparsity), min_kv_budget)``
+(:func:`vegas.config.kv_budget_for`); tune sets ``min_kv_budget`` to 0 by default so that the
+sparsity grid is the budget it says (the library's default floor of 256 tokens would flatten
+every sparsity below 256 / context), and the recommended config carries that value.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from rich.console import Console
+
+from .bench import _median_row, summarize
+from .config import VegasConfig, VegasConfigError, kv_budget_for
+from .pipeline import Pipeline
+from .plugins import selector_names
+from .progress import LoggedProgress
+from .prompts import cut_contexts, package_source, read_text_source
+from .sampling import SamplingParams
+
+__all__ = ["TuneOptions", "run_tune", "knee", "best_by_throughput", "vllm_settings", "QUICK", "FULL"]
+
+POINTS_FILE = "points.json"
+RECOMMENDATION_FILE = "recommendation.json"
+FORMAT_VERSION = 1
+
+#: defaults of a full run and of ``--quick`` (for options left unset)
+FULL = {
+    "context": 4096, "new_tokens": 64, "batch_size": 2,
+    "sparsities": [0.01, 0.018, 0.033, 0.06, 0.11, 0.2],  # log-spaced 0.01 .. 0.2
+    "gammas": [1, 2, 3, 4, 6, 8], "fine_steps": 2, "time_budget": None,
+}
+QUICK = {
+    "context": 1024, "new_tokens": 32, "batch_size": 1,
+    "sparsities": [0.01, 0.025, 0.06, 0.15],
+    "gammas": [2, 4, 6], "fine_steps": 1,
+    "time_budget": 570.0,  # seconds: --quick ends within 10 minutes whatever the load (rerun resumes)
+}
+
+#: options whose change alters what a point measures: a rerun must match them to resume
+MEASUREMENT_SETTINGS = (
+    "model", "rope_scaling", "backend", "prompts", "context", "new_tokens", "batch_size",
+    "temperature", "top_p", "seed", "dtype", "device", "min_kv_budget", "repeats",
+)
+
+
+@dataclass
+class TuneOptions:
+    """Options of ``vegas tune`` (see ``vegas tune --help``); None takes :data:`FULL`'s value,
+    or :data:`QUICK`'s with ``quick``.
+
+    Units: ``context``, ``new_tokens``, ``min_kv_budget`` in tokens; ``sparsities`` are KV
+    budget / context in (0, 1]; ``gammas`` and ``num_draft_tokens`` in draft tokens per
+    iteration; ``tolerance`` a fraction of the best τ; ``time_budget`` in seconds.
+    """
+
+    model: str | None = None
+    rope_scaling: dict | None = None
+    backend: str = "hf"
+    selectors: list[str] = field(default_factory=lambda: ["collect2"])
+    context: int | None = None
+    new_tokens: int | None = None
+    batch_size: int | None = None
+    num_draft_tokens: int = 4  # γ of step 1
+    sparsities: list[float] | None = None
+    gammas: list[int] | None = None
+    tolerance: float = 0.05
+    fine_factor: float = 1.5
+    fine_steps: int | None = None
+    min_kv_budget: int = 0
+    temperature: float = 0.8
+    top_p: float = 0.95
+    prompts: str | None = None
+    dtype: str = "float32"
+    device: str | None = None
+    seed: int = 0
+    repeats: int = 1  # timed runs per point; the point reports the run of median tokens/s
+    out: str = "vegas-tune"
+    time_budget: float | None = None
+    quick: bool = False
+    fresh: bool = False
+
+    def resolved(self) -> "TuneOptions":
+        """A copy with every None default filled from :data:`QUICK` or :data:`FULL`."""
+        preset = QUICK if self.quick else FULL
+        return replace(self, **{k: v for k, v in preset.items() if getattr(self, k) is None and v is not None})
+
+
+def raise_if_bad_options(opts: TuneOptions) -> None:
+    """Check ``opts`` (resolved) before any model is loaded.
+
+    Raises:
+        VegasConfigError: the message names the option (``--flag``) and its allowed values.
+    """
+    if not opts.selectors:
+        raise VegasConfigError("selectors (--selectors) must name at least one selector, or 'all'")
+    known = selector_names()
+    unknown = [s for s in opts.selectors if s not in known]
+    if unknown:
+        raise VegasConfigError(
+            f"selectors (--selectors): unknown selector(s) {', '.join(map(repr, unknown))}; "
+            f"registered: {', '.join(known)}"
+        )
+    if not opts.sparsities or any(
+        isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 < s <= 1 for s in opts.sparsities
+    ):
+        raise VegasConfigError(f"sparsities (--sparsities) must be numbers in (0, 1], got {opts.sparsities!r}")
+    if not opts.gammas or any(isinstance(g, bool) or not isinstance(g, int) or g < 1 for g in opts.gammas):
+        raise VegasConfigError(f"gammas (--gammas) must be integers >= 1, got {opts.gammas!r}")
+    for name, flag, minimum in (
+        ("num_draft_tokens", "--num-draft-tokens/-g", 1), ("context", "--context", 2),
+        ("new_tokens", "--new-tokens", 1), ("batch_size", "--batch-size", 1),
+        ("fine_steps", "--fine-steps", 0), ("min_kv_budget", "--min-kv-budget", 0), ("repeats", "--repeats", 1),
+    ):
+        value = getattr(opts, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise VegasConfigError(f"{name} ({flag}) must be an integer >= {minimum}, got {value!r}")
+    if not 0 <= opts.tolerance < 1:
+        raise VegasConfigError(f"tolerance (--tolerance) must be a fraction in [0, 1), got {opts.tolerance!r}")
+    if not opts.fine_factor > 1:
+        raise VegasConfigError(f"fine_factor (--fine-factor) must be a number > 1, got {opts.fine_factor!r}")
+    if opts.time_budget is not None and not opts.time_budget > 0:
+        raise VegasConfigError(f"time_budget (--time-budget) must be a number of seconds > 0, got {opts.time_budget!r}")
+    SamplingParams(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)
+
+
+def _round(s: float) -> float:
+    """A sparsity to 4 significant digits: the form points are stored and matched in."""
+    return float(f"{s:.4g}")
+
+
+def knee(points: list[dict], tolerance: float) -> dict | None:
+    """The knee of a τ-against-sparsity curve (the points of one selector at one γ).
+
+    Rule: the point with the smallest ``sparsity_ratio`` whose ``acceptance_length`` τ is at
+    least ``(1 - tolerance) * max τ`` of ``points``. None when ``points`` is empty.
+    """
+    if not points:
+        return None
+    best = max(p["acceptance_length"] for p in points)
+    good = [p for p in points if p["acceptance_length"] >= (1 - tolerance) * best]
+    return min(good, key=lambda p: p["sparsity_ratio"])
+
+
+def best_by_throughput(points: list[dict]) -> dict | None:
+    """The point with the highest ``tokens_per_second`` (None when there is none)."""
+    return max(points, key=lambda p: p["tokens_per_second"]) if points else None
+
+
+def fine_grid(center: float, factor: float, steps: int) -> list[float]:
+    """``center * factor ** k`` for ``k = -steps .. steps``, rounded, those above 1 dropped."""
+    return sorted({_round(center * factor**k) for k in range(-steps, steps + 1) if center * factor**k <= 1})
+
+
+def vllm_settings(selector: str, config: VegasConfig) -> dict:
+    """How the chosen point is switched on in vLLM: ``speculative_config`` (engine argument, or
+    ``vllm serve --speculative-config``) and the ``VEGAS_VLLM_CONFIG`` environment variable
+    (JSON of the Vegas fields; see :mod:`vegas.vllm_plugin`). ``vllm_config`` is None for a
+    selector the vLLM backend lacks."""
+    from .vllm_plugin import CLASS_PATH, SELECTORS
+
+    spec = {"method": "custom_class", "model": CLASS_PATH, "num_speculative_tokens": config.num_draft_tokens}
+    env = {"selector": selector, "sparsity_ratio": config.sparsity_ratio, "min_kv_budget": config.min_kv_budget}
+    return {"speculative_config": spec, "VEGAS_VLLM_CONFIG": env if selector in SELECTORS else None}
+
+
+class _Store:
+    """``points.json``: the measurement settings and every measured point, rewritten
+    atomically after each point."""
+
+    def __init__(self, out: Path, settings: dict, fresh: bool) -> None:
+        self.path = out / POINTS_FILE
+        self.settings = settings
+        self.points: list[dict] = []
+        if self.path.exists() and not fresh:
+            try:
+                data = json.loads(self.path.read_text())
+                old, points = data["settings"], data["points"]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise VegasConfigError(
+                    f"{self.path} is not a vegas tune points file ({exc}); pass --fresh to overwrite it "
+                    "or choose another --out"
+                ) from None
+            changed = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
+            if changed:
+                diff = "; ".join(f"{k}: {old.get(k)!r} -> {settings.get(k)!r}" for k in changed)
+                raise VegasConfigError(
+                    f"{self.path} holds points measured with other settings ({diff}); rerun with the same "
+                    "settings to resume, pass --fresh to discard them, or choose another --out"
+                )
+            self.points = points
+
+    @staticmethod
+    def key(step: int, selector: str | None, gamma: int, sparsity: float | None) -> tuple:
+        return (step, selector, gamma if selector else None, _round(sparsity) if selector else None)
+
+    def find(self, step: int, selector: str | None, gamma: int, sparsity: float | None) -> dict | None:
+        key = self.key(step, selector, gamma, sparsity)
+        for p in self.points:
+            if self.key(p["step"], p["selector"], p["num_draft_tokens"], p["sparsity_ratio"]) == key:
+                return p
+        return None
+
+    def add(self, point: dict) -> None:
+        self.points.append(point)
+        self.save()
+
+    def save(self) -> None:
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps({"version": FORMAT_VERSION, "settings": self.settings, "points": self.points},
+                                  indent=2))
+        os.replace(tmp, self.path)
+
+
+class _OutOfTime(Exception):
+    pass
+
+
+def run_tune(opts: TuneOptions, console: Console | None = None, pipe: Pipeline | None = None) -> dict:
+    """Run the three steps and write ``opts.out`` (see the module docstring).
+
+    Args:
+        opts: the options; None fields take the :data:`FULL` / :data:`QUICK` defaults.
+        console: where progress goes (stderr by default).
+        pipe: a loaded pipeline to measure with (tests); by default one is built from
+            ``opts``. Its config is replaced for each point.
+
+    Returns:
+        the recommendation (also written to ``recommendation.json``): the chosen point per
+        selector, the overall ``best`` (selector, config, τ, tokens/s, speedup), the vLLM
+        settings, and ``complete`` False with ``stopped`` when the time budget cut the run.
+
+    Raises:
+        VegasConfigError: a bad option (named), or ``points.json`` from other settings.
+    """
+    started = time.monotonic()
+    console = console or Console(stderr=True)
+    opts = opts.resolved()
+    raise_if_bad_options(opts)
+    out = Path(opts.out)
+    if out.exists() and not out.is_dir():
+        raise VegasConfigError(f"out (--out) {str(out)!r} exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    settings = {k: getattr(opts, k) for k in MEASUREMENT_SETTINGS}
+    store = _Store(out, settings, opts.fresh)
+    if pipe is None:
+        pipe = Pipeline(opts.model, selector=None, backend=opts.backend, dtype=opts.dtype, device=opts.device,
+                        rope_scaling=opts.rope_scaling, min_kv_budget=opts.min_kv_budget)
+    room = pipe.backend.max_context - opts.new_tokens - max(opts.gammas + [opts.num_draft_tokens]) - 1
+    if not opts.context <= room:
+        raise VegasConfigError(f"context (--context) must be in [2, {room}] tokens for this model, got {opts.context}")
+    text = read_text_source(opts.prompts) if opts.prompts else package_source("click")
+    ids = pipe.tokenizer(text, add_special_tokens=False, verbose=False).input_ids
+    prompts = cut_contexts(ids, opts.context, opts.batch_size)
+    sampled = dict(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)
+    base = VegasConfig(min_kv_budget=opts.min_kv_budget)
+    n_sel, fine = len(opts.selectors), 2 * opts.fine_steps + 1
+    total = n_sel * len(opts.sparsities) + 2 + n_sel * len(opts.gammas) + n_sel * fine
+    state = {"warm": False, "last": 0.0, "reused": 0}
+
+    def measure(step: int, selector: str | None, gamma: int, sparsity: float | None) -> dict:
+        """The point, from ``points.json`` or measured now (and stored)."""
+        found = store.find(step, selector, gamma, sparsity)
+        label = "plain decoding" if selector is None else f"{selector} γ={gamma} sparsity={_round(sparsity):g}"
+        if found is not None:
+            progress.skip(task)
+            state["reused"] += 1
+            return found
+        if opts.time_budget is not None and time.monotonic() - started + state["last"] > opts.time_budget:
+            raise _OutOfTime(label)
+        if not state["warm"]:  # first calls pay one-off costs; keep them out of the timings
+            progress.update(task, description="warm-up")
+            for name in (None, opts.selectors[0]):
+                pipe.generate([prompts[0][: min(64, opts.context)]], max_new_tokens=2, selector=name)
+            state["warm"] = True
+        progress.update(task, description=f"step {step}: {label}")
+        cfg = replace(base, num_draft_tokens=gamma, sparsity_ratio=sparsity or base.sparsity_ratio)
+        pipe.config = cfg
+        t0 = time.monotonic()
+        runs = [summarize(pipe.generate(prompts, max_new_tokens=opts.new_tokens, selector=selector, **sampled))
+                for _ in range(opts.repeats)]
+        state["last"] = time.monotonic() - t0
+        point = {
+            "step": step, "selector": selector, "num_draft_tokens": gamma,
+            "sparsity_ratio": _round(sparsity) if selector else None,
+            "kv_budget": kv_budget_for(cfg, opts.context) if selector else None,
+            **_median_row(runs), "wall_seconds": state["last"], "measured_at": time.time(),
+        }
+        store.add(point)
+        progress.advance(task, note=f"τ {point['acceptance_length']:.2f}, {point['tokens_per_second']:.2f} tok/s")
+        return point
+
+    stopped, config_before = None, pipe.config
+    with LoggedProgress(console=console, transient=True) as progress:
+        task = progress.add_task("vegas tune", total=total)
+        try:
+            for sel in opts.selectors:  # step 1
+                for s in opts.sparsities:
+                    measure(1, sel, opts.num_draft_tokens, s)
+            measure(2, None, 1, None)  # plain decoding, the speedup's reference
+            for sel in opts.selectors:  # step 2
+                s = _knee_of(store.points, sel, opts)["sparsity_ratio"]
+                for g in opts.gammas:
+                    measure(2, sel, g, s)
+            measure(3, None, 1, None)
+            for sel in opts.selectors:  # step 3
+                s = _knee_of(store.points, sel, opts)["sparsity_ratio"]
+                g = _best_gamma(store.points, sel, s, opts)
+                for f in fine_grid(s, opts.fine_factor, opts.fine_steps):
+                    measure(3, sel, g, f)
+        except _OutOfTime as exc:
+            stopped = f"time budget of {opts.time_budget:g} s reached before {exc.args[0]}"
+            console.print(f"[yellow]{stopped}; writing what was measured[/yellow]")
+        finally:
+            pipe.config = config_before
+    recommendation = recommend(store.points, opts)
+    recommendation["complete"] = stopped is None
+    recommendation["stopped"] = stopped
+    recommendation["elapsed_seconds"] = time.monotonic() - started
+    recommendation["reused_points"] = state["reused"]
+    (out / RECOMMENDATION_FILE).write_text(json.dumps(recommendation, indent=2))
+    from .plots import plot_tune
+
+    recommendation["plots"] = plot_tune(store.points, recommendation, opts, out)
+    (out / RECOMMENDATION_FILE).write_text(json.dumps(recommendation, indent=2))
+    return recommendation
+
+
+def _of(points: list[dict], step: int, selector: str | None, gamma: int | None = None,
+        sparsity: float | None = None) -> list[dict]:
+    """The points of ``step`` and ``selector`` (None: plain decoding), at ``gamma`` and
+    ``sparsity`` when given."""
+    return [p for p in points if p["step"] == step and p["selector"] == selector
+            and (gamma is None or p["num_draft_tokens"] == gamma)
+            and (sparsity is None or p["sparsity_ratio"] == _round(sparsity))]
+
+
+def _knee_of(points: list[dict], selector: str, opts: TuneOptions) -> dict | None:
+    """Step 1's knee: over the points of ``opts.sparsities`` at ``opts.num_draft_tokens``."""
+    grid = {_round(s) for s in opts.sparsities}
+    curve = [p for p in _of(points, 1, selector, opts.num_draft_tokens) if p["sparsity_ratio"] in grid]
+    return knee(curve, opts.tolerance)
+
+
+def _best_gamma(points: list[dict], selector: str, sparsity: float, opts: TuneOptions) -> int:
+    """Step 2's γ: the fastest of ``opts.gammas`` at the knee (step 1's γ while none is measured)."""
+    best = best_by_throughput([p for p in _of(points, 2, selector, sparsity=sparsity)
+                               if p["num_draft_tokens"] in opts.gammas])
+    return best["num_draft_tokens"] if best else opts.num_draft_tokens
+
+
+def recommend(points: list[dict], opts: TuneOptions) -> dict:
+    """The chosen point per selector and overall, from whatever ``points`` holds.
+
+    Per selector: the knee sparsity (step 1), the fastest γ at it (step 2), the fastest
+    sparsity of the fine grid at that γ (step 3); a step without points keeps the previous
+    step's choice (γ of step 1, the knee). The speedup divides by plain decoding of the chosen
+    point's step. Overall: the selector whose chosen point has the highest tokens/s.
+    """
+    plain = {step: next(iter(_of(points, step, None)), None) for step in (2, 3)}
+    per: dict[str, dict] = {}
+    for sel in opts.selectors:
+        k = _knee_of(points, sel, opts)
+        if k is None:
+            continue
+        gamma = _best_gamma(points, sel, k["sparsity_ratio"], opts)
+        grid = fine_grid(k["sparsity_ratio"], opts.fine_factor, opts.fine_steps)
+        fine = [p for p in _of(points, 3, sel, gamma) if p["sparsity_ratio"] in grid]
+        chosen = best_by_throughput(fine) or best_by_throughput(_of(points, 2, sel, gamma, k["sparsity_ratio"])) or k
+        ref = plain.get(chosen["step"])
+        cfg = VegasConfig(num_draft_tokens=chosen["num_draft_tokens"], sparsity_ratio=chosen["sparsity_ratio"],
+                          min_kv_budget=opts.min_kv_budget)
+        per[sel] = {
+            "knee": {"sparsity_ratio": k["sparsity_ratio"], "kv_budget": k["kv_budget"],
+                     "acceptance_length": k["acceptance_length"], "num_draft_tokens": k["num_draft_tokens"]},
+            "step": chosen["step"],
+            "num_draft_tokens": chosen["num_draft_tokens"],
+            "sparsity_ratio": chosen["sparsity_ratio"],
+            "kv_budget": chosen["kv_budget"],
+            "acceptance_length": chosen["acceptance_length"],
+            "tokens_per_second": chosen["tokens_per_second"],
+            "speedup": chosen["tokens_per_second"] / ref["tokens_per_second"] if ref else None,
+            "config": asdict(cfg),
+            "vllm": vllm_settings(sel, cfg),
+        }
+    best = max(per, key=lambda s: per[s]["tokens_per_second"], default=None)
+    return {
+        "best": {"selector": best, **per[best]} if best else None,
+        "selectors": per,
+        "plain_tokens_per_second": {str(step): p["tokens_per_second"] for step, p in plain.items() if p},
+        "rule": f"knee: smallest sparsity with τ >= (1 - {opts.tolerance:g}) × best τ at γ={opts.num_draft_tokens}; "
+                "then the fastest γ at the knee; then the fastest sparsity of knee × "
+                f"{opts.fine_factor:g}^k, |k| <= {opts.fine_steps}, at that γ",
+        "context": opts.context,
+        "points": len(points),
+    }
+
+
+def config_args(config: dict) -> str:
+    """``name=value, ...`` of the config fields that differ from :class:`VegasConfig`'s defaults."""
+    default = asdict(VegasConfig())
+    return ", ".join(f"{k}={v!r}" for k, v in config.items() if default.get(k) != v)
+
+
+def describe(recommendation: dict) -> list[str]:
+    """Lines that tell a person what to use (printed by ``vegas tune``)."""
+    best = recommendation["best"]
+    if best is None:
+        return ["no point was measured: nothing to recommend (raise --time-budget)"]
+    speed = f", {best['speedup']:.2f}× plain" if best["speedup"] else ""
+    args = config_args(best["config"])
+    lines = [
+        f"recommended: selector {best['selector']}, γ={best['num_draft_tokens']}, sparsity "
+        f"{best['sparsity_ratio']:g} (KV budget {best['kv_budget']} of {recommendation['context']} tokens): "
+        f"τ {best['acceptance_length']:.2f}, {best['tokens_per_second']:.2f} tok/s{speed}",
+        f"  VegasConfig({args})",
+        f"  Pipeline(selector={best['selector']!r}, {args})",
+    ]
+    v = best["vllm"]
+    spec = json.dumps(v["speculative_config"])
+    if v["VEGAS_VLLM_CONFIG"] is None:
+        lines.append(f"  vLLM: selector {best['selector']!r} is not available on the vllm backend")
+    else:
+        lines.append(f"  vLLM: VEGAS_VLLM_CONFIG='{json.dumps(v['VEGAS_VLLM_CONFIG'])}' vllm serve MODEL "
+                     f"--attention-backend FLASH_ATTN --speculative-config '{spec}'")
+    if not recommendation.get("complete", True):
+        lines.append(f"  incomplete: {recommendation['stopped']}; rerun the same command to resume")
+    return lines
