@@ -44,7 +44,7 @@ def plot_tune(points: list[dict], recommendation: dict, opts, out: Path) -> list
 
     The recommended point is a star where it lies on a drawn curve.
     """
-    from .tune import _of
+    from .tune_points import points_of
 
     best = recommendation.get("best")
     per = recommendation.get("selectors", {})
@@ -73,7 +73,7 @@ def plot_tune(points: list[dict], recommendation: dict, opts, out: Path) -> list
     # 1: τ against the KV budget
     fig, (ax,) = _figure()
     for sel in opts.selectors:
-        curve = sorted(_of(points, 1, sel, opts.num_draft_tokens), key=lambda p: p["sparsity_ratio"])
+        curve = sorted(points_of(points, 1, sel, opts.num_draft_tokens), key=lambda p: p["sparsity_ratio"])
         if not curve:
             continue
         ax.plot([p["kv_budget"] for p in curve], [p["acceptance_length"] for p in curve], marker="o", label=sel)
@@ -95,7 +95,7 @@ def plot_tune(points: list[dict], recommendation: dict, opts, out: Path) -> list
     # 2: throughput against γ
     fig, (ax,) = _figure()
     for sel, rec in per.items():
-        curve = sorted(_of(points, 2, sel, sparsity=rec["knee"]["sparsity_ratio"]),
+        curve = sorted(points_of(points, 2, sel, sparsity=rec["knee"]["sparsity_ratio"]),
                        key=lambda p: p["num_draft_tokens"])
         curve = [p for p in curve if p["num_draft_tokens"] in opts.gammas]
         if curve:
@@ -113,7 +113,7 @@ def plot_tune(points: list[dict], recommendation: dict, opts, out: Path) -> list
     # 3: throughput against sparsity at the chosen γ
     fig, (ax,) = _figure()
     for sel, rec in per.items():
-        curve = sorted(_of(points, 3, sel, rec["num_draft_tokens"]), key=lambda p: p["sparsity_ratio"])
+        curve = sorted(points_of(points, 3, sel, rec["num_draft_tokens"]), key=lambda p: p["sparsity_ratio"])
         if curve:
             ax.plot([p["sparsity_ratio"] for p in curve], [p["tokens_per_second"] for p in curve], marker="o",
                     label=f"{sel}, γ={rec['num_draft_tokens']}")

@@ -41,7 +41,6 @@ every sparsity below 256 / context), and the recommended config carries that val
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -55,6 +54,7 @@ from .pipeline import Pipeline
 from .plugins import selector_names
 from .progress import LoggedProgress
 from .prompts import cut_contexts, package_source, read_text_source
+from .tune_points import points_of, round_sparsity
 from .sampling import SamplingParams
 
 __all__ = ["TuneOptions", "run_tune", "knee", "best_by_throughput", "vllm_settings", "QUICK", "FULL"]
@@ -163,11 +163,6 @@ def raise_if_bad_options(opts: TuneOptions) -> None:
     SamplingParams(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)
 
 
-def _round(s: float) -> float:
-    """A sparsity to 4 significant digits: the form points are stored and matched in."""
-    return float(f"{s:.4g}")
-
-
 def knee(points: list[dict], tolerance: float) -> dict | None:
     """The knee of a τ-against-sparsity curve (the points of one selector at one γ).
 
@@ -188,19 +183,19 @@ def best_by_throughput(points: list[dict]) -> dict | None:
 
 def fine_grid(center: float, factor: float, steps: int) -> list[float]:
     """``center * factor ** k`` for ``k = -steps .. steps``, rounded, those above 1 dropped."""
-    return sorted({_round(center * factor**k) for k in range(-steps, steps + 1) if center * factor**k <= 1})
+    return sorted({round_sparsity(center * factor**k) for k in range(-steps, steps + 1) if center * factor**k <= 1})
 
 
 def vllm_settings(selector: str, config: VegasConfig) -> dict:
     """How the chosen point is switched on in vLLM: ``speculative_config`` (engine argument, or
     ``vllm serve --speculative-config``) and the ``VEGAS_VLLM_CONFIG`` environment variable
-    (JSON of the Vegas fields; see :mod:`vegas.vllm_plugin`). ``vllm_config`` is None for a
-    selector the vLLM backend lacks."""
-    from .vllm_plugin import CLASS_PATH, SELECTORS
+    (the selector name plus the :class:`VegasConfig` fields; see :mod:`vegas.vllm_plugin`).
+    Every registered selector runs on vLLM (built-ins on fast paths, others on the generic path)."""
+    from .vllm_plugin import CLASS_PATH
+    from .vllm_plugin.settings import settings_json
 
     spec = {"method": "custom_class", "model": CLASS_PATH, "num_speculative_tokens": config.num_draft_tokens}
-    env = {"selector": selector, "sparsity_ratio": config.sparsity_ratio, "min_kv_budget": config.min_kv_budget}
-    return {"speculative_config": spec, "VEGAS_VLLM_CONFIG": env if selector in SELECTORS else None}
+    return {"speculative_config": spec, "VEGAS_VLLM_CONFIG": json.loads(settings_json(selector, config))}
 
 
 class _Store:
@@ -231,7 +226,7 @@ class _Store:
 
     @staticmethod
     def key(step: int, selector: str | None, gamma: int, sparsity: float | None) -> tuple:
-        return (step, selector, gamma if selector else None, _round(sparsity) if selector else None)
+        return (step, selector, gamma if selector else None, round_sparsity(sparsity) if selector else None)
 
     def find(self, step: int, selector: str | None, gamma: int, sparsity: float | None) -> dict | None:
         key = self.key(step, selector, gamma, sparsity)
@@ -300,7 +295,7 @@ def run_tune(opts: TuneOptions, console: Console | None = None, pipe: Pipeline |
     def measure(step: int, selector: str | None, gamma: int, sparsity: float | None) -> dict:
         """The point, from ``points.json`` or measured now (and stored)."""
         found = store.find(step, selector, gamma, sparsity)
-        label = "plain decoding" if selector is None else f"{selector} γ={gamma} sparsity={_round(sparsity):g}"
+        label = "plain decoding" if selector is None else f"{selector} γ={gamma} sparsity={round_sparsity(sparsity):g}"
         if found is not None:
             progress.skip(task)
             state["reused"] += 1
@@ -321,7 +316,7 @@ def run_tune(opts: TuneOptions, console: Console | None = None, pipe: Pipeline |
         state["last"] = time.monotonic() - t0
         point = {
             "step": step, "selector": selector, "num_draft_tokens": gamma,
-            "sparsity_ratio": _round(sparsity) if selector else None,
+            "sparsity_ratio": round_sparsity(sparsity) if selector else None,
             "kv_budget": kv_budget_for(cfg, opts.context) if selector else None,
             **_median_row(runs), "wall_seconds": state["last"], "measured_at": time.time(),
         }
@@ -365,25 +360,16 @@ def run_tune(opts: TuneOptions, console: Console | None = None, pipe: Pipeline |
     return recommendation
 
 
-def _of(points: list[dict], step: int, selector: str | None, gamma: int | None = None,
-        sparsity: float | None = None) -> list[dict]:
-    """The points of ``step`` and ``selector`` (None: plain decoding), at ``gamma`` and
-    ``sparsity`` when given."""
-    return [p for p in points if p["step"] == step and p["selector"] == selector
-            and (gamma is None or p["num_draft_tokens"] == gamma)
-            and (sparsity is None or p["sparsity_ratio"] == _round(sparsity))]
-
-
 def _knee_of(points: list[dict], selector: str, opts: TuneOptions) -> dict | None:
     """Step 1's knee: over the points of ``opts.sparsities`` at ``opts.num_draft_tokens``."""
-    grid = {_round(s) for s in opts.sparsities}
-    curve = [p for p in _of(points, 1, selector, opts.num_draft_tokens) if p["sparsity_ratio"] in grid]
+    grid = {round_sparsity(s) for s in opts.sparsities}
+    curve = [p for p in points_of(points, 1, selector, opts.num_draft_tokens) if p["sparsity_ratio"] in grid]
     return knee(curve, opts.tolerance)
 
 
 def _best_gamma(points: list[dict], selector: str, sparsity: float, opts: TuneOptions) -> int:
     """Step 2's γ: the fastest of ``opts.gammas`` at the knee (step 1's γ while none is measured)."""
-    best = best_by_throughput([p for p in _of(points, 2, selector, sparsity=sparsity)
+    best = best_by_throughput([p for p in points_of(points, 2, selector, sparsity=sparsity)
                                if p["num_draft_tokens"] in opts.gammas])
     return best["num_draft_tokens"] if best else opts.num_draft_tokens
 
@@ -396,7 +382,7 @@ def recommend(points: list[dict], opts: TuneOptions) -> dict:
     step's choice (γ of step 1, the knee). The speedup divides by plain decoding of the chosen
     point's step. Overall: the selector whose chosen point has the highest tokens/s.
     """
-    plain = {step: next(iter(_of(points, step, None)), None) for step in (2, 3)}
+    plain = {step: next(iter(points_of(points, step, None)), None) for step in (2, 3)}
     per: dict[str, dict] = {}
     for sel in opts.selectors:
         k = _knee_of(points, sel, opts)
@@ -404,8 +390,8 @@ def recommend(points: list[dict], opts: TuneOptions) -> dict:
             continue
         gamma = _best_gamma(points, sel, k["sparsity_ratio"], opts)
         grid = fine_grid(k["sparsity_ratio"], opts.fine_factor, opts.fine_steps)
-        fine = [p for p in _of(points, 3, sel, gamma) if p["sparsity_ratio"] in grid]
-        chosen = best_by_throughput(fine) or best_by_throughput(_of(points, 2, sel, gamma, k["sparsity_ratio"])) or k
+        fine = [p for p in points_of(points, 3, sel, gamma) if p["sparsity_ratio"] in grid]
+        chosen = best_by_throughput(fine) or best_by_throughput(points_of(points, 2, sel, gamma, k["sparsity_ratio"])) or k
         ref = plain.get(chosen["step"])
         cfg = VegasConfig(num_draft_tokens=chosen["num_draft_tokens"], sparsity_ratio=chosen["sparsity_ratio"],
                           min_kv_budget=opts.min_kv_budget)
