@@ -47,6 +47,9 @@ case ${1:-} in
       printf 'Metadata-Version: 2.1\nName: vegas-device-entry-points\nVersion: 0.0\n' > "$EP/METADATA"
       printf '[vllm.general_plugins]\nvegas = vegas.vllm_plugin:register\n' > "$EP/entry_points.txt"
     fi
+    # vLLM profiles free GPU memory at engine start: background GPU work must have ended by then
+    for _ in $(seq 1 ${BG_WAIT_S:-240}); do [ -f "$BG/DONE" ] && break; sleep 1; done
+    [ -f "$BG/DONE" ] || { say "background GPU tests still running: stopping them"; pkill -f vegas_src; sleep 2; }
     export PYTHONPATH=$PYTHONPATH:$PWD/plugins/vegas-h2o  # the example plugin, registered by hand in the tests
     say "vLLM backend tests (tests/gpu/test_vllm_backend_cuda.py)"
     timeout $(( $(left) - 150 )) python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_vllm_backend_cuda.py \
