@@ -38,6 +38,10 @@ def test_step_inputs_map_slots_and_place_the_last_sampled_token():
     assert pos0.tolist() == [38, 30, 17, 0]
     assert nb.tolist() == [3, 2, 2, 4]
     assert step_inputs(num_sampled, num_rejected, seq_lens, idx, last_sampled, nblocks).dtype == torch.int64
+    # vLLM 0.24.0 keeps last_sampled_tokens as [max_num_reqs, 1] int64 (seen on the H200: the 1-D
+    # assumption broke the first propose)
+    column = last_sampled.long()[:, None]
+    assert torch.equal(step_inputs(num_sampled, num_rejected, seq_lens, idx, column, nblocks)[1], token)
 
 
 def test_step_inputs_agree_with_the_v1_async_positions():

@@ -42,13 +42,14 @@ def step_inputs(
         num_rejected: ``[num_reqs]`` int32, logits of the row minus ``num_sampled``.
         seq_lens: ``[>= num_reqs]`` int32, sequence lengths of the verified step (batch order).
         idx_mapping: ``[num_reqs]`` int32, batch row -> request slot.
-        last_sampled: ``[max_num_reqs]`` int32/int64, last sampled token per request slot
-            (V2's ``req_states.last_sampled_tokens``, already updated for this step).
+        last_sampled: ``[max_num_reqs, 1]`` int64 (V2's ``req_states.last_sampled_tokens``,
+            vLLM 0.24.0 ``v1/worker/gpu/states.py``; already updated for this step) or
+            ``[max_num_reqs]``: the last sampled token per request slot.
         nblocks: ``[num_reqs]`` int, KV blocks the row's request owns (batch order).
     """
     n = idx_mapping.shape[0]
     active = num_sampled[:n] > 0
-    token = last_sampled[idx_mapping.long()].long()
+    token = last_sampled.reshape(last_sampled.shape[0], -1)[idx_mapping.long(), -1].long()  # [num_reqs]
     pos0 = seq_lens[:n].long() - num_rejected[:n].long()
     zero = torch.zeros_like(pos0)
     return torch.stack([active.long(), torch.where(active, token, zero), torch.where(active, pos0, zero),
