@@ -1,4 +1,4 @@
-"""Command line: ``vegas bench`` (the main job) and ``vegas generate``."""
+"""Command line: ``vegas bench`` (the main job), ``vegas generate``, ``vegas tune`` and ``vegas serve``."""
 
 from __future__ import annotations
 
@@ -244,3 +244,49 @@ def tune(selectors, **kwargs) -> None:
         click.echo(line)
     click.echo(f"{results['points']} points ({results['reused_points']} reused from an earlier run), "
                f"recommendation and plots ({', '.join(results['plots'])}) in {kwargs['out']}")
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.argument("model")
+@click.option("--selector", default=None,
+              help="Selector name (collect2, aggregated, sliding_window, quest, a plugin's...), or 'none' for "
+                   "plain vLLM with the same other arguments [default: --config's selector, else collect2].")
+@click.option("--num-draft-tokens", "-g", default=None, type=click.IntRange(min=1),
+              help="γ, draft tokens per iteration (vLLM's num_speculative_tokens) [default: --config's, else 4].")
+@click.option("--sparsity-ratio", default=None, type=float, help="KV budget / context, in (0, 1] [default: 0.05].")
+@click.option("--kv-budget", default=None, type=click.IntRange(min=1),
+              help="KV budget in tokens (overrides --sparsity-ratio).")
+@click.option("--config", "config_json", default=None,
+              help="Vegas settings as one JSON object or a JSON file: {\"selector\": ..., <VegasConfig fields>, "
+                   "\"vllm\": {...}}; the options above override it.")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--host", default=None, help="Address to listen on [default: vLLM's].")
+@click.option("--dtype", default="bfloat16", show_default=True, type=click.Choice(["bfloat16", "float16"]))
+@click.option("--dry-run", is_flag=True, help="Check the settings and print the command; start nothing.")
+@click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
+def serve(model, selector, num_draft_tokens, sparsity_ratio, kv_budget, config_json, port, host, dtype, dry_run,
+          vllm_args) -> None:
+    """Start vLLM's OpenAI-compatible server (``vllm serve MODEL``) with Vegas as its speculative
+    proposer, or plain vLLM with --selector none.
+
+    The settings are checked first (a bad one fails here, before any process starts); then the
+    exact command is printed and run in this process's place. Vegas needs no environment
+    variable: the settings travel in ``--additional-config '{"vegas": {...}}'``. Arguments after
+    ``--`` go to ``vllm serve`` unchanged, e.g.
+    ``vegas serve MODEL -g 4 -- --max-model-len 8192 --gpu-memory-utilization 0.8``.
+    """
+    from .serve import exec_plan, plan_serve
+
+    try:
+        plan = plan_serve(model, selector=selector, num_draft_tokens=num_draft_tokens, sparsity_ratio=sparsity_ratio,
+                          kv_budget=kv_budget, config=config_json, port=port, host=host, dtype=dtype,
+                          extra_args=list(vllm_args))
+    except VegasConfigError as exc:
+        raise click.UsageError(str(exc)) from exc
+    for line in plan.describe():
+        click.echo(line, err=not dry_run)
+    if dry_run:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    exec_plan(plan)

@@ -1,7 +1,14 @@
 """The proposer's settings: a selector name plus a :class:`~vegas.config.VegasConfig`, as one
-JSON object in ``$VEGAS_VLLM_CONFIG`` (read here only; example in :mod:`vegas.vllm_plugin`):
+JSON object (read here only; example in :mod:`vegas.vllm_plugin`):
 ``{"selector": <name>, <VegasConfig field>: <value>, ..., "vllm": {<VllmOptions field>: ...}}``.
 Without a selector the default is collect2's (:data:`DEFAULT_SELECTOR`).
+
+Where the object comes from, first found wins (:func:`read_settings`):
+
+1. the engine's ``additional_config["vegas"]`` (:data:`ADDITIONAL_CONFIG_KEY`): ``vllm serve
+   --additional-config '{"vegas": {...}}'`` or ``LLM(additional_config={"vegas": {...}})``; vLLM
+   hands ``additional_config`` to every worker inside ``VllmConfig`` (no environment needed);
+2. ``$VEGAS_VLLM_CONFIG`` (:data:`ENV_VAR`).
 
 The worker process builds the selector through :func:`vegas.plugins.create_selector`, so any
 registered selector runs (a third-party one through its entry point, or registered by hand
@@ -17,7 +24,10 @@ its exact class (``vegas_vllm_fast_paths``), else the generic path.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import sys
+from typing import Any
 from dataclasses import replace
 
 from ..config import VegasConfig, VegasConfigError, parse_json_object
@@ -28,6 +38,7 @@ from .selectors.base import SelectionPath
 from .selectors.generic import GenericPath
 
 __all__ = [
+    "ADDITIONAL_CONFIG_KEY",
     "DEFAULT_SELECTOR",
     "ENV_VAR",
     "build_selector",
@@ -39,7 +50,11 @@ __all__ = [
     "settings_json",
 ]
 
+log = logging.getLogger(__name__)
+
 ENV_VAR = "VEGAS_VLLM_CONFIG"
+#: the key of vLLM's ``additional_config`` that holds the settings object
+ADDITIONAL_CONFIG_KEY = "vegas"
 #: the selector when the settings name none
 DEFAULT_SELECTOR = Collect2Selector.name
 
@@ -65,12 +80,33 @@ def parse_settings(raw: str, source: str = ENV_VAR) -> tuple[str, VegasConfig]:
     return selector, VegasConfig.from_dict(values, source)
 
 
-def read_settings() -> tuple[str, VegasConfig]:
-    """``(selector name, config)`` from ``$VEGAS_VLLM_CONFIG``; collect2 and defaults if unset.
+def _current_vllm_config() -> Any:
+    """vLLM's current config (set while vLLM builds a worker's model runner and its proposer),
+    or None; never imports vLLM."""
+    if "vllm.config" not in sys.modules:
+        return None
+    getter = getattr(sys.modules["vllm.config"], "get_current_vllm_config_or_none", None)
+    return getter() if getter is not None else None
+
+
+def read_settings(vllm_config: Any = None) -> tuple[str, VegasConfig]:
+    """``(selector name, config)``: from ``vllm_config.additional_config["vegas"]`` (a JSON
+    object or its string; ``vllm_config`` defaults to vLLM's current config), else from
+    ``$VEGAS_VLLM_CONFIG``; collect2 and defaults when neither is set.
 
     Raises:
         VegasConfigError: see :func:`parse_settings`.
     """
+    if vllm_config is None:
+        vllm_config = _current_vllm_config()
+    extra = getattr(vllm_config, "additional_config", None)
+    if isinstance(extra, dict) and extra.get(ADDITIONAL_CONFIG_KEY) is not None:
+        value = extra[ADDITIONAL_CONFIG_KEY]
+        source = f"additional_config[{ADDITIONAL_CONFIG_KEY!r}]"
+        raw = value if isinstance(value, str) else json.dumps(value)
+        if os.environ.get(ENV_VAR, "").strip():
+            log.warning("vegas: settings from %s; $%s is ignored", source, ENV_VAR)
+        return parse_settings(raw, source=source)
     raw = os.environ.get(ENV_VAR, "").strip()
     return parse_settings(raw) if raw else (DEFAULT_SELECTOR, VegasConfig())
 

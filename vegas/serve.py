@@ -1,0 +1,232 @@
+"""``vegas serve``: the ``vllm serve`` command line of an OpenAI-compatible server with Vegas (or
+plain vLLM with the same arguments), checked before any process starts.
+
+Vegas reaches vLLM through two serve arguments, no environment variable:
+
+* ``--speculative-config '{"method": "custom_class", "model": "vegas.vllm_plugin.proposer.VegasProposer",
+  "num_speculative_tokens": γ}'`` switches the proposer on;
+* ``--additional-config '{"vegas": {"selector": ..., <VegasConfig fields>}}'`` carries the settings:
+  vLLM keeps ``additional_config`` in ``VllmConfig`` and hands it to every worker, where the proposer
+  reads it (:func:`vegas.vllm_plugin.settings.read_settings`; ``$VEGAS_VLLM_CONFIG`` stays the
+  fallback).
+
+The engine arguments come from :func:`vegas.backends.vllm.vllm_engine_kwargs` (the one place they are
+made), turned into ``vllm serve`` options. Arguments after ``--`` go to ``vllm serve`` last, so they win
+(``--max-model-len``, ``--gpu-memory-utilization``, ``--dtype``...); for plain vLLM
+(``selector="none"``) they may carry vLLM's own ``--speculative-config`` (ngram, for instance).
+
+Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .config import VegasConfig, VegasConfigError, parse_json_object
+
+__all__ = ["PLUGIN_ENTRY_POINT", "ServePlan", "plan_serve", "plugin_entry_point_installed", "vllm_command"]
+
+#: the ``vllm.general_plugins`` entry point vLLM's processes must find (``pyproject.toml``)
+PLUGIN_ENTRY_POINT = "vegas.vllm_plugin:register"
+#: ``vllm serve`` options that ``vegas serve`` sets itself when Vegas is on
+_OWNED = ("--speculative-config", "-sc")
+_ADDITIONAL = "--additional-config"
+
+
+@dataclass
+class ServePlan:
+    """What ``vegas serve`` runs: ``argv`` with ``env`` added to the current environment."""
+
+    argv: list[str]
+    #: environment variables set on top of the caller's (empty: Vegas needs none)
+    env: dict[str, str] = field(default_factory=dict)
+    #: the Vegas settings object passed in ``additional_config["vegas"]`` (None: plain vLLM)
+    settings: dict[str, Any] | None = None
+    #: the model the server serves
+    model: str = ""
+    port: int = 8000
+    #: things the caller should know (printed before the server starts)
+    notes: list[str] = field(default_factory=list)
+
+    def shell(self) -> str:
+        """The command as one shell line, environment assignments first."""
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
+        return (env + " " if env else "") + shlex.join(self.argv)
+
+    def describe(self) -> list[str]:
+        """Lines that say what runs: the method, the settings, the environment and the command."""
+        lines = [f"vegas serve: {'plain vLLM' if self.settings is None else 'Vegas'} on port {self.port}"]
+        if self.settings is not None:
+            lines.append(f"  settings (--additional-config 'vegas'): {json.dumps(self.settings)}")
+        lines.append("  environment added: " + (" ".join(f"{k}={v}" for k, v in self.env.items()) or "none"))
+        lines += [f"  note: {n}" for n in self.notes]
+        lines.append("  command: " + self.shell())
+        return lines
+
+
+def vllm_command() -> list[str]:
+    """``["vllm"]`` when the ``vllm`` executable is on PATH, else this Python running vLLM's CLI
+    module (vLLM on ``PYTHONPATH`` without its console script)."""
+    exe = shutil.which("vllm")
+    return [exe] if exe else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+
+
+def plugin_entry_point_installed() -> bool:
+    """Whether a ``vllm.general_plugins`` entry point names :data:`PLUGIN_ENTRY_POINT` (vLLM runs it
+    in every process: the API server's config check keeps async scheduling on)."""
+    from importlib.metadata import entry_points
+
+    return any(ep.value.replace(" ", "") == PLUGIN_ENTRY_POINT for ep in entry_points(group="vllm.general_plugins"))
+
+
+def _read_config(raw: str) -> str:
+    """``--config``: a JSON object, or the path of a file holding one."""
+    text = raw.strip()
+    if text.startswith("{"):
+        return text
+    path = Path(text)
+    if not path.is_file():
+        raise VegasConfigError(f"--config must be a JSON object or a JSON file, got {raw!r} (no such file)")
+    return path.read_text()
+
+
+def _option_values(args: list[str], names: tuple[str, ...]) -> list[tuple[int, int, str]]:
+    """``(start, end, value)`` of each ``--name value`` / ``--name=value`` in ``args``."""
+    found = []
+    i = 0
+    while i < len(args):
+        a = args[i]
+        for n in names:
+            if a == n:
+                if i + 1 >= len(args):
+                    raise VegasConfigError(f"vllm serve argument {n} needs a value")
+                found.append((i, i + 2, args[i + 1]))
+                i += 1
+                break
+            if a.startswith(n + "="):
+                found.append((i, i + 1, a[len(n) + 1:]))
+                break
+        i += 1
+    return found
+
+
+def _cli(kwargs: dict[str, Any]) -> list[str]:
+    """``vllm.LLM`` keyword arguments as ``vllm serve`` options (``model`` excluded; False and None
+    left out: they are vLLM's defaults for the keys :func:`vllm_engine_kwargs` makes)."""
+    out: list[str] = []
+    for key, value in kwargs.items():
+        if key == "model" or value is None or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            out.append(flag)
+        elif isinstance(value, dict):
+            out += [flag, json.dumps(value)]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def plan_serve(
+    model: str,
+    *,
+    selector: str | None = "collect2",
+    num_draft_tokens: int | None = None,
+    sparsity_ratio: float | None = None,
+    kv_budget: int | None = None,
+    config: str | None = None,
+    port: int = 8000,
+    host: str | None = None,
+    dtype: str = "bfloat16",
+    extra_args: list[str] | tuple[str, ...] = (),
+    check_model: bool = True,
+) -> ServePlan:
+    """The ``vllm serve`` command for ``model``: Vegas with ``selector`` (None: the one in
+    ``config``, else collect2), or plain vLLM for ``selector="none"``, everything checked here.
+
+    Args:
+        num_draft_tokens: γ (default: ``config``'s ``num_draft_tokens``, else 4).
+        sparsity_ratio, kv_budget: override ``config``'s fields when given.
+        config: the settings JSON (``{"selector": ..., <VegasConfig fields>, "vllm": {...}}``) or a
+            file holding it.
+        extra_args: further ``vllm serve`` arguments, placed last.
+        check_model: refuse a model with sliding-window layers (Vegas only).
+
+    Raises:
+        VegasConfigError: naming the bad option and its allowed values: an unknown selector or
+            field, a value out of range, settings the vLLM backend refuses, a sliding-window
+            model, or ``extra_args`` that set what ``vegas serve`` sets.
+    """
+    from .backends.vllm import raise_if_sliding_window, verify_cuda_graphs, vllm_engine_kwargs
+    from .vllm_plugin.settings import ADDITIONAL_CONFIG_KEY, build_selector, settings_json
+
+    extra = list(extra_args)
+    if not isinstance(port, int) or not 0 < port < 65536:
+        raise VegasConfigError(f"--port must be an integer in 1..65535, got {port!r}")
+    plain = selector == "none"
+    if plain:
+        if config is not None:
+            raise VegasConfigError("--config sets Vegas settings; it cannot go with --selector none (plain vLLM)")
+        kw = vllm_engine_kwargs(model, dtype=dtype)
+        settings = None
+    else:
+        values = parse_json_object(_read_config(config), "--config") if config else {}
+        name = selector or values.pop("selector", None) or "collect2"
+        values.pop("selector", None)
+        cfg = VegasConfig.from_dict(values, "--config")
+        gamma = cfg.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
+        if not isinstance(gamma, int) or gamma < 1:
+            raise VegasConfigError(f"-g/--num-draft-tokens (γ) must be an integer >= 1, got {gamma!r}")
+        values = cfg.to_dict()
+        if sparsity_ratio is not None:
+            values["sparsity_ratio"] = sparsity_ratio
+        if kv_budget is not None:
+            values["kv_budget"] = kv_budget
+        cfg = VegasConfig.from_dict(values, "vegas serve options")
+        sel = build_selector(name, cfg, gamma)
+        for start, end, _ in _option_values(extra, _OWNED):
+            raise VegasConfigError(
+                f"vllm serve argument {extra[start]} is set by vegas serve for Vegas; use --selector none "
+                "for vLLM's own speculative methods"
+            )
+        if check_model:
+            raise_if_sliding_window(model)
+        settings = json.loads(settings_json(name, sel.config))
+        kw = vllm_engine_kwargs(model, dtype=dtype, num_draft_tokens=gamma,
+                                verify_cuda_graphs=verify_cuda_graphs(sel, sel.config))
+        additional: dict[str, Any] = {}
+        for start, end, value in reversed(_option_values(extra, (_ADDITIONAL,))):
+            theirs = parse_json_object(value, f"vllm serve argument {_ADDITIONAL}")
+            if ADDITIONAL_CONFIG_KEY in theirs:
+                raise VegasConfigError(
+                    f"vllm serve argument {_ADDITIONAL} must not hold {ADDITIONAL_CONFIG_KEY!r}: give the Vegas "
+                    "settings as vegas serve options or --config"
+                )
+            additional = {**theirs, **additional}
+            del extra[start:end]
+        kw["additional_config"] = {**additional, ADDITIONAL_CONFIG_KEY: settings}
+    kw.pop("disable_log_stats", None)  # vllm serve logs stats by default
+    argv = [*vllm_command(), "serve", model, *_cli(kw)]
+    if host is not None:
+        argv += ["--host", host]
+    argv += ["--port", str(port), *extra]
+    notes = []
+    if not plain and not plugin_entry_point_installed():
+        notes.append(
+            f"no vllm.general_plugins entry point {PLUGIN_ENTRY_POINT} in this environment (vegas not "
+            "pip-installed): vLLM's API-server process turns async scheduling off; install vegas "
+            "(pip install -e .) for the full speed"
+        )
+    return ServePlan(argv=argv, env={}, settings=settings, model=model, port=port, notes=notes)
+
+
+def exec_plan(plan: ServePlan) -> None:  # pragma: no cover - replaces the process
+    """Replace this process by the server (signals then reach vLLM directly)."""
+    os.execvpe(plan.argv[0], plan.argv, {**os.environ, **plan.env})
