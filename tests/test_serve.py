@@ -1,0 +1,186 @@
+"""``vegas serve`` on a CPU: the ``vllm serve`` command line and environment it builds for plain
+vLLM, collect2 and a plugin selector, bad settings refused before any process starts, and the
+proposer's settings read from vLLM's ``additional_config`` (no vLLM, no GPU)."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+from click.testing import CliRunner
+
+from tests.test_vllm_backend import _TestSelectorPlugin
+from tests.test_vllm_sliding_window import _model_dir
+from vegas import serve as vegas_serve
+from vegas.cli import main
+from vegas.config import VegasConfig, VegasConfigError
+from vegas.vllm_plugin.settings import ENV_VAR, read_settings, settings_json
+
+MODEL = "vegas/model"  # the embedded full-attention model
+
+
+def _option(argv: list[str], name: str) -> str:
+    """The value of the last ``name value`` in ``argv``."""
+    i = len(argv) - 1 - argv[::-1].index(name)
+    return argv[i + 1]
+
+
+@pytest.fixture(autouse=True)
+def _no_exec(monkeypatch):
+    """No test may start a process: exec_plan fails the test if it is reached."""
+
+    def fail(plan):
+        raise AssertionError(f"a process would start: {plan.argv}")
+
+    monkeypatch.setattr(vegas_serve, "exec_plan", fail)
+    monkeypatch.setattr(vegas_serve.os, "execvpe", lambda *a: fail(types.SimpleNamespace(argv=a)))
+
+
+def test_plain_vllm_has_no_proposer_and_no_environment():
+    plan = vegas_serve.plan_serve(MODEL, selector="none", port=8123, extra_args=["--max-model-len", "2048"])
+    argv = plan.argv
+    assert argv[argv.index("serve") + 1] == MODEL
+    assert "--speculative-config" not in argv and "--additional-config" not in argv
+    assert _option(argv, "--attention-backend") == "FLASH_ATTN" and _option(argv, "--dtype") == "bfloat16"
+    assert _option(argv, "--port") == "8123" and argv[-2:] == ["--max-model-len", "2048"]
+    assert plan.env == {} and plan.settings is None
+
+
+def test_collect2_passes_the_settings_in_additional_config():
+    plan = vegas_serve.plan_serve(MODEL, selector="collect2", num_draft_tokens=3, sparsity_ratio=0.1,
+                                  extra_args=["--gpu-memory-utilization", "0.3"])
+    spec = json.loads(_option(plan.argv, "--speculative-config"))
+    assert spec == {"method": "custom_class", "model": "vegas.vllm_plugin.proposer.VegasProposer",
+                    "num_speculative_tokens": 3}
+    extra = json.loads(_option(plan.argv, "--additional-config"))
+    assert extra["vegas"] == plan.settings
+    assert plan.settings["selector"] == "collect2" and plan.settings["sparsity_ratio"] == 0.1
+    assert plan.settings["num_draft_tokens"] == 3
+    assert "--compilation-config" not in plan.argv  # collect2: full verification graphs
+    assert plan.env == {}  # no environment variable
+    assert plan.argv[-2:] == ["--gpu-memory-utilization", "0.3"]  # extra arguments last: they win
+
+
+def test_the_argv_reaches_the_proposer_settings_through_additional_config(monkeypatch):
+    """What the proposer reads from ``vllm_config.additional_config`` is what vegas serve passed;
+    the environment variable is the fallback and loses to it."""
+    plan = vegas_serve.plan_serve(MODEL, selector="aggregated", kv_budget=512, num_draft_tokens=5)
+    vllm_config = types.SimpleNamespace(additional_config=json.loads(_option(plan.argv, "--additional-config")))
+    monkeypatch.setenv(ENV_VAR, settings_json("quest", VegasConfig()))
+    name, config = read_settings(vllm_config)
+    assert name == "aggregated" and config.kv_budget == 512 and config.num_draft_tokens == 5
+    assert read_settings(types.SimpleNamespace(additional_config={}))[0] == "quest"  # fallback: the env var
+    monkeypatch.delenv(ENV_VAR)
+    assert read_settings(types.SimpleNamespace(additional_config={"vegas": '{"selector": "h2o"}'}))[0] == "h2o"
+    with pytest.raises(VegasConfigError, match=r"additional_config\['vegas'\].*unknown field"):
+        read_settings(types.SimpleNamespace(additional_config={"vegas": {"sparsity": 0.1}}))
+
+
+def test_a_plugin_selector_runs_with_piecewise_verification_graphs():
+    from vegas import plugins
+
+    plugins.register(_TestSelectorPlugin(), name="test_serve_selectors")
+    try:
+        plan = vegas_serve.plan_serve(MODEL, selector="test_sinks_topk", kv_budget=64)
+    finally:
+        plugins.unregister("test_serve_selectors")
+    assert plan.settings["selector"] == "test_sinks_topk"
+    assert json.loads(_option(plan.argv, "--compilation-config")) == {"cudagraph_mode": "PIECEWISE"}
+
+
+def test_config_json_and_options(tmp_path):
+    cfg = tmp_path / "vegas.json"
+    cfg.write_text(json.dumps({"selector": "sliding_window", "num_draft_tokens": 6, "window": 128}))
+    plan = vegas_serve.plan_serve(MODEL, selector=None, config=str(cfg))
+    assert plan.settings["selector"] == "sliding_window" and plan.settings["window"] == 128
+    assert json.loads(_option(plan.argv, "--speculative-config"))["num_speculative_tokens"] == 6
+    plan = vegas_serve.plan_serve(MODEL, selector="collect2", num_draft_tokens=2, config='{"selector": "quest"}')
+    assert plan.settings["selector"] == "collect2" and plan.settings["num_draft_tokens"] == 2  # options win
+
+
+def test_other_additional_config_keys_are_merged():
+    plan = vegas_serve.plan_serve(MODEL, extra_args=["--additional-config", '{"x": 1}', "--enforce-eager"])
+    extra = json.loads(_option(plan.argv, "--additional-config"))
+    assert extra["x"] == 1 and extra["vegas"]["selector"] == "collect2"
+    assert plan.argv.count("--additional-config") == 1 and plan.argv[-1] == "--enforce-eager"
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"selector": "nope"}, r"selector must be one of .*collect2.*got 'nope'"),
+        ({"sparsity_ratio": 2.0}, r"sparsity_ratio must be a number in \(0, 1\]"),
+        ({"num_draft_tokens": 0}, r"num-draft-tokens.*>= 1"),
+        ({"config": '{"sparsity": 0.1}'}, r"--config: unknown field\(s\) sparsity; allowed: .*sparsity_ratio"),
+        ({"config": "[1]"}, r"--config must be a JSON object"),
+        ({"config": "missing.json"}, r"--config must be a JSON object or a JSON file"),
+        ({"config": '{"granularity": "kv_head"}'}, r"per layer only"),
+        ({"selector": "none", "config": "{}"}, r"cannot go with --selector none"),
+        ({"extra_args": ["--speculative-config", "{}"]}, r"--speculative-config is set by vegas serve"),
+        ({"extra_args": ["--additional-config", '{"vegas": {}}']}, r"must not hold 'vegas'"),
+        ({"port": 0}, r"--port must be an integer in 1..65535"),
+    ],
+)
+def test_bad_settings_fail_before_any_process(kwargs, match):
+    with pytest.raises(VegasConfigError, match=match):
+        vegas_serve.plan_serve(MODEL, **kwargs)
+
+
+def test_sliding_window_models_are_refused_before_start(tmp_path):
+    model = _model_dir(tmp_path, "mistral-like", model_type="mistral", sliding_window=4096)
+    with pytest.raises(VegasConfigError, match="sliding-window attention"):
+        vegas_serve.plan_serve(model)
+    assert "--speculative-config" not in vegas_serve.plan_serve(model, selector="none").argv  # plain: allowed
+
+
+def test_cli_dry_run_prints_the_command_and_starts_nothing():
+    result = CliRunner().invoke(main, ["serve", MODEL, "-g", "3", "--port", "8011", "--dry-run", "--",
+                                       "--max-model-len", "4096"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0] == "vegas serve: Vegas on port 8011"
+    assert any(line.strip() == "environment added: none" for line in lines)
+    command = next(line for line in lines if line.strip().startswith("command: "))
+    assert " serve vegas/model " in command and "--additional-config '{\"vegas\": {\"selector\": \"collect2\"" in command
+    assert command.endswith("--port 8011 --max-model-len 4096")
+
+
+def test_cli_plain_dry_run_and_ngram_through_extra_args():
+    result = CliRunner().invoke(main, ["serve", MODEL, "--selector", "none", "--dry-run", "--",
+                                       "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("vegas serve: plain vLLM on port 8000")
+    assert "VegasProposer" not in result.output and '"method": "ngram"' in result.output
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (["--selector", "nope"], "selector must be one of"),
+        (["-g", "0"], "Invalid value for '--num-draft-tokens'"),
+        (["--port", "70000"], "Invalid value for '--port'"),
+        (["--dtype", "float32"], "Invalid value for '--dtype'"),
+        (["--sparsity-ratio", "0"], "sparsity_ratio must be a number in (0, 1]"),
+    ],
+)
+def test_cli_bad_settings_are_usage_errors_without_a_process(args, match):
+    """Without --dry-run too: the error comes before the exec (the fixture fails any exec)."""
+    result = CliRunner().invoke(main, ["serve", MODEL, *args])
+    assert result.exit_code == 2, result.output
+    assert match in result.output
+
+
+def test_the_command_runs_vllm_from_python_without_its_console_script(monkeypatch):
+    monkeypatch.setattr(vegas_serve.shutil, "which", lambda name: None)
+    assert vegas_serve.vllm_command()[1:] == ["-m", "vllm.entrypoints.cli.main"]
+    monkeypatch.setattr(vegas_serve.shutil, "which", lambda name: "/usr/bin/vllm")
+    assert vegas_serve.vllm_command() == ["/usr/bin/vllm"]
+
+
+def test_a_missing_entry_point_is_said(monkeypatch):
+    monkeypatch.setattr(vegas_serve, "plugin_entry_point_installed", lambda: False)
+    plan = vegas_serve.plan_serve(MODEL)
+    assert any("vllm.general_plugins" in note for note in plan.notes)
+    assert any("note:" in line for line in plan.describe())
+    assert plan.env == {}
