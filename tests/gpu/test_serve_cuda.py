@@ -1,0 +1,287 @@
+"""``vegas serve`` end to end on CUDA + vLLM: a plain and a Vegas (collect2) OpenAI-compatible
+server in subprocesses on free local ports (the embedded model), driven by the ``openai``
+client: completions and chat completions, streaming and not, concurrent requests, ``n``,
+``stop``, ``max_tokens``, ``seed``, ``logprobs``; Vegas greedy equals plain greedy up to bf16
+near-ties; the servers shut down cleanly; bad Vegas settings fail at start, within seconds,
+with a clear message. Skips without CUDA, vLLM or openai (openai comes with the vLLM bundle)."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM 0.24.0"),
+    pytest.mark.skipif(importlib.util.find_spec("openai") is None, reason="needs the openai client"),
+]
+
+REPO = Path(__file__).resolve().parents[2]
+NAME = "vegas-tiny"  # --served-model-name
+START_S = float(os.environ.get("VEGAS_SERVE_START_S", "420"))  # readiness timeout (compile + graphs)
+TIE = 0.125  # a bf16 near-tie: plain's top-2 logprob gap at the first differing token
+#: a chat template for the embedded model (it has none): role lines, then the assistant's turn
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant: {% endif %}")
+SERVER_ARGS = ["--max-model-len", "4096", "--gpu-memory-utilization", "0.3", "--max-num-seqs", "16",
+               "--served-model-name", NAME, "--seed", "0"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _vegas_serve(*args: str) -> list[str]:
+    return [sys.executable, "-c", "from vegas.cli import main; main()", "serve", *args]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(REPO)) if p)
+    env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    return env
+
+
+def _tail(path: Path, n: int = 60) -> str:
+    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+    return "\n".join(lines[-n:])
+
+
+class Server:
+    """``vegas serve`` in a subprocess (its own process group), logging to ``log``."""
+
+    def __init__(self, label: str, args: list[str], vllm_args: list[str], log: Path):
+        self.label, self.port, self.log = label, _free_port(), log
+        self.argv = _vegas_serve(*args, "--port", str(self.port), "--host", "127.0.0.1", "--", *SERVER_ARGS,
+                                 *vllm_args)
+        self.proc = subprocess.Popen(self.argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env=_env(),
+                                     cwd=REPO, start_new_session=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout: float = START_S) -> None:
+        import httpx
+
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                pytest.fail(f"{self.label} server exited with {self.proc.returncode} before it was ready; log tail:\n"
+                            f"{_tail(self.log)}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.stop()
+        pytest.fail(f"{self.label} server not ready within {timeout:.0f} s; log tail:\n{_tail(self.log)}")
+
+    def client(self):
+        from openai import OpenAI
+
+        return OpenAI(base_url=self.url + "/v1", api_key="none", timeout=120, max_retries=0)
+
+    def stop(self, timeout: float = 60) -> int:
+        """SIGTERM, as a service manager sends it; the whole process group must be gone."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            pytest.fail(f"{self.label} server did not stop within {timeout:.0f} s of SIGTERM; log tail:\n"
+                        f"{_tail(self.log)}")
+        end = time.monotonic() + 30
+        while time.monotonic() < end:  # engine core and workers exit after the API server
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                return rc
+            time.sleep(0.5)
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        pytest.fail(f"{self.label} server left processes behind 30 s after it exited; log tail:\n{_tail(self.log)}")
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """The plain and the Vegas server, started together (0.3 of the GPU each)."""
+    from vegas import DEFAULT_MODEL
+
+    d = tmp_path_factory.mktemp("serve")
+    template = d / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    model = str(DEFAULT_MODEL)
+    chat = ["--chat-template", str(template)]
+    plain = Server("plain", [model, "--selector", "none"], chat, d / "plain.log")
+    vegas = Server("vegas", [model, "--selector", "collect2", "-g", "4", "--config", '{"min_kv_budget": 64}'],
+                   chat, d / "vegas.log")
+    out = {"plain": plain, "vegas": vegas}
+    try:
+        for s in out.values():
+            s.wait_ready()
+        yield out
+    finally:
+        for s in out.values():
+            if s.proc.poll() is None:
+                s.stop()
+
+
+def _prompts(n: int = 4, length: int = 1500) -> list[list[int]]:
+    """Held-out-style code prompts (the installed click source) as token ids, of several lengths."""
+    from transformers import AutoTokenizer
+
+    from vegas import DEFAULT_MODEL
+    from vegas.prompts import cut_contexts, package_source
+
+    ids = AutoTokenizer.from_pretrained(DEFAULT_MODEL)(package_source(), add_special_tokens=False).input_ids
+    prompts = cut_contexts(ids, length, n)
+    return [p[: length - 300 * (i % 3)] for i, p in enumerate(prompts)]
+
+
+def _greedy(server: Server, prompt, max_tokens: int = 48, **kw):
+    """A greedy completion with top-2 logprobs, tokens as ids (``token_id:N``)."""
+    return server.client().completions.create(
+        model=NAME, prompt=prompt, max_tokens=max_tokens, temperature=0.0, logprobs=2,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}, **kw).choices[0]
+
+
+def _assert_equal_up_to_ties(plain_choice, vegas_choice) -> None:
+    """Vegas greedy tokens equal plain greedy tokens, or first differ where plain's top-2 logprob
+    gap is <= TIE (bf16 near-tie; from there on the two continue different texts)."""
+    a, b = plain_choice.logprobs.tokens, vegas_choice.logprobs.tokens
+    assert len(a) == len(b)
+    if a == b:
+        return
+    j = next(k for k in range(len(a)) if a[k] != b[k])
+    top = sorted(plain_choice.logprobs.top_logprobs[j].values(), reverse=True)
+    assert top[0] - top[1] <= TIE, f"differs at token {j} with plain's top-2 gap {top[0] - top[1]}"
+
+
+def test_completions_greedy_equal_plain_with_logprobs(servers):
+    for prompt in _prompts():
+        plain, vegas = _greedy(servers["plain"], prompt), _greedy(servers["vegas"], prompt)
+        assert vegas.finish_reason == "length" and len(vegas.logprobs.tokens) == 48
+        assert all(len(t) == 2 for t in vegas.logprobs.top_logprobs)  # logprobs work with Vegas
+        _assert_equal_up_to_ties(plain, vegas)
+
+
+def test_concurrent_requests_equal_plain(servers):
+    """16 requests at once (batched verification, rows refilled as requests end)."""
+    prompts = _prompts(16, 1200)
+    lengths = [16 + 8 * (i % 5) for i in range(16)]
+    with cf.ThreadPoolExecutor(16) as pool:
+        vegas = list(pool.map(lambda a: _greedy(servers["vegas"], a[0], a[1]), zip(prompts, lengths)))
+    for prompt, n, v in zip(prompts, lengths, vegas):
+        assert len(v.logprobs.tokens) == n
+        _assert_equal_up_to_ties(_greedy(servers["plain"], prompt, n), v)
+
+
+def test_vegas_drafts_and_accepts(servers):
+    import httpx
+
+    metrics = httpx.get(servers["vegas"].url + "/metrics", timeout=10).text
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+              if line.startswith("vllm:spec_decode_num_")}
+    assert values.get("vllm:spec_decode_num_draft_tokens_total", 0) > 0, metrics[:2000]
+    assert values.get("vllm:spec_decode_num_accepted_tokens_total", 0) > 0
+
+
+def test_streaming_completion_equals_the_whole_one(servers):
+    prompt = _prompts(1)[0]
+    for server in servers.values():
+        c = server.client()
+        whole = c.completions.create(model=NAME, prompt=prompt, max_tokens=40, temperature=0.0).choices[0]
+        parts = list(c.completions.create(model=NAME, prompt=prompt, max_tokens=40, temperature=0.0, stream=True))
+        assert "".join(p.choices[0].text for p in parts if p.choices) == whole.text
+        assert [p.choices[0].finish_reason for p in parts if p.choices][-1] == whole.finish_reason
+
+
+def test_chat_completions_streaming_and_not(servers):
+    messages = [{"role": "user", "content": "def fibonacci(n):"}]
+    texts = {}
+    for label, server in servers.items():
+        c = server.client()
+        whole = c.chat.completions.create(model=NAME, messages=messages, max_tokens=32, temperature=0.0,
+                                          logprobs=True, top_logprobs=2)
+        msg = whole.choices[0]
+        assert msg.message.role == "assistant" and whole.usage.completion_tokens <= 32
+        stream = c.chat.completions.create(model=NAME, messages=messages, max_tokens=32, temperature=0.0,
+                                           stream=True)
+        assert "".join((p.choices[0].delta.content or "") for p in stream if p.choices) == msg.message.content
+        texts[label] = msg
+    plain, vegas = texts["plain"].logprobs.content, texts["vegas"].logprobs.content
+    a, b = [t.token for t in plain], [t.token for t in vegas]
+    if a != b:
+        j = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
+        assert j < len(a), "Vegas's chat answer is longer than plain's at equal tokens"
+        top = sorted((t.logprob for t in plain[j].top_logprobs), reverse=True)
+        assert top[0] - top[1] <= TIE, f"chat differs at token {j} with plain's top-2 gap {top[0] - top[1]}"
+
+
+def test_max_tokens_stop_n_and_seed(servers):
+    c = servers["vegas"].client()
+    prompt = _prompts(1)[0]
+    full = c.completions.create(model=NAME, prompt=prompt, max_tokens=24, temperature=0.0,
+                                extra_body={"ignore_eos": True})
+    assert full.usage.completion_tokens == 24 and full.choices[0].finish_reason == "length"
+    text = full.choices[0].text
+    stop = text[len(text) // 2:][:4]  # a string the greedy output reaches midway
+    if stop.strip():
+        cut = c.completions.create(model=NAME, prompt=prompt, max_tokens=24, temperature=0.0, stop=[stop])
+        assert cut.choices[0].finish_reason == "stop" and stop not in cut.choices[0].text
+        assert text.startswith(cut.choices[0].text)
+    sampled = [c.completions.create(model=NAME, prompt=prompt, max_tokens=24, temperature=0.8, seed=123, n=2,
+                                    extra_body={"ignore_eos": True}) for _ in range(2)]
+    assert [ch.text for ch in sampled[0].choices] == [ch.text for ch in sampled[1].choices]  # seed: reproducible
+    assert len(sampled[0].choices) == 2 and all(ch.finish_reason == "length" for ch in sampled[0].choices)
+
+
+def test_servers_shut_down_cleanly(servers):
+    """SIGTERM: each server exits (0, or killed by the signal it was sent) and leaves no process."""
+    for server in servers.values():
+        rc = server.stop()
+        assert rc in (0, -signal.SIGTERM), f"{server.label} exited with {rc}:\n{_tail(server.log)}"
+        assert "Traceback" not in _tail(server.log, 200), _tail(server.log)
+
+
+def test_bad_settings_fail_before_the_server_starts():
+    """vegas serve checks the settings first: exit 2 within seconds, no vLLM process."""
+    t0 = time.monotonic()
+    r = subprocess.run(_vegas_serve("vegas/model", "--selector", "nope"), capture_output=True, text=True,
+                       env=_env(), cwd=REPO, timeout=60)
+    assert r.returncode == 2 and "selector must be one of" in r.stderr and time.monotonic() - t0 < 60
+
+
+def test_bad_settings_given_to_vllm_serve_directly_fail_at_start(tmp_path):
+    """Settings that reach vLLM unchecked (vllm serve by hand) stop the server at start with the
+    proposer's message, instead of leaving a server that never becomes ready."""
+    from vegas import DEFAULT_MODEL
+    from vegas.serve import plan_serve
+
+    plan = plan_serve(str(DEFAULT_MODEL), port=_free_port(), extra_args=SERVER_ARGS)
+    i = plan.argv.index("--additional-config")
+    plan.argv[i + 1] = '{"vegas": {"selector": "collect2", "granularity": "kv_head"}}'
+    log = tmp_path / "bad.log"
+    t0 = time.monotonic()
+    proc = subprocess.Popen(plan.argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env=_env(), cwd=REPO,
+                            start_new_session=True)
+    try:
+        rc = proc.wait(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"the server with bad settings did not exit within 240 s; log tail:\n{_tail(log)}")
+    assert rc != 0
+    assert "per layer only" in log.read_text(errors="replace"), _tail(log)
+    print(f"bad settings: exit {rc} after {time.monotonic() - t0:.0f} s")
