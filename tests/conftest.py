@@ -29,3 +29,14 @@ def click_ids(pipe) -> list[int]:
 def code_prompts(click_ids) -> list[list[int]]:
     """Two real prompts of different lengths (900 and 611 tokens)."""
     return [click_ids[20000:20900], click_ids[60000:60611]]
+
+
+def load_script(name: str):
+    """``scripts/<name>.py`` imported as a module (scripts are not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -4,7 +4,6 @@ exactness comparison and table. A bug here would only show up after a device run
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -12,15 +11,14 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.conftest import load_script
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def vb():
-    spec = importlib.util.spec_from_file_location("vllm_bench", ROOT / "scripts" / "vllm_bench.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("vllm_bench")
 
 
 def _args(**kw):

@@ -24,14 +24,27 @@ import json
 import os
 import shlex
 import shutil
+import signal
+import socket
+import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .config import VegasConfig, VegasConfigError, parse_json_object
 
-__all__ = ["PLUGIN_ENTRY_POINT", "ServePlan", "plan_serve", "plugin_entry_point_installed", "vllm_command"]
+__all__ = [
+    "PLUGIN_ENTRY_POINT",
+    "ServePlan",
+    "ServerError",
+    "ServerProcess",
+    "free_port",
+    "plan_serve",
+    "plugin_entry_point_installed",
+    "vllm_command",
+]
 
 #: the ``vllm.general_plugins`` entry point vLLM's processes must find (``pyproject.toml``)
 PLUGIN_ENTRY_POINT = "vegas.vllm_plugin:register"
@@ -230,3 +243,94 @@ def plan_serve(
 def exec_plan(plan: ServePlan) -> None:  # pragma: no cover - replaces the process
     """Replace this process by the server (signals then reach vLLM directly)."""
     os.execvpe(plan.argv[0], plan.argv, {**os.environ, **plan.env})
+
+
+class ServerError(RuntimeError):
+    """A server that exited before it was ready, was not ready in time, or did not stop cleanly
+    (the message ends with the tail of its log)."""
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def log_tail(path: Path, lines: int = 60) -> str:
+    """The last ``lines`` lines of a log file ("" when it does not exist)."""
+    text = Path(path).read_text(errors="replace").splitlines() if Path(path).exists() else []
+    return "\n".join(text[-lines:])
+
+
+class ServerProcess:
+    """An OpenAI-compatible server started from ``argv`` in its own process group, its output in
+    ``log``: :meth:`wait_ready` polls ``/health``; :meth:`stop` sends SIGTERM and waits for the
+    whole group (API server, engine core, workers) to be gone."""
+
+    def __init__(self, label: str, argv: list[str], log: Path, port: int, env: dict | None = None,
+                 cwd: str | Path | None = None):
+        self.label, self.argv, self.log, self.port = label, list(argv), Path(log), port
+        self.url = f"http://127.0.0.1:{port}"
+        with self.log.open("w") as out:
+            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
+                                         env=env, cwd=cwd, start_new_session=True)
+
+    def _fail(self, why: str) -> ServerError:
+        return ServerError(f"{self.label} server {why}; log {self.log}, tail:\n{log_tail(self.log)}")
+
+    def wait_ready(self, timeout: float) -> float:
+        """Seconds until ``/health`` answers 200.
+
+        Raises:
+            ServerError: the server exited first, or was not ready within ``timeout`` (then it
+                is stopped).
+        """
+        import urllib.error
+        import urllib.request
+
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise self._fail(f"exited with {self.proc.returncode} before it was ready")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return time.monotonic() - t0
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1)
+        self.kill()
+        raise self._fail(f"was not ready within {timeout:.0f} s")
+
+    def kill(self) -> None:
+        """SIGKILL to the whole process group."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+    def stop(self, timeout: float = 60, group_timeout: float = 30) -> int:
+        """SIGTERM (as a service manager sends it); the exit status.
+
+        Raises:
+            ServerError: not stopped within ``timeout`` s, or processes of its group still alive
+                ``group_timeout`` s after it exited (both then killed).
+        """
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise self._fail(f"did not stop within {timeout:.0f} s of SIGTERM") from None
+        end = time.monotonic() + group_timeout
+        while time.monotonic() < end:
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                return rc
+            time.sleep(0.5)
+        self.kill()
+        raise self._fail(f"left processes behind {group_timeout:.0f} s after it exited")

@@ -11,7 +11,6 @@ import concurrent.futures as cf
 import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from vegas.serve import ServerError, ServerProcess, free_port, log_tail
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -37,12 +38,6 @@ SERVER_ARGS = ["--max-model-len", "4096", "--gpu-memory-utilization", "0.3", "--
                "--served-model-name", NAME, "--seed", "0"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _vegas_serve(*args: str) -> list[str]:
     return [sys.executable, "-c", "from vegas.cli import main; main()", "serve", *args]
 
@@ -54,64 +49,30 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _tail(path: Path, n: int = 60) -> str:
-    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
-    return "\n".join(lines[-n:])
-
-
-class Server:
-    """``vegas serve`` in a subprocess (its own process group), logging to ``log``."""
+class Server(ServerProcess):
+    """``vegas serve ARGS --port P -- SERVER_ARGS VLLM_ARGS`` in a subprocess; failures fail the test."""
 
     def __init__(self, label: str, args: list[str], vllm_args: list[str], log: Path):
-        self.label, self.port, self.log = label, _free_port(), log
-        self.argv = _vegas_serve(*args, "--port", str(self.port), "--host", "127.0.0.1", "--", *SERVER_ARGS,
-                                 *vllm_args)
-        self.proc = subprocess.Popen(self.argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env=_env(),
-                                     cwd=REPO, start_new_session=True)
-        self.url = f"http://127.0.0.1:{self.port}"
+        port = free_port()
+        argv = _vegas_serve(*args, "--port", str(port), "--host", "127.0.0.1", "--", *SERVER_ARGS, *vllm_args)
+        super().__init__(label, argv, log, port, env=_env(), cwd=REPO)
 
-    def wait_ready(self, timeout: float = START_S) -> None:
-        import httpx
+    def wait_ready(self, timeout: float = START_S) -> float:
+        try:
+            return super().wait_ready(timeout)
+        except ServerError as e:
+            pytest.fail(str(e))
 
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                pytest.fail(f"{self.label} server exited with {self.proc.returncode} before it was ready; log tail:\n"
-                            f"{_tail(self.log)}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        self.stop()
-        pytest.fail(f"{self.label} server not ready within {timeout:.0f} s; log tail:\n{_tail(self.log)}")
+    def stop(self, timeout: float = 60, group_timeout: float = 30) -> int:
+        try:
+            return super().stop(timeout, group_timeout)
+        except ServerError as e:
+            pytest.fail(str(e))
 
     def client(self):
         from openai import OpenAI
 
         return OpenAI(base_url=self.url + "/v1", api_key="none", timeout=120, max_retries=0)
-
-    def stop(self, timeout: float = 60) -> int:
-        """SIGTERM, as a service manager sends it; the whole process group must be gone."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            rc = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-            pytest.fail(f"{self.label} server did not stop within {timeout:.0f} s of SIGTERM; log tail:\n"
-                        f"{_tail(self.log)}")
-        end = time.monotonic() + 30
-        while time.monotonic() < end:  # engine core and workers exit after the API server
-            try:
-                os.killpg(self.proc.pid, 0)
-            except ProcessLookupError:
-                return rc
-            time.sleep(0.5)
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        pytest.fail(f"{self.label} server left processes behind 30 s after it exited; log tail:\n{_tail(self.log)}")
 
 
 @pytest.fixture(scope="module")
@@ -252,8 +213,8 @@ def test_servers_shut_down_cleanly(servers):
     """SIGTERM: each server exits (0, or killed by the signal it was sent) and leaves no process."""
     for server in servers.values():
         rc = server.stop()
-        assert rc in (0, -signal.SIGTERM), f"{server.label} exited with {rc}:\n{_tail(server.log)}"
-        assert "Traceback" not in _tail(server.log, 200), _tail(server.log)
+        assert rc in (0, -signal.SIGTERM), f"{server.label} exited with {rc}:\n{log_tail(server.log)}"
+        assert "Traceback" not in log_tail(server.log, 200), log_tail(server.log)
 
 
 def test_bad_settings_fail_before_the_server_starts():
@@ -270,7 +231,7 @@ def test_bad_settings_given_to_vllm_serve_directly_fail_at_start(tmp_path):
     from vegas import DEFAULT_MODEL
     from vegas.serve import plan_serve
 
-    plan = plan_serve(str(DEFAULT_MODEL), port=_free_port(), extra_args=SERVER_ARGS)
+    plan = plan_serve(str(DEFAULT_MODEL), port=free_port(), extra_args=SERVER_ARGS)
     i = plan.argv.index("--additional-config")
     plan.argv[i + 1] = '{"vegas": {"selector": "collect2", "granularity": "kv_head"}}'
     log = tmp_path / "bad.log"
@@ -281,7 +242,7 @@ def test_bad_settings_given_to_vllm_serve_directly_fail_at_start(tmp_path):
         rc = proc.wait(timeout=240)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"the server with bad settings did not exit within 240 s; log tail:\n{_tail(log)}")
+        pytest.fail(f"the server with bad settings did not exit within 240 s; log tail:\n{log_tail(log)}")
     assert rc != 0
-    assert "per layer only" in log.read_text(errors="replace"), _tail(log)
+    assert "per layer only" in log.read_text(errors="replace"), log_tail(log)
     print(f"bad settings: exit {rc} after {time.monotonic() - t0:.0f} s")

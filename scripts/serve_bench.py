@@ -1,0 +1,280 @@
+"""Serving benchmark: vLLM's own ``vllm bench serve`` against an OpenAI-compatible server per
+method (plain vLLM, Vegas collect2, Vegas sliding_window, vLLM's ngram), over request rates up
+to saturation, with long prompts (4K-8K tokens: vLLM's random dataset, or held-out code through
+vLLM's custom dataset). Prints a table (TTFT, TPOT, output tokens/s per method and rate) and
+plots ``throughput_vs_rate.png`` and ``tpot_vs_rate.png``.
+
+Every server is started with ``vegas serve`` (:mod:`vegas.serve`), so the command that runs is
+the documented one. On a GPU (not yet run on one)::
+
+    python scripts/serve_bench.py --model /tmp/smollm2-hf --rates 1,2,4,8,16,inf --out serve-bench
+    python scripts/serve_bench.py --dataset code --model /tmp/smollm2-hf --out serve-bench-code
+    python scripts/serve_bench.py --report serve-bench        # table and plots again from its JSON
+
+Results: ``OUT/raw/<method>_r<rate>.json`` (vLLM's result files), ``OUT/summary.json``,
+``OUT/table.md``, the two PNGs and each server's log in ``OUT/logs``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from vegas.serve import ServerError, ServerProcess, free_port, log_tail, vllm_command  # noqa: E402
+
+METHODS = ("plain", "collect2", "sliding_window", "ngram")
+NAME = "bench-model"  # --served-model-name
+#: table columns: (result key, header, format)
+COLUMNS = (
+    ("completed", "done", "{:.0f}"),
+    ("failed", "failed", "{:.0f}"),
+    ("mean_ttft_ms", "TTFT mean ms", "{:.1f}"),
+    ("p99_ttft_ms", "TTFT p99 ms", "{:.1f}"),
+    ("mean_tpot_ms", "TPOT mean ms", "{:.2f}"),
+    ("p99_tpot_ms", "TPOT p99 ms", "{:.2f}"),
+    ("output_throughput", "out tok/s", "{:.1f}"),
+    ("request_throughput", "req/s", "{:.2f}"),
+    ("spec_decode_acceptance_length", "τ", "{:.2f}"),
+)
+
+
+def rate_value(rate) -> float:
+    """A request rate as a float (``"inf"``, ``inf`` and numbers alike)."""
+    return float(rate)
+
+
+def rate_label(rate) -> str:
+    r = rate_value(rate)
+    return "inf" if math.isinf(r) else f"{r:g}"
+
+
+def method_args(method: str, args) -> tuple[list[str], list[str]]:
+    """``(vegas serve options, extra vllm serve arguments)`` of a method."""
+    if method == "plain":
+        return ["--selector", "none"], []
+    if method == "ngram":
+        spec = {"method": "ngram", "num_speculative_tokens": args.gamma, "prompt_lookup_max": 4,
+                "prompt_lookup_min": 2}
+        return ["--selector", "none"], ["--speculative-config", json.dumps(spec)]
+    opts = ["--selector", method, "-g", str(args.gamma), "--sparsity-ratio", str(args.sparsity_ratio)]
+    if args.config:
+        opts += ["--config", args.config]
+    return opts, []
+
+
+def server_argv(method: str, args, port: int) -> list[str]:
+    """The ``vegas serve`` command of a method's server."""
+    opts, extra = method_args(method, args)
+    return [sys.executable, "-c", "from vegas.cli import main; main()", "serve", args.model, *opts,
+            "--port", str(port), "--host", "127.0.0.1", "--",
+            "--served-model-name", NAME, "--max-model-len", str(args.max_model_len),
+            "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--max-num-seqs", str(args.max_num_seqs),
+            "--seed", "0", *extra, *args.serve_arg]
+
+
+def bench_argv(method: str, rate, args, port: int, result_dir: Path, dataset_path: Path | None) -> list[str]:
+    """The ``vllm bench serve`` command of one method and request rate."""
+    argv = [*vllm_command(), "bench", "serve", "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}",
+            "--endpoint", "/v1/completions", "--model", NAME, "--tokenizer", args.model,
+            "--num-prompts", str(args.num_prompts), "--request-rate", rate_label(rate), "--seed", "0",
+            "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+            "--save-result", "--result-dir", str(result_dir),
+            "--result-filename", f"{method}_r{rate_label(rate)}.json", "--metadata", f"method={method}"]
+    if dataset_path is None:
+        argv += ["--dataset-name", "random", "--random-input-len", str(args.input_len),
+                 "--random-output-len", str(args.output_len), "--random-range-ratio", str(args.range_ratio)]
+    else:
+        argv += ["--dataset-name", "custom", "--dataset-path", str(dataset_path), "--skip-chat-template",
+                 "--custom-output-len", str(args.output_len)]
+    return argv
+
+
+def write_code_prompts(path: Path, args) -> Path:
+    """Held-out code prompts as vLLM's custom dataset (JSONL, one ``{"prompt": text}`` a line):
+    cuts of ``args.prompts`` (default: the installed click source) of 4K-8K tokens."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from vegas.prompts import package_source, read_text_source
+
+    text = read_text_source(args.prompts, what="--prompts") if args.prompts else package_source()
+    tok = AutoTokenizer.from_pretrained(args.model)
+    ids = tok(text, add_special_tokens=False).input_ids
+    lo, hi = int(args.input_len * (1 - args.range_ratio)), int(args.input_len * (1 + args.range_ratio))
+    rng = random.Random(0)
+    with path.open("w") as f:
+        for _ in range(args.num_prompts):
+            n = min(rng.randint(lo, hi), len(ids) - 1)
+            start = rng.randrange(0, len(ids) - n)
+            f.write(json.dumps({"prompt": tok.decode(ids[start:start + n])}) + "\n")
+    return path
+
+
+def load_results(result_dir: Path) -> list[dict]:
+    """One row per vLLM result file: method, rate and the :data:`COLUMNS` values (None where a
+    file lacks one), sorted by method then rate."""
+    rows = []
+    for p in sorted(Path(result_dir).glob("*.json")):
+        r = json.loads(p.read_text())
+        method = r.get("method") or p.stem.rsplit("_r", 1)[0]
+        row = {"method": method, "rate": rate_label(r.get("request_rate", "inf")), "file": p.name}
+        for key, _, _ in COLUMNS:
+            v = r.get(key)
+            row[key] = float(v) if isinstance(v, (int, float)) else None
+        rows.append(row)
+    order = {m: i for i, m in enumerate(METHODS)}
+    return sorted(rows, key=lambda r: (order.get(r["method"], len(order)), r["method"], rate_value(r["rate"])))
+
+
+def render_table(rows: list[dict]) -> str:
+    """A Markdown table of the rows."""
+    head = ["method", "rate"] + [h for _, h, _ in COLUMNS]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["method"], r["rate"]] + ["-" if r[k] is None else f.format(r[k]) for k, _, f in COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], out: Path) -> list[Path]:
+    """``throughput_vs_rate.png`` (output tokens/s) and ``tpot_vs_rate.png`` (mean TPOT, p99
+    dashed) against the request rate, one line per method; the rates are evenly spaced ticks
+    (``inf`` last: all requests at once)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = sorted({r["rate"] for r in rows}, key=rate_value)
+    x = {rate: i for i, rate in enumerate(rates)}
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    written = []
+    for name, keys, ylabel in (
+        ("throughput_vs_rate.png", ("output_throughput",), "output tokens/s"),
+        ("tpot_vs_rate.png", ("mean_tpot_ms", "p99_tpot_ms"), "TPOT, ms (mean; p99 dashed)"),
+    ):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for m in methods:
+            mine = [r for r in rows if r["method"] == m]
+            for key, style in zip(keys, ("-o", "--x")):
+                pts = [(x[r["rate"]], r[key]) for r in mine if r[key] is not None]
+                if pts:
+                    ax.plot(*zip(*pts), style, label=m if style == "-o" else None,
+                            color=f"C{methods.index(m)}")
+        ax.set_xticks(range(len(rates)), rates)
+        ax.set_xlabel("request rate, requests/s (inf: all at once)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        path = Path(out) / name
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def report(out: Path) -> str:
+    """Table, summary.json, table.md and plots from ``out/raw``; returns the table."""
+    rows = load_results(out / "raw")
+    if not rows:
+        raise SystemExit(f"no vllm bench serve results in {out / 'raw'}")
+    table = render_table(rows)
+    (out / "table.md").write_text(table + "\n")
+    (out / "summary.json").write_text(json.dumps(rows, indent=1))
+    plot(rows, out)
+    return table
+
+
+def run(args) -> None:
+    out = Path(args.out)
+    (out / "raw").mkdir(parents=True, exist_ok=True)
+    (out / "logs").mkdir(exist_ok=True)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(ROOT)) if p)
+    dataset = write_code_prompts(out / "code_prompts.jsonl", args) if args.dataset == "code" else None
+    t_end = time.monotonic() + args.time_budget if args.time_budget else math.inf
+    for method in args.methods:
+        if time.monotonic() > t_end:
+            print(f"[time budget] {method} and later methods skipped", flush=True)
+            break
+        port = free_port()
+        server = ServerProcess(method, server_argv(method, args, port), out / "logs" / f"{method}.log", port,
+                               env=env, cwd=ROOT)
+        print(f"[{method}] {' '.join(server.argv)}", flush=True)
+        try:
+            print(f"[{method}] ready after {server.wait_ready(args.start_timeout):.0f} s", flush=True)
+            for rate in args.rates:
+                if time.monotonic() > t_end:
+                    print(f"[time budget] {method} rate {rate_label(rate)} and later skipped", flush=True)
+                    break
+                cmd = bench_argv(method, rate, args, port, out / "raw", dataset)
+                r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True,
+                                   timeout=args.bench_timeout)
+                (out / "logs" / f"bench_{method}_r{rate_label(rate)}.log").write_text(r.stdout + r.stderr)
+                print(f"[{method}] rate {rate_label(rate)}: rc={r.returncode}", flush=True)
+                if r.returncode:
+                    print((r.stdout + r.stderr)[-2000:], flush=True)
+        except (ServerError, subprocess.TimeoutExpired) as e:
+            print(f"[{method}] failed: {e}", flush=True)
+        finally:
+            try:
+                server.stop()
+            except ServerError as e:
+                print(f"[{method}] {e}", flush=True)
+            print(f"[{method}] server log tail:\n{log_tail(server.log, 5)}", flush=True)
+    print(report(out))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=str(ROOT / "vegas" / "model"), help="Model directory or hub id.")
+    p.add_argument("--methods", default=",".join(METHODS), type=lambda s: [m for m in s.split(",") if m],
+                   help="plain, ngram, or Vegas selector names (collect2, sliding_window, ...).")
+    p.add_argument("--rates", default="1,2,4,8,16,inf", type=lambda s: [rate_value(r) for r in s.split(",") if r],
+                   help="Request rates (requests/s; inf sends all at once: saturation).")
+    p.add_argument("--num-prompts", type=int, default=64, help="Requests per rate.")
+    p.add_argument("--dataset", choices=("random", "code"), default="random",
+                   help="random token prompts, or held-out code cut from --prompts.")
+    p.add_argument("--prompts", default=None, help="Code file or directory for --dataset code (default: click).")
+    p.add_argument("--input-len", type=int, default=6144, help="Mean prompt tokens.")
+    p.add_argument("--range-ratio", type=float, default=1 / 3, help="Prompt length in input-len x (1 ± ratio).")
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("-g", "--gamma", type=int, default=4, help="γ of Vegas and ngram.")
+    p.add_argument("--sparsity-ratio", type=float, default=0.05)
+    p.add_argument("--config", default=None, help="Further Vegas settings (vegas serve --config).")
+    p.add_argument("--max-model-len", type=int, default=8192 + 512)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--serve-arg", action="append", default=[], help="One more vllm serve argument (repeatable).")
+    p.add_argument("--start-timeout", type=float, default=600)
+    p.add_argument("--bench-timeout", type=float, default=900)
+    p.add_argument("--time-budget", type=float, default=None, help="Seconds: skip what would start after it.")
+    p.add_argument("--out", default="serve-bench")
+    p.add_argument("--report", metavar="OUT", default=None, help="Only rebuild table and plots from OUT/raw.")
+    args = p.parse_args(argv)
+    if args.report is None and args.input_len * (1 + args.range_ratio) + args.output_len > args.max_model_len:
+        p.error("--max-model-len must hold the longest prompt plus --output-len")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.report:
+        print(report(Path(args.report)))
+    else:
+        run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""``scripts/serve_bench.py`` on a CPU: the server and ``vllm bench serve`` commands per method,
+result parsing, the table and the plots on fake vLLM result files; and
+:class:`vegas.serve.ServerProcess` (readiness, a server that dies, clean stop) on a stand-in
+HTTP server."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import load_script
+from vegas.serve import ServerError, ServerProcess, free_port
+
+@pytest.fixture(scope="module")
+def sb():
+    return load_script("serve_bench")
+
+
+def _fake_result(method, rate, tpot, throughput, tau=None):
+    r = {"method": method, "request_rate": rate, "completed": 8, "failed": 0, "mean_ttft_ms": 120.0,
+         "p99_ttft_ms": 300.0, "mean_tpot_ms": tpot, "p99_tpot_ms": tpot * 1.5, "output_throughput": throughput,
+         "request_throughput": 1.0, "input_lens": [6000] * 8}
+    if tau is not None:
+        r["spec_decode_acceptance_length"] = tau
+    return r
+
+
+def test_commands_per_method(sb):
+    args = sb.parse_args(["--model", "m", "-g", "3", "--rates", "2,inf"])
+    assert args.rates == [2.0, math.inf]
+    plain = sb.server_argv("plain", args, 9000)
+    assert plain[3:7] == ["serve", "m", "--selector", "none"] and "--speculative-config" not in plain
+    ngram = sb.server_argv("ngram", args, 9000)
+    spec = json.loads(ngram[ngram.index("--speculative-config") + 1])
+    assert spec["method"] == "ngram" and spec["num_speculative_tokens"] == 3
+    vegas = sb.server_argv("sliding_window", args, 9000)
+    assert vegas[vegas.index("--selector") + 1] == "sliding_window" and vegas[vegas.index("-g") + 1] == "3"
+    bench = sb.bench_argv("collect2", math.inf, args, 9000, Path("/r"), None)
+    assert bench[bench.index("--request-rate") + 1] == "inf"
+    assert bench[bench.index("--result-filename") + 1] == "collect2_rinf.json"
+    assert bench[bench.index("--dataset-name") + 1] == "random" and "--ignore-eos" in bench
+    assert int(bench[bench.index("--random-input-len") + 1]) == 6144  # 4K-8K: 6144 x (1 ± 1/3)
+    code = sb.bench_argv("plain", 2.0, args, 9000, Path("/r"), Path("/p.jsonl"))
+    assert code[code.index("--dataset-name") + 1] == "custom" and "--skip-chat-template" in code
+
+
+def test_prompts_that_do_not_fit_are_refused(sb):
+    with pytest.raises(SystemExit):
+        sb.parse_args(["--max-model-len", "4096"])
+
+
+def test_results_table_and_plots(sb, tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for method, tau in (("plain", None), ("collect2", 3.1), ("ngram", 1.4)):
+        for i, rate in enumerate((1.0, 4.0, "inf")):
+            (raw / f"{method}_r{sb.rate_label(rate)}.json").write_text(
+                json.dumps(_fake_result(method, rate, 10.0 + i, 500.0 * (i + 1), tau)))
+    table = sb.report(tmp_path)
+    lines = table.splitlines()
+    assert lines[0].startswith("| method | rate | done | failed | TTFT mean ms")
+    assert [line.split(" | ")[0] for line in lines[2:]] == ["| plain"] * 3 + ["| collect2"] * 3 + ["| ngram"] * 3
+    assert [line.split(" | ")[1] for line in lines[2:5]] == ["1", "4", "inf"]  # rates in order, inf last
+    assert "| 3.10 |" in lines[5] and lines[2].endswith("| - |")  # τ where the server reports it
+    rows = json.loads((tmp_path / "summary.json").read_text())
+    assert rows[4]["method"] == "collect2" and rows[4]["output_throughput"] == 1000.0
+    for name in ("throughput_vs_rate.png", "tpot_vs_rate.png"):
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "table.md").read_text().strip() == table
+
+
+def test_report_without_results_says_so(sb, tmp_path):
+    (tmp_path / "raw").mkdir()
+    with pytest.raises(SystemExit, match="no vllm bench serve results"):
+        sb.report(tmp_path)
+
+
+def _http_server(tmp_path, delay: float = 0.0):
+    """A stand-in server: ``python -m http.server`` serving a ``health`` file after ``delay`` s."""
+    (tmp_path / "health").write_text("ok")
+    port = free_port()
+    code = (f"import time, http.server, functools; time.sleep({delay}); "
+            f"h = functools.partial(http.server.SimpleHTTPRequestHandler, directory={str(tmp_path)!r}); "
+            f"http.server.ThreadingHTTPServer(('127.0.0.1', {port}), h).serve_forever()")
+    return ServerProcess("stand-in", [sys.executable, "-c", code], tmp_path / "log.txt", port)
+
+
+def test_server_process_ready_and_stopped(tmp_path):
+    server = _http_server(tmp_path, delay=0.5)
+    assert server.wait_ready(30) >= 0
+    server.stop(10)  # SIGTERM: the stand-in dies of it, and its group is gone
+    assert server.proc.poll() is not None
+
+
+def test_server_process_that_exits_names_its_log(tmp_path):
+    log = tmp_path / "log.txt"
+    server = ServerProcess("broken", [sys.executable, "-c", "print('bad setting X'); raise SystemExit(3)"], log,
+                           free_port())
+    with pytest.raises(ServerError, match=r"(?s)broken server exited with 3 before it was ready.*bad setting X"):
+        server.wait_ready(30)
+
+
+def test_server_process_not_ready_in_time_is_killed(tmp_path):
+    server = _http_server(tmp_path, delay=60)
+    with pytest.raises(ServerError, match="was not ready within 2 s"):
+        server.wait_ready(2)
+    assert server.proc.poll() is not None
