@@ -13,7 +13,10 @@ Switch it on in any vLLM program, no code changes beyond the engine arguments::
 
 or ``vllm serve MODEL --attention-backend FLASH_ATTN --speculative-config '{"method":
 "custom_class", "model": "vegas.vllm_plugin.proposer.VegasProposer", "num_speculative_tokens": 4}'``.
-The settings are one JSON object in ``VEGAS_VLLM_CONFIG``: the selector name plus any fields of
+``vegas serve MODEL --selector collect2 -g 4`` builds that command (:mod:`vegas.serve`). The
+settings are one JSON object, in ``additional_config["vegas"]`` (``vllm serve --additional-config
+'{"vegas": {...}}'``, ``LLM(additional_config=...)``) or else in ``VEGAS_VLLM_CONFIG``
+(:func:`vegas.vllm_plugin.settings.read_settings`): the selector name plus any fields of
 :class:`vegas.config.VegasConfig`, the vLLM-only ones nested under ``"vllm"``
 (:class:`vegas.config.VllmOptions`), e.g.
 ``VEGAS_VLLM_CONFIG='{"selector": "collect2", "sparsity_ratio": 0.05, "vllm": {"verify_cuda_graphs": "piecewise"}}'``
