@@ -136,29 +136,24 @@ def test_forced_fallback_every_other_iteration_is_plain_greedy(pipe, code_prompt
     assert policy.plain_steps == max(s.plain_steps for s in stats)
 
 
-def test_wrong_drafts_make_the_policy_fall_back(pipe, code_prompts, plain_greedy):
+@pytest.mark.parametrize("mode", ["wrong", "oracle"])
+def test_forced_drafts_drive_the_policy(pipe, code_prompts, plain_greedy, mode):
+    """Wrong drafts (τ = 1) make the policy fall back, counted in the stats; oracle drafts keep it drafting."""
     policy = DraftPolicy(GAMMA, draft_cost=0.28, verify_cost=1.1, probe_interval=4)
     tokens, stats = _decode(
         pipe, code_prompts, policy, ForcedDrafts,
-        prompts=code_prompts, continuations=plain_greedy, modes=("wrong", "wrong"),
+        prompts=code_prompts, continuations=plain_greedy, modes=(mode, mode),
     )
     for b in range(len(code_prompts)):
         assert tokens[b] == plain_greedy[b][:NEW_TOKENS]
-        # most iterations are plain: only the start-up and the probes draft
-        assert stats[b].plain_steps >= stats[b].iterations // 2
-    assert policy.plain_steps > 0 and policy.probes > 0
-
-
-def test_good_drafts_keep_drafting(pipe, code_prompts, plain_greedy):
-    policy = DraftPolicy(GAMMA, draft_cost=0.28, verify_cost=1.1, probe_interval=4)
-    tokens, stats = _decode(
-        pipe, code_prompts, policy, ForcedDrafts,
-        prompts=code_prompts, continuations=plain_greedy, modes=("oracle", "oracle"),
-    )
-    for b in range(len(code_prompts)):
-        assert tokens[b] == plain_greedy[b][:NEW_TOKENS]
-        assert stats[b].plain_steps == 0
-    assert policy.plain_steps == 0
+        if mode == "wrong":  # most iterations are plain: only the start-up and the probes draft
+            assert stats[b].plain_steps >= stats[b].iterations // 2
+        else:
+            assert stats[b].plain_steps == 0
+    if mode == "wrong":
+        assert policy.plain_steps > 0 and policy.probes > 0
+    else:
+        assert policy.plain_steps == 0
 
 
 def test_backend_default_config_counts_plain_steps(pipe, code_prompts, plain_greedy):
