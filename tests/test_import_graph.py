@@ -17,6 +17,7 @@ CORE = {
     "vegas.acceptance",
     "vegas.sampling",
     "vegas.loop",
+    "vegas.draft_policy",
     "vegas.outputs",
     "vegas.hookspecs",
     "vegas.plugins",

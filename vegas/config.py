@@ -28,6 +28,14 @@ TP_SELECTIONS = ("all_reduce", "per_rank")
 VERIFY_CUDA_GRAPH_MODES = ("full", "piecewise")
 #: default largest row count (requests) the vLLM backend captures a draft CUDA graph for
 DEFAULT_DRAFT_GRAPH_MAX_ROWS = 256
+#: default cost of one sparse draft forward over one plain decode step: the dummy Qwen3-8B
+#: H200 latencies (docs/vllm.md) measured 6.2 ms against 22.5 ms at 128K (0.28) and 5.3 against
+#: 6.3 ms at 32K (0.84); the long-context ratio, which makes fallback conservative elsewhere
+DEFAULT_FALLBACK_DRAFT_COST = 0.28
+#: default cost of one verification of γ + 1 tokens (with scores and selection) over one plain
+#: decode step (decode is bandwidth-bound: γ + 1 queries cost little more than one, plus the
+#: score pass)
+DEFAULT_FALLBACK_VERIFY_COST = 1.1
 
 Budget = TypeVar("Budget")  # int, or a torch.LongTensor of any shape
 
@@ -44,6 +52,12 @@ class VegasPluginError(VegasConfigError):
 def _raise_if_not_int(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise VegasConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _raise_if_not_number(name: str, value: object, *, positive: bool) -> None:
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if not ok or value < 0 or (positive and value == 0):
+        raise VegasConfigError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
 
 
 def _raise_if_not_one_of(name: str, value: object, allowed: tuple) -> None:
@@ -138,6 +152,24 @@ class VegasConfig:
         score_mode: ``"logit"`` (rank by summed pre-softmax logits, the seed's formula) or
             ``"weight"`` (rank by summed re-materialised softmax weights, the reference
             implementation's default).
+        fallback: no regression where drafting loses (:mod:`vegas.draft_policy`): a batch
+            whose measured acceptance length τ makes drafting slower than plain decoding
+            (``τ / (γ·fallback_draft_cost + fallback_verify_cost) < fallback_min_gain``)
+            takes plain steps, probing again every ``fallback_probe_interval`` steps; counted in
+            :attr:`RequestStats.plain_steps`. Output is unchanged (greedy token-identical).
+            HF backend only: the vLLM backend ignores it (under vLLM's async scheduling the
+            draft slots are scheduled before the proposer runs, so a batch cannot skip them;
+            see docs/vllm.md).
+        fallback_draft_cost: one sparse draft forward over one plain decode step; number > 0.
+            Default 0.28 (dummy Qwen3-8B on an H200 at 128K; 0.84 at 32K).
+        fallback_verify_cost: one verification of γ + 1 tokens over one plain decode step;
+            number > 0. Default 1.1.
+        fallback_min_gain: draft while the predicted speedup is at least this; number > 0.
+            Default 1.0 (break-even).
+        fallback_hysteresis: a probe resumes drafting only at a predicted speedup of
+            ``fallback_min_gain + fallback_hysteresis``; number >= 0. Default 0.1.
+        fallback_probe_interval: plain steps between probes (drafting iterations that measure
+            τ again); integer >= 1. Default 16.
         vllm: :class:`VllmOptions` (or a dict of its fields), read by the vLLM backend only.
 
     Raises:
@@ -154,6 +186,12 @@ class VegasConfig:
     recent_window: int = 64
     granularity: Literal["layer", "kv_head"] = "layer"
     score_mode: Literal["logit", "weight"] = "logit"
+    fallback: bool = True
+    fallback_draft_cost: float = DEFAULT_FALLBACK_DRAFT_COST
+    fallback_verify_cost: float = DEFAULT_FALLBACK_VERIFY_COST
+    fallback_min_gain: float = 1.0
+    fallback_hysteresis: float = 0.1
+    fallback_probe_interval: int = 16
     vllm: VllmOptions = field(default_factory=VllmOptions)
 
     def __post_init__(self) -> None:
@@ -180,6 +218,13 @@ class VegasConfig:
             )
         if self.score_mode not in ("logit", "weight"):
             raise VegasConfigError(f"score_mode must be 'logit' or 'weight', got {self.score_mode!r}")
+        if not isinstance(self.fallback, bool):
+            raise VegasConfigError(f"fallback must be true or false, got {self.fallback!r}")
+        _raise_if_not_number("fallback_draft_cost", self.fallback_draft_cost, positive=True)
+        _raise_if_not_number("fallback_verify_cost", self.fallback_verify_cost, positive=True)
+        _raise_if_not_number("fallback_min_gain", self.fallback_min_gain, positive=True)
+        _raise_if_not_number("fallback_hysteresis", self.fallback_hysteresis, positive=False)
+        _raise_if_not_int("fallback_probe_interval", self.fallback_probe_interval, 1)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], source: str = "config") -> VegasConfig:

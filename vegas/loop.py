@@ -12,6 +12,7 @@ from typing import Collection
 import torch
 
 from .acceptance import greedy_accept, speculative_sampling
+from .draft_policy import AlwaysDraft, DraftPolicy
 from .interfaces import Drafter, Selector, Verifier
 from .outputs import RequestStats
 from .sampling import SamplingParams, make_sampler
@@ -34,13 +35,14 @@ class _Outputs:
         self.max_new_tokens = max_new_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
 
-    def emit(self, row: int, tokens: list[int], num_drafted: int, num_accepted: int) -> None:
-        """Append ``tokens`` to the sequence at batch row ``row``."""
+    def emit(self, row: int, tokens: list[int], num_drafted: int, num_accepted: int, plain: bool = False) -> None:
+        """Append ``tokens`` to the sequence at batch row ``row`` (``plain``: a Vegas plain step)."""
         b = self.active[row]
         if self.done[b]:
             return
         stats = self.stats[b]
         stats.iterations += 1
+        stats.plain_steps += plain
         stats.num_drafted += num_drafted
         stats.num_accepted += num_accepted
         for token in tokens:
@@ -85,6 +87,7 @@ def speculative_decode(
     generator: torch.Generator | None = None,
     eos_token_ids: Collection[int] = (),
     clock=time.perf_counter,
+    policy: DraftPolicy | AlwaysDraft | None = None,
 ) -> tuple[list[list[int]], list[RequestStats]]:
     """Vegas decoding (design notes (docs/design-notes.md) §1): draft γ, verify, accept, roll back, select.
 
@@ -96,6 +99,8 @@ def speculative_decode(
         generator: random source for drafting and acceptance.
         eos_token_ids: token ids that end a sequence (emitted, then the sequence leaves the batch).
         clock: returns seconds; backends on GPUs pass one that synchronises.
+        policy: decides per iteration whether the batch drafts or takes a plain step
+            (:class:`~vegas.draft_policy.DraftPolicy`); None: always draft.
 
     Returns:
         emitted token ids and :class:`~vegas.outputs.RequestStats` per sequence;
@@ -103,12 +108,19 @@ def speculative_decode(
         prefill (the decode phase, as ``decode_seconds``).
     """
     sample = make_sampler(sampling, generator)
+    policy = policy or AlwaysDraft()
     out = _Outputs(len(prompts), max_new_tokens, eos_token_ids)
     start = clock()
     verifier.prefill(prompts)
     prefill_end = clock()
     prefill_selection = verifier.selection_seconds  # the first selection: reported with prefill
     while not out.finished:
+        # 0. Drafting is a loss at the batch's measured acceptance: one plain step instead.
+        if not policy.should_draft():
+            _plain_step(verifier, sample, out)
+            policy.observe_plain()
+            out.retire(verifier, selector)
+            continue
         # 1. Draft γ tokens with sparse attention.
         draft_tokens, draft_probs = drafter.draft(num_draft_tokens, sample)  # [B, γ], [B, γ, V]
         # 2. Verify [x_last, d_1..d_γ] with full attention (scores collected on the way).
@@ -127,6 +139,7 @@ def speculative_decode(
         drafts, accepted, nexts = draft_tokens.tolist(), num_accepted.tolist(), next_tokens.tolist()
         for row, n in enumerate(accepted):
             out.emit(row, drafts[row][:n] + [nexts[row]], num_draft_tokens, n)
+        policy.observe_draft(1 + sum(accepted) / len(accepted))
         out.retire(verifier, selector)
     end = clock()
     return out.finish(prefill_end - start, end - prefill_end, verifier.selection_seconds - prefill_selection)
@@ -153,12 +166,18 @@ def plain_decode(
     verifier.prefill(prompts)
     prefill_end = clock()
     while not out.finished:
-        batch_size = len(out.active)
-        logits = verifier.verify(torch.empty(batch_size, 0, dtype=torch.long))  # [B, 1, V]
-        next_tokens, _ = sample(logits[:, -1])
-        verifier.commit(torch.zeros(batch_size, dtype=torch.long), next_tokens)
-        for row, token in enumerate(next_tokens.tolist()):
-            out.emit(row, [token], 0, 0)
+        _plain_step(verifier, sample, out, vegas=False)
         out.retire(verifier, None)
     end = clock()
     return out.finish(prefill_end - start, end - prefill_end, 0.0)
+
+
+def _plain_step(verifier: Verifier, sample, out: _Outputs, vegas: bool = True) -> None:
+    """One plain decode step: verify ``[x_last]`` with zero drafts, sample the next token from
+    the target and commit it (with a selector, the commit still selects for the next draft)."""
+    batch_size = len(out.active)
+    logits = verifier.verify(torch.empty(batch_size, 0, dtype=torch.long))  # [B, 1, V]
+    next_tokens, _ = sample(logits[:, -1])
+    verifier.commit(torch.zeros(batch_size, dtype=torch.long), next_tokens)
+    for row, token in enumerate(next_tokens.tolist()):
+        out.emit(row, [token], 0, 0, plain=vegas)

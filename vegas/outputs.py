@@ -23,7 +23,10 @@ class RequestStats:
 
     Attributes:
         num_generated: tokens emitted (after truncation to ``max_new_tokens``/EOS).
-        iterations: draft/verify iterations (plain decoding: decode steps).
+        iterations: draft/verify iterations and plain steps (plain decoding: decode steps).
+        plain_steps: the iterations of Vegas decoding that took a plain step instead of
+            drafting, because the batch's acceptance made drafting a loss
+            (:mod:`vegas.draft_policy`; probes count as drafting iterations).
         num_drafted: draft tokens proposed (γ per iteration).
         num_accepted: draft tokens accepted.
         decode_seconds: wall time of the batch's decode phase, after prefill (seconds).
@@ -34,6 +37,7 @@ class RequestStats:
 
     num_generated: int = 0
     iterations: int = 0
+    plain_steps: int = 0
     num_drafted: int = 0
     num_accepted: int = 0
     decode_seconds: float = 0.0
@@ -42,7 +46,8 @@ class RequestStats:
 
     @property
     def acceptance_length(self) -> float:
-        """τ: tokens emitted per iteration (accepted drafts + the bonus/correction token).
+        """τ: tokens emitted per iteration (accepted drafts + the bonus/correction token; a
+        plain step counts as an iteration emitting one token).
 
         Counts emitted tokens, so an iteration cut short by ``max_new_tokens`` or EOS counts
         what it emitted; ``num_accepted`` counts every draft the verification accepted.

@@ -26,6 +26,7 @@ from transformers import (
 )
 
 from ..config import VegasConfig, VegasConfigError
+from ..draft_policy import DraftPolicy
 from ..hookspecs import hookimpl
 from ..interfaces import Drafter, Selection, SelectionInput, Selector, Verifier
 from ..loop import plain_decode, speculative_decode
@@ -384,7 +385,7 @@ class HFBackend(Backend):
         else:
             tokens, stats = speculative_decode(
                 session, session, selector_obj, prompts,
-                num_draft_tokens=config.num_draft_tokens, **common,
+                num_draft_tokens=config.num_draft_tokens, policy=DraftPolicy.from_config(config), **common,
             )
         return [
             RequestOutput(token_ids=t, text=self._tokenizer.decode(t), stats=s)
