@@ -106,7 +106,8 @@ def run_bench(opts: BenchOptions, console: Console | None = None) -> dict:
     """
     console = console or Console(stderr=True)
     SamplingParams(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)  # before any work
-    config = {"num_draft_tokens": opts.num_draft_tokens, "sparsity_ratio": opts.sparsity_ratio}
+    # each selector's own τ and speed: no fallback to plain steps (vegas.draft_policy) mixed in
+    config = {"num_draft_tokens": opts.num_draft_tokens, "sparsity_ratio": opts.sparsity_ratio, "fallback": False}
     if opts.kv_budget is not None:
         config["kv_budget"] = opts.kv_budget
     pipe = Pipeline(

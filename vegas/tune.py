@@ -279,7 +279,7 @@ def run_tune(opts: TuneOptions, console: Console | None = None, pipe: Pipeline |
     store = _Store(out, settings, opts.fresh)
     if pipe is None:
         pipe = Pipeline(opts.model, selector=None, backend=opts.backend, dtype=opts.dtype, device=opts.device,
-                        rope_scaling=opts.rope_scaling, min_kv_budget=opts.min_kv_budget)
+                        rope_scaling=opts.rope_scaling, min_kv_budget=opts.min_kv_budget, fallback=False)
     room = pipe.backend.max_context - opts.new_tokens - max(opts.gammas + [opts.num_draft_tokens]) - 1
     if not opts.context <= room:
         raise VegasConfigError(f"context (--context) must be in [2, {room}] tokens for this model, got {opts.context}")
@@ -287,7 +287,7 @@ def run_tune(opts: TuneOptions, console: Console | None = None, pipe: Pipeline |
     ids = pipe.tokenizer(text, add_special_tokens=False, verbose=False).input_ids
     prompts = cut_contexts(ids, opts.context, opts.batch_size)
     sampled = dict(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)
-    base = VegasConfig(min_kv_budget=opts.min_kv_budget)
+    base = VegasConfig(min_kv_budget=opts.min_kv_budget, fallback=False)  # the selector's own τ, no plain steps
     n_sel, fine = len(opts.selectors), 2 * opts.fine_steps + 1
     total = n_sel * len(opts.sparsities) + 2 + n_sel * len(opts.gammas) + n_sel * fine
     state = {"warm": False, "last": 0.0, "reused": 0}
