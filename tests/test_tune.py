@@ -51,6 +51,7 @@ def test_recommend_follows_the_three_steps_on_synthetic_points():
     text = "\n".join(describe({**rec, "complete": True}))
     assert "VegasConfig(sparsity_ratio=0.03333, min_kv_budget=0)" in text
     assert "VEGAS_VLLM_CONFIG=" in text and '"num_speculative_tokens": 4' in text
+    assert "vegas serve MODEL --config" in text
 
 
 @pytest.fixture

@@ -446,7 +446,9 @@ def describe(recommendation: dict) -> list[str]:
     if v["VEGAS_VLLM_CONFIG"] is None:
         lines.append(f"  vLLM: selector {best['selector']!r} is not available on the vllm backend")
     else:
-        lines.append(f"  vLLM: VEGAS_VLLM_CONFIG='{json.dumps(v['VEGAS_VLLM_CONFIG'])}' vllm serve MODEL "
+        lines.append(f"  vLLM server: vegas serve MODEL --config '{json.dumps(v['VEGAS_VLLM_CONFIG'])}' "
+                     f"-g {best['num_draft_tokens']}   (docs/serving.md)")
+        lines.append(f"  or by hand: VEGAS_VLLM_CONFIG='{json.dumps(v['VEGAS_VLLM_CONFIG'])}' vllm serve MODEL "
                      f"--attention-backend FLASH_ATTN --speculative-config '{spec}'")
     if not recommendation.get("complete", True):
         lines.append(f"  incomplete: {recommendation['stopped']}; rerun the same command to resume")
