@@ -4,7 +4,29 @@ the CPU under Triton's interpreter (``tests/test_kernels_interpreted.py``)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_interpreted(child: str) -> dict:
+    """Run ``child`` (Python source that prints one ``RESULTS <json>`` line; ``sys.argv[1]`` is
+    the checkout) in a subprocess under Triton's interpreter (``TRITON_INTERPRET=1``: it is
+    chosen when a kernel is defined, so it needs a fresh process) and return that JSON."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-c", child, str(ROOT)], env=env, cwd=ROOT, capture_output=True,
+                         text=True, timeout=900)
+    lines = [x for x in run.stdout.splitlines() if x.startswith("RESULTS ")]
+    assert run.returncode == 0 and lines, run.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULTS "):])
 
 #: (num_q_heads, num_kv_heads, head_dim): the shapes vLLM's FlashAttention-3 takes that the
 #: kernels must accept; GQA ratios 1..8, head_dim 64/80/96/128/256, rows that are and are not

@@ -7,19 +7,14 @@ checks every case and reports each one (tiny batches keep it under a minute)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from tests.fused_cases import plan_rows, verify_batch
+from tests.kernel_cases import run_interpreted
 from vegas.config import VegasConfigError
 
-ROOT = Path(__file__).resolve().parent.parent
 
 #: id -> (shape, chunk lengths, cached contexts, selector, num_splits, extra kwargs)
 CASES = {
@@ -56,13 +51,7 @@ print("RESULTS " + json.dumps(out))
 @pytest.fixture(scope="module")
 def interpreted():
     """``{case: [out_err, score_err] or the traceback}`` from one interpreter run."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run([sys.executable, "-c", _CHILD, str(ROOT)], env=env, cwd=ROOT, capture_output=True,
-                         text=True, timeout=900)
-    lines = [x for x in run.stdout.splitlines() if x.startswith("RESULTS ")]
-    assert run.returncode == 0 and lines, run.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULTS "):])
+    return run_interpreted(_CHILD)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -7,19 +7,13 @@ checks every shape and reports each one (small contexts keep it to seconds)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.kernel_cases import HEAD_SHAPES, shape_id
+from tests.kernel_cases import HEAD_SHAPES, run_interpreted, shape_id
 from vegas.config import VegasConfigError
 
-ROOT = Path(__file__).resolve().parent.parent
 
 _CHILD = r"""
 import json, sys, traceback
@@ -41,13 +35,7 @@ print("RESULTS " + json.dumps(out))
 @pytest.fixture(scope="module")
 def interpreted():
     """``{"score:<shape>" | "quest:<shape>": "ok" or the traceback}`` from one interpreter run."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run([sys.executable, "-c", _CHILD, str(ROOT)], env=env, cwd=ROOT, capture_output=True,
-                         text=True, timeout=900)
-    lines = [x for x in run.stdout.splitlines() if x.startswith("RESULTS ")]
-    assert run.returncode == 0 and lines, run.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULTS "):])
+    return run_interpreted(_CHILD)
 
 
 @pytest.mark.parametrize("shape", HEAD_SHAPES, ids=shape_id)
