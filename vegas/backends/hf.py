@@ -143,9 +143,7 @@ class HFSession(Drafter, Verifier):
             self.selections, self.selection_len = [None] * self.num_layers, 0
             return
         counts = self.valid.sum(dim=1)  # [B]
-        wanted = torch.tensor(
-            [run_selector(self.selector, "budget", int(c)) for c in counts], device=self.device
-        )
+        wanted = run_selector(self.selector, "budget", counts)  # [B] int64, as on the vLLM backend
         global FULL_BUDGET_LOGGED
         full = (wanted >= counts).nonzero()
         if not FULL_BUDGET_LOGGED and full.numel():
