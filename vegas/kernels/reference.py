@@ -102,6 +102,21 @@ def select_topk(
     return slots, budgets.to(torch.int32)
 
 
+def paged_slots(positions: torch.Tensor, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Token positions -> slot ids of vLLM's paged KV cache: ``block_table[.., p // block_size]
+    * block_size + p % block_size``.
+
+    Args:
+        positions: int64 positions, ``(..., n)``; every ``p // block_size`` must index the table.
+        block_table: int32 block ids with the same leading dimensions, ``(..., max_blocks)``.
+
+    Returns:
+        int64 slot ids shaped like ``positions``.
+    """
+    blocks = torch.gather(block_table.long(), -1, positions // block_size)
+    return blocks * block_size + positions % block_size
+
+
 def slots_to_fa_pages(slots: torch.Tensor, block_size: int, block_stride_tokens: int) -> torch.Tensor:
     """Slot ids -> page ids of a page-size-1 view of the cache.
 
@@ -160,8 +175,7 @@ def select_topk_layers(
         scores.masked_fill_(keep[None], float("inf"))
     pos = torch.topk(scores, k_max, dim=2, sorted=True).indices  # [L, num_seqs, k_max], best first
     bt = block_table[:num_seqs].long().unsqueeze(0).expand(num_layers, -1, -1)
-    blocks = torch.gather(bt, 2, pos // block_size)
-    slots = (blocks * block_size + pos % block_size).to(torch.int32)
+    slots = paged_slots(pos, bt, block_size).to(torch.int32)
     col = torch.arange(k_max, device=scores.device)
     keep = col[None, None, :] < budgets[None, :, None]
     return torch.where(keep, slots, torch.full_like(slots, -1))

@@ -34,6 +34,7 @@ import torch
 
 from ...config import VegasConfigError, VegasPluginError
 from ...interfaces import Selection, SelectionInput
+from ...kernels import paged_slots
 from ...plugins import owner, run_selector
 from .scores import CollectingPath
 
@@ -54,8 +55,7 @@ def positions_to_slots(positions: torch.Tensor, mask: torch.Tensor, block_table:
     order = torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices  # real entries first
     positions, mask = positions.gather(1, order), mask.gather(1, order)
     positions = positions.clamp(0, block_table.shape[1] * block_size - 1)  # padding may hold anything
-    blocks = torch.gather(block_table.long(), 1, positions // block_size)
-    slots = (blocks * block_size + positions % block_size).to(torch.int32)
+    slots = paged_slots(positions, block_table, block_size).to(torch.int32)
     return torch.where(mask, slots, torch.full_like(slots, -1))
 
 

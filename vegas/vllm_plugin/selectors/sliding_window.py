@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ...kernels import paged_slots
 from .base import FastPath
 
 __all__ = ["SlidingWindowFastPath", "sliding_window_slots"]
@@ -25,8 +26,7 @@ def sliding_window_slots(plan, num_sinks: int, block_table: torch.Tensor, block_
     k = plan.budgets[:, None]  # [num_seqs, 1]
     sinks = torch.clamp(k, max=num_sinks)
     positions = torch.clamp(torch.where(col < sinks, col, plan.ctx_sel[:, None] - k + col), min=0)
-    blocks = torch.gather(block_table[: plan.num_seqs].long(), 1, positions // block_size)
-    slots = (blocks * block_size + positions % block_size).to(torch.int32)  # [num_seqs, k_max]
+    slots = paged_slots(positions, block_table[: plan.num_seqs], block_size).to(torch.int32)  # [num_seqs, k_max]
     return torch.where(col < k, slots, torch.full_like(slots, -1))
 
 
