@@ -81,14 +81,15 @@ def server_argv(method: str, args, port: int) -> list[str]:
             "--seed", "0", *extra, *args.serve_arg]
 
 
-def bench_argv(method: str, rate, args, port: int, result_dir: Path, dataset_path: Path | None) -> list[str]:
-    """The ``vllm bench serve`` command of one method and request rate."""
+def bench_argv(method: str, rate, args, port: int, result_dir: Path, dataset_path: Path | None,
+               repeat: int = 0) -> list[str]:
+    """The ``vllm bench serve`` command of one method, request rate and repeat."""
     argv = [*vllm_command(), "bench", "serve", "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}",
             "--endpoint", "/v1/completions", "--model", NAME, "--tokenizer", args.model,
             "--num-prompts", str(args.num_prompts), "--request-rate", rate_label(rate), "--seed", "0",
             "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
             "--save-result", "--result-dir", str(result_dir),
-            "--result-filename", f"{method}_r{rate_label(rate)}.json", "--metadata", f"method={method}"]
+            "--result-filename", f"{method}_r{rate_label(rate)}_k{repeat}.json", "--metadata", f"method={method}"]
     if dataset_path is None:
         argv += ["--dataset-name", "random", "--random-input-len", str(args.input_len),
                  "--random-output-len", str(args.output_len), "--random-range-ratio", str(args.range_ratio)]
@@ -121,27 +122,44 @@ def write_code_prompts(path: Path, args) -> Path:
 
 
 def load_results(result_dir: Path) -> list[dict]:
-    """One row per vLLM result file: method, rate and the :data:`COLUMNS` values (None where a
-    file lacks one), sorted by method then rate."""
-    rows = []
+    """One row per (method, rate): the median over its repeats (one vLLM result file each) of
+    every :data:`COLUMNS` value (None where the files lack one), the repeats' min and max output
+    throughput, and ``x_plain``: the median output throughput over plain vLLM's at the same
+    rate. Sorted by method then rate."""
+    import statistics
+
+    runs: dict[tuple[str, str], list[dict]] = {}
     for p in sorted(Path(result_dir).glob("*.json")):
         r = json.loads(p.read_text())
         method = r.get("method") or p.stem.rsplit("_r", 1)[0]
-        row = {"method": method, "rate": rate_label(r.get("request_rate", "inf")), "file": p.name}
+        runs.setdefault((method, rate_label(r.get("request_rate", "inf"))), []).append(r)
+    rows = []
+    for (method, rate), results in runs.items():
+        row = {"method": method, "rate": rate, "repeats": len(results)}
         for key, _, _ in COLUMNS:
-            v = r.get(key)
-            row[key] = float(v) if isinstance(v, (int, float)) else None
+            vals = [float(r[key]) for r in results if isinstance(r.get(key), (int, float))]
+            row[key] = statistics.median(vals) if vals else None
+        tput = [float(r["output_throughput"]) for r in results if isinstance(r.get("output_throughput"), (int, float))]
+        row["throughput_min"], row["throughput_max"] = (min(tput), max(tput)) if tput else (None, None)
         rows.append(row)
+    plain = {r["rate"]: r["output_throughput"] for r in rows if r["method"] == "plain"}
+    for r in rows:
+        base = plain.get(r["rate"])
+        r["x_plain"] = r["output_throughput"] / base if base and r["output_throughput"] is not None else None
     order = {m: i for i, m in enumerate(METHODS)}
     return sorted(rows, key=lambda r: (order.get(r["method"], len(order)), r["method"], rate_value(r["rate"])))
 
 
 def render_table(rows: list[dict]) -> str:
     """A Markdown table of the rows."""
-    head = ["method", "rate"] + [h for _, h, _ in COLUMNS]
+    head = ["method", "rate", "repeats"] + [h for _, h, _ in COLUMNS] + ["out tok/s min-max", "x plain"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["method"], r["rate"]] + ["-" if r[k] is None else f.format(r[k]) for k, _, f in COLUMNS]
+        cells = [r["method"], r["rate"], str(r.get("repeats", 1))]
+        cells += ["-" if r[k] is None else f.format(r[k]) for k, _, f in COLUMNS]
+        lo, hi = r.get("throughput_min"), r.get("throughput_max")
+        cells.append("-" if lo is None else f"{lo:.0f}-{hi:.0f}")
+        cells.append("-" if r.get("x_plain") is None else f"{r['x_plain']:.2f}x")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -214,15 +232,16 @@ def run(args) -> None:
         print(f"[{method}] {' '.join(server.argv)}", flush=True)
         try:
             print(f"[{method}] ready after {server.wait_ready(args.start_timeout):.0f} s", flush=True)
-            for rate in args.rates:
+            # repeats interleaved over the rates (rate a, rate b, ..., rate a, ...)
+            for rep, rate in ((rep, rate) for rep in range(args.repeats) for rate in args.rates):
                 if time.monotonic() > t_end:
-                    print(f"[time budget] {method} rate {rate_label(rate)} and later skipped", flush=True)
+                    print(f"[time budget] {method} rate {rate_label(rate)} #{rep} and later skipped", flush=True)
                     break
-                cmd = bench_argv(method, rate, args, port, out / "raw", dataset)
+                cmd = bench_argv(method, rate, args, port, out / "raw", dataset, rep)
                 r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True,
                                    timeout=args.bench_timeout)
-                (out / "logs" / f"bench_{method}_r{rate_label(rate)}.log").write_text(r.stdout + r.stderr)
-                print(f"[{method}] rate {rate_label(rate)}: rc={r.returncode}", flush=True)
+                (out / "logs" / f"bench_{method}_r{rate_label(rate)}_k{rep}.log").write_text(r.stdout + r.stderr)
+                print(f"[{method}] rate {rate_label(rate)} #{rep}: rc={r.returncode}", flush=True)
                 if r.returncode:
                     print((r.stdout + r.stderr)[-2000:], flush=True)
         except (ServerError, subprocess.TimeoutExpired) as e:
@@ -244,16 +263,17 @@ def parse_args(argv=None):
     p.add_argument("--rates", default="1,2,4,8,16,inf", type=lambda s: [rate_value(r) for r in s.split(",") if r],
                    help="Request rates (requests/s; inf sends all at once: saturation).")
     p.add_argument("--num-prompts", type=int, default=64, help="Requests per rate.")
+    p.add_argument("--repeats", type=int, default=3, help="Runs per rate and method (the table gives medians).")
     p.add_argument("--dataset", choices=("random", "code"), default="random",
                    help="random token prompts, or held-out code cut from --prompts.")
     p.add_argument("--prompts", default=None, help="Code file or directory for --dataset code (default: click).")
-    p.add_argument("--input-len", type=int, default=6144, help="Mean prompt tokens.")
-    p.add_argument("--range-ratio", type=float, default=1 / 3, help="Prompt length in input-len x (1 ± ratio).")
+    p.add_argument("--input-len", type=int, default=6000, help="Mean prompt tokens.")
+    p.add_argument("--range-ratio", type=float, default=0.2, help="Prompt length in input-len x (1 ± ratio).")
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("-g", "--gamma", type=int, default=4, help="γ of Vegas and ngram.")
     p.add_argument("--sparsity-ratio", type=float, default=0.05)
     p.add_argument("--config", default=None, help="Further Vegas settings (vegas serve --config).")
-    p.add_argument("--max-model-len", type=int, default=8192 + 512)
+    p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--serve-arg", action="append", default=[], help="One more vllm serve argument (repeatable).")

@@ -115,10 +115,11 @@ def metric_counts(llm) -> dict[str, float]:
     return out
 
 
-def build_llm(method: str, args, max_len: int, settings: str | None = None):
+def build_llm(method: str, args, max_len: int, settings: str | None = None, runner: str | None = None):
     """The engine of ``method`` ("plain", "plain-sync", "ngram" or "vegas" with ``settings``,
     see :func:`vegas_settings`), its arguments made by the backend's
-    :func:`vegas.backends.vllm.vllm_engine_kwargs`."""
+    :func:`vegas.backends.vllm.vllm_engine_kwargs`; ``runner="v2"`` runs Vegas on vLLM's V2
+    model runner, ``"v1"`` on the V1 runner (default: the runner vLLM picks, V2 where it can)."""
     from vllm import LLM
 
     from vegas.backends.vllm import vllm_engine_kwargs
@@ -132,6 +133,8 @@ def build_llm(method: str, args, max_len: int, settings: str | None = None):
     )
     if args.load_format:
         kw["load_format"] = args.load_format
+    if getattr(args, "max_num_batched_tokens", None):
+        kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.tp > 1:
         kw["tensor_parallel_size"] = args.tp
     if args.eager:
@@ -165,8 +168,10 @@ def build_llm(method: str, args, max_len: int, settings: str | None = None):
                             verify_cuda_graphs=verify, **kw)
     t = time.time()
     saved = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
-    if method in ("plain-sync", "vegas"):
+    if method == "plain-sync" or runner == "v1":
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    elif runner == "v2":
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     try:
         llm = LLM(**kw)
     finally:

@@ -1,86 +1,234 @@
 #!/usr/bin/env python3
-"""Where does a decode iteration's time go? Profiles one vLLM engine in-process (device only).
+"""Where does an engine step's time go? A step timeline of plain vLLM and Vegas (device only).
 
-Runs the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), prefills the
-prompts, warms up, then decodes ``--new-tokens`` tokens per request twice: once under
-``cProfile`` (host Python: which functions cost time per step) and once under
-``torch.profiler`` (CUDA kernels and vLLM's runner scopes). Prints both summaries::
+Runs each engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and wraps the worker's
+``execute_model`` / ``sample_tokens`` (vLLM 0.24.0, both model runners) to record, per engine
+step: host entry/exit times, CUDA events around the step's GPU work, and the step's make-up from
+the ``SchedulerOutput`` (requests, prefill requests, scheduled tokens, draft tokens). Workloads
+on one engine per method (SmolLM2 7,680-token held-out code prompts unless told otherwise):
 
-    PYTHONPATH=/tmp/site:$PWD python scripts/vllm_profile.py --method vegas --selector collect2 \
-        --batch 128 --ctx 16384 --new-tokens 64
+- ``closed``: ``--batch`` prefix-cached prompts decoded together (``--new-tokens`` each);
+- ``open``: ``--open-factor`` x batch prefix-cached prompts through ``batch`` slots;
+- ``serve``: ``--serve-requests`` fresh prompts of ``--serve-len`` tokens submitted at once
+  (what ``vllm bench serve`` sends at request rate inf): prefill and decode mixed, TTFT per request.
+
+For each (method, workload) it prints: output tok/s, TTFT mean/p99 (serve), steps by kind
+(decode-only, mixed, prefill-only) with mean host ms, mean GPU ms and the idle gap between steps,
+wall / GPU per step, and Vegas' own counters (draft phase, selection, τ). With ``--torch-profile``
+the serve workload also runs under ``torch.profiler`` (kernel table in ``OUT/kernels_<method>.txt``).
+Everything goes to ``OUT/profile.json``::
+
+    PYTHONPATH=/tmp/site:$PWD python scripts/vllm_profile.py --model /tmp/smollm2-hf \
+        --methods plain,vegas --out $OUT --torch-profile
 """
 
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
+import json
+import logging
 import os
-import pstats
+import statistics
 import sys
 import time
 from pathlib import Path
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-os.environ["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
+os.environ.setdefault("VLLM_CUSTOM_SCOPES_FOR_PROFILING", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import vllm_bench as vb  # noqa: E402
 
+STEPS: list[dict] = []
+CAPTURES: list[float] = []  # host times of draft-graph captures (from the vegas log)
+
+
+class _CaptureLog(logging.Handler):
+    def emit(self, record):
+        if "draft graph" in record.getMessage() and "captured" in record.getMessage():
+            CAPTURES.append(time.perf_counter())
+
+
+def instrument() -> None:
+    """Wrap ``Worker.execute_model`` and ``Worker.sample_tokens`` (vLLM 0.24.0) with the timeline."""
+    import torch
+    from vllm.v1.worker.gpu_worker import Worker
+
+    if getattr(Worker.execute_model, "_timeline", False):
+        return
+    execute, sample = Worker.execute_model, Worker.sample_tokens
+
+    def execute_model(self, scheduler_output):
+        so = scheduler_output
+        spec = so.scheduled_spec_decode_tokens
+        n_prefill = sum(1 for r, n in so.num_scheduled_tokens.items() if n > 1 + len(spec.get(r, ())))
+        rec = {"t0": time.perf_counter(), "reqs": len(so.num_scheduled_tokens), "prefill_reqs": n_prefill,
+               "tokens": so.total_num_scheduled_tokens, "draft_tokens": sum(len(v) for v in spec.values())}
+        rec["e0"] = torch.cuda.Event(enable_timing=True)
+        rec["e0"].record()
+        STEPS.append(rec)
+        out = execute(self, scheduler_output)
+        rec["t_exec"] = time.perf_counter()
+        return out
+
+    def sample_tokens(self, grammar_output):
+        out = sample(self, grammar_output)
+        rec = STEPS[-1] if STEPS else None
+        if rec is not None and "e1" not in rec:
+            rec["e1"] = torch.cuda.Event(enable_timing=True)
+            rec["e1"].record()
+            rec["t1"] = time.perf_counter()
+        return out
+
+    execute_model._timeline = True  # type: ignore[attr-defined]
+    Worker.execute_model, Worker.sample_tokens = execute_model, sample_tokens
+    logging.getLogger("vegas").addHandler(_CaptureLog())
+
+
+def summarize(steps: list[dict], t_start: float, t_end: float) -> dict:
+    """Per step kind: count, mean host ms, mean GPU ms; gaps; wall / GPU."""
+    import torch
+
+    torch.cuda.synchronize()
+    kinds: dict[str, list[dict]] = {}
+    gpu_total = 0.0
+    prev_end = None
+    for s in steps:
+        if "e1" not in s:
+            continue
+        s["gpu_ms"] = s["e0"].elapsed_time(s["e1"])
+        s["host_ms"] = (s["t1"] - s["t0"]) * 1e3
+        s["gap_ms"] = (s["t0"] - prev_end) * 1e3 if prev_end is not None else 0.0
+        prev_end = s["t1"]
+        gpu_total += s["gpu_ms"]
+        kind = "decode" if s["prefill_reqs"] == 0 else ("prefill" if s["prefill_reqs"] == s["reqs"] else "mixed")
+        kinds.setdefault(kind, []).append(s)
+    wall_ms = (t_end - t_start) * 1e3
+    out = {"wall_ms": wall_ms, "gpu_ms": gpu_total, "steps": sum(len(v) for v in kinds.values()),
+           "wall_over_gpu": wall_ms / gpu_total if gpu_total else None,
+           "draft_graph_captures": sum(1 for c in CAPTURES if t_start <= c <= t_end)}
+    for kind, ss in kinds.items():
+        out[kind] = {
+            "steps": len(ss),
+            "mean_reqs": statistics.mean(s["reqs"] for s in ss),
+            "mean_tokens": statistics.mean(s["tokens"] for s in ss),
+            "host_ms": statistics.mean(s["host_ms"] for s in ss),
+            "gpu_ms": statistics.mean(s["gpu_ms"] for s in ss),
+            "gpu_ms_total": sum(s["gpu_ms"] for s in ss),
+            "gap_ms": statistics.mean(s["gap_ms"] for s in ss),
+            "host_ms_max": max(s["host_ms"] for s in ss),
+        }
+    return out
+
+
+def run_workload(llm, name: str, prompts, sp, method: str) -> dict:
+    from vegas.vllm_plugin import configure, get_stats
+
+    if method.startswith("vegas"):
+        llm.collective_rpc(configure, args=(None, True))
+    STEPS.clear()
+    t0 = time.perf_counter()
+    outs = vb.generate(llm, prompts, sp)
+    t1 = time.perf_counter()
+    res = summarize(list(STEPS), t0, t1)
+    ntok = sum(len(o.outputs[0].token_ids) for o in outs)
+    res["output_tokens"] = ntok
+    res["out_tok_s"] = ntok / (t1 - t0)
+    window = vb.decode_window(outs)
+    if window:
+        res["decode_tok_s"] = (ntok - len(outs)) / window
+    ttft = [o.metrics.first_token_latency * 1e3 for o in outs if getattr(o, "metrics", None) is not None]
+    if ttft:
+        ttft.sort()
+        res["ttft_mean_ms"] = statistics.mean(ttft)
+        res["ttft_p99_ms"] = ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))]
+    if method.startswith("vegas"):
+        st = llm.collective_rpc(get_stats)[0]
+        res["vegas"] = {k: st.get(k) for k in ("runner", "acceptance_length", "proposals", "skipped", "draft_ms",
+                                               "verify_fwd_ms", "select_ms", "propose_wall_ms", "full_cuda_graphs")}
+    line = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in res.items() if not isinstance(v, dict)}
+    print(f"[{method} {name}] {json.dumps(line)}", flush=True)
+    for kind in ("decode", "mixed", "prefill"):
+        if kind in res:
+            print(f"    {kind}: " + json.dumps({k: round(v, 2) for k, v in res[kind].items()}), flush=True)
+    if "vegas" in res:
+        print("    vegas: " + json.dumps(res["vegas"]), flush=True)
+    return res
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--method", default="vegas", choices=["plain", "vegas", "ngram"])
+    ap.add_argument("--model", default=str(vb.ROOT / "vegas" / "model"))
+    ap.add_argument("--methods", default="plain,vegas",
+                    help="plain, vegas (the runner vLLM picks), vegas-v1 / vegas-v2 (that runner); one per process")
     ap.add_argument("--selector", default="collect2")
     ap.add_argument("--batch", type=int, default=128)
-    ap.add_argument("--ctx", type=int, default=16384)
-    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--ctx", type=int, default=7680)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--open-factor", type=int, default=3)
+    ap.add_argument("--serve-requests", type=int, default=64)
+    ap.add_argument("--serve-len", type=int, default=6000)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192, help="vllm serve's default on an H200")
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--temperature", type=float, default=0.8)
-    ap.add_argument("--rows", type=int, default=35)
-    ap.add_argument("--verify-graphs", default="full", choices=["full", "piecewise"])
-    ap.add_argument("--scheduling", default="async", choices=["async", "sync"], help="vLLM scheduling of vegas")
+    ap.add_argument("--workloads", default="serve,closed,open")
+    ap.add_argument("--torch-profile", action="store_true")
+    ap.add_argument("--out", default="profile-out")
     args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    logging.basicConfig(level=logging.INFO)
     ns = argparse.Namespace(
-        model=str(vb.ROOT / "vegas" / "model"), load_format=None, batches=[args.batch], gpu_mem=0.5,
-        eager=False, gamma=args.gamma, sparsity=0.05, min_kv_budget=256, kv_budget=0,
-        verify_graphs=args.verify_graphs, tp=1, tp_selection="all_reduce", vegas_scheduling=args.scheduling,
+        model=args.model, load_format=None, batches=[args.batch], gpu_mem=0.6, eager=False, gamma=args.gamma,
+        sparsity=0.05, min_kv_budget=256, kv_budget=0, verify_graphs="full", tp=1, tp_selection="all_reduce",
+        vegas_scheduling="async", max_num_batched_tokens=args.max_num_batched_tokens,
     )
     import torch
     from vllm import SamplingParams
 
-    prompts = vb.load_prompts(ns.model, args.batch, args.ctx, vb.ROOT / "benchmarks/data/heldout_code_dev.jsonl.xz")
-    llm = vb.build_llm(args.method, ns, args.ctx + args.new_tokens + 64, vb.vegas_settings(ns, args.selector))
-    vb.generate(llm, prompts, SamplingParams(max_tokens=1, detokenize=False))
+    data = vb.ROOT / "benchmarks/data/heldout_code_dev.jsonl.xz"
+    n_open = args.batch * args.open_factor
+    prompts = vb.load_prompts(args.model, n_open + args.serve_requests * 2, args.ctx, data)
+    cached, fresh = prompts[:n_open], prompts[n_open:]
     sp = SamplingParams(temperature=args.temperature, max_tokens=args.new_tokens, ignore_eos=True, detokenize=False)
-    vb.generate(llm, prompts, sp)  # warm-up (graphs, Triton JIT)
-    torch.cuda.synchronize()
-    t = time.time()
-    outs = vb.generate(llm, prompts, sp)
-    wall = time.time() - t
-    ntok = sum(len(o.outputs[0].token_ids) for o in outs)
-    print(f"[plain wall] {args.method} {args.selector} b{args.batch} ctx{args.ctx}: {ntok} tokens in {wall*1e3:.0f} ms "
-          f"-> {ntok / wall:.0f} tok/s", flush=True)
+    results: dict = {"args": vars(args), "rows": {}}
+    instrument()
+    for method in args.methods.split(","):
+        runner = {"vegas-v1": "v1", "vegas-v2": "v2"}.get(method)
+        t = time.time()
+        llm = vb.build_llm("vegas" if method.startswith("vegas") else method, ns, args.ctx + args.new_tokens + 64,
+                           vb.vegas_settings(ns, args.selector), runner=runner)
+        print(f"[{method}] engine start {time.time() - t:.1f}s", flush=True)
+        vb.generate(llm, cached, SamplingParams(max_tokens=1, detokenize=False))  # prefix cache
+        vb.generate(llm, cached[: args.batch], SamplingParams(temperature=args.temperature, max_tokens=16,
+                                                                ignore_eos=True, detokenize=False))  # warm-up
+        rows = results["rows"].setdefault(method, {})
+        for wl in args.workloads.split(","):
+            if wl == "closed":
+                rows[wl] = run_workload(llm, wl, cached[: args.batch], sp, method)
+            elif wl == "open":
+                rows[wl] = run_workload(llm, wl, cached, sp, method)
+            elif wl == "serve":
+                # fresh prompts each time (no prefix-cache hits), cut to --serve-len tokens
+                for rep in range(2):
+                    batch = [p[: args.serve_len] for p in fresh[rep * args.serve_requests:(rep + 1) * args.serve_requests]]
+                    rows[f"serve{rep}"] = run_workload(llm, f"serve#{rep}", batch, sp, method)
+        if args.torch_profile:
+            from torch.profiler import ProfilerActivity, profile
 
-    prof = cProfile.Profile()
-    prof.enable()
-    vb.generate(llm, prompts, sp)
-    prof.disable()
-    s = io.StringIO()
-    st = pstats.Stats(prof, stream=s)
-    st.sort_stats("tottime").print_stats(args.rows)
-    st.sort_stats("cumulative").print_stats(args.rows + 15)
-    print(s.getvalue(), flush=True)
-
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
-        vb.generate(llm, prompts, sp)
-    ka = tp.key_averages()
-    print(ka.table(sort_by="self_cuda_time_total", row_limit=args.rows), flush=True)
-    print(ka.table(sort_by="cpu_time_total", row_limit=args.rows), flush=True)
-    vb.shutdown(llm)
+            batch = [p[: args.serve_len - 7] for p in fresh[: args.serve_requests]]  # not cached: new lengths
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                vb.generate(llm, batch, sp)
+            ka = prof.key_averages()
+            text = ka.table(sort_by="self_cuda_time_total", row_limit=45)
+            text += "\n" + ka.table(sort_by="cpu_time_total", row_limit=45)
+            (out / f"kernels_{method}.txt").write_text(text)
+            print(ka.table(sort_by="self_cuda_time_total", row_limit=22), flush=True)
+        (out / "profile.json").write_text(json.dumps(results, indent=1, default=str))
+        vb.shutdown(llm)
+        del llm
+        torch.cuda.empty_cache()
     return 0
 
 

@@ -64,7 +64,7 @@ def main() -> None:
     from vegas.config import VegasConfig
     from vegas.vllm_plugin import register
     from vegas.vllm_plugin.settings import settings_json
-    from vegas.vllm_plugin.v2_speculator import get_v2_stats
+    from vegas.vllm_plugin import get_stats as get_v2_stats
 
     ids = AutoTokenizer.from_pretrained(args.model)(package_source(), add_special_tokens=False).input_ids
     prompts = cut_contexts(ids, args.context, args.batch)

@@ -41,9 +41,9 @@ def test_commands_per_method(sb):
     assert vegas[vegas.index("--selector") + 1] == "sliding_window" and vegas[vegas.index("-g") + 1] == "3"
     bench = sb.bench_argv("collect2", math.inf, args, 9000, Path("/r"), None)
     assert bench[bench.index("--request-rate") + 1] == "inf"
-    assert bench[bench.index("--result-filename") + 1] == "collect2_rinf.json"
+    assert bench[bench.index("--result-filename") + 1] == "collect2_rinf_k0.json"
     assert bench[bench.index("--dataset-name") + 1] == "random" and "--ignore-eos" in bench
-    assert int(bench[bench.index("--random-input-len") + 1]) == 6144  # 4K-8K: 6144 x (1 ± 1/3)
+    assert int(bench[bench.index("--random-input-len") + 1]) == 6000  # 4.8K-7.2K: 6000 x (1 ± 0.2)
     code = sb.bench_argv("plain", 2.0, args, 9000, Path("/r"), Path("/p.jsonl"))
     assert code[code.index("--dataset-name") + 1] == "custom" and "--skip-chat-template" in code
 
@@ -58,16 +58,20 @@ def test_results_table_and_plots(sb, tmp_path):
     raw.mkdir()
     for method, tau in (("plain", None), ("collect2", 3.1), ("ngram", 1.4)):
         for i, rate in enumerate((1.0, 4.0, "inf")):
-            (raw / f"{method}_r{sb.rate_label(rate)}.json").write_text(
-                json.dumps(_fake_result(method, rate, 10.0 + i, 500.0 * (i + 1), tau)))
+            for k, scale in enumerate((1.0, 1.2, 0.9)):  # three repeats: the table gives medians
+                speed = 500.0 * (i + 1) * scale * (1.5 if method == "collect2" else 1.0)
+                (raw / f"{method}_r{sb.rate_label(rate)}_k{k}.json").write_text(
+                    json.dumps(_fake_result(method, rate, 10.0 + i, speed, tau)))
     table = sb.report(tmp_path)
     lines = table.splitlines()
-    assert lines[0].startswith("| method | rate | done | failed | TTFT mean ms")
+    assert lines[0].startswith("| method | rate | repeats | done | failed | TTFT mean ms")
+    assert lines[0].endswith("| out tok/s min-max | x plain |")
     assert [line.split(" | ")[0] for line in lines[2:]] == ["| plain"] * 3 + ["| collect2"] * 3 + ["| ngram"] * 3
     assert [line.split(" | ")[1] for line in lines[2:5]] == ["1", "4", "inf"]  # rates in order, inf last
-    assert "| 3.10 |" in lines[5] and lines[2].endswith("| - |")  # τ where the server reports it
+    assert "| 3.10 |" in lines[5] and "| - | 450-600 | 1.00x |" in lines[2]  # τ where the server reports it
+    assert lines[5].endswith("| 675-900 | 1.50x |")  # spread of the repeats, ratio to plain at that rate
     rows = json.loads((tmp_path / "summary.json").read_text())
-    assert rows[4]["method"] == "collect2" and rows[4]["output_throughput"] == 1000.0
+    assert rows[4]["method"] == "collect2" and rows[4]["output_throughput"] == 1500.0 and rows[4]["repeats"] == 3
     for name in ("throughput_vs_rate.png", "tpot_vs_rate.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "table.md").read_text().strip() == table

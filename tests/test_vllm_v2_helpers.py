@@ -135,7 +135,7 @@ def _cfg(VllmConfig, model="vegas.vllm_plugin.proposer.VegasProposer"):
     return c
 
 
-def test_unsupported_check_lets_vegas_through_only_when_opted_in(monkeypatch):
+def test_unsupported_check_lets_vegas_through_unless_v1_is_asked_for(monkeypatch):
     from vegas.vllm_plugin import patches
 
     def feats(self):
@@ -149,11 +149,14 @@ def test_unsupported_check_lets_vegas_through_only_when_opted_in(monkeypatch):
     patches.patch_v2_unsupported_check()  # idempotent: one wrapper
     assert VllmConfig._get_v2_model_runner_unsupported_features is wrapper and wrapper._vegas
     vegas, other = _cfg(VllmConfig), _cfg(VllmConfig, model="mypkg.Proposer")
-    assert len(vegas._get_v2_model_runner_unsupported_features()) == 2  # V1 stays the default
+    # default: the runner vLLM picks, so Vegas no longer counts as unsupported on V2
+    assert vegas._get_v2_model_runner_unsupported_features() == ["dual batch overlap"]
+    assert len(other._get_v2_model_runner_unsupported_features()) == 2
     for env in ("VLLM_USE_V2_MODEL_RUNNER", patches.V2_ENV):
+        monkeypatch.setenv(env, "0")  # V1 asked for: vLLM keeps refusing custom_class on V2
+        assert len(vegas._get_v2_model_runner_unsupported_features()) == 2
         monkeypatch.setenv(env, "1")
         assert vegas._get_v2_model_runner_unsupported_features() == ["dual batch overlap"]
-        assert len(other._get_v2_model_runner_unsupported_features()) == 2
         monkeypatch.delenv(env)
 
 
@@ -180,3 +183,20 @@ def test_init_speculator_passes_other_engines_through(monkeypatch):
     assert spec_decode.init_speculator is wrapper and wrapper._vegas
     assert wrapper(_cfg(VllmConfig, model="mypkg.Proposer"), "cpu") is sentinel
     assert wrapper(_cfg(VllmConfig), "cpu") is built  # the Vegas engine gets the builder's speculator
+
+
+def test_rows_that_draft_counts_rows_that_sample_a_token():
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from vegas.vllm_plugin.v2_helpers import rows_that_draft
+
+    def batch(scheduled, computed, prompt):
+        return SimpleNamespace(num_reqs=len(scheduled), num_scheduled_tokens=np.array(scheduled),
+                               num_computed_prefill_tokens_np=np.array(computed), prefill_len_np=np.array(prompt))
+
+    # a decoding row, a row whose last prompt chunk runs now, a row still mid-prefill afterwards
+    assert rows_that_draft(batch([5, 100, 8192], [600, 900, 0], [600, 1000, 9000])) == 2
+    assert rows_that_draft(batch([8192, 8192], [0, 8192], [20000, 20000])) == 0  # prefill-only step: no draft phase
+    assert rows_that_draft(batch([1], [10], [10])) == 1

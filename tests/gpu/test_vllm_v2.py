@@ -28,7 +28,7 @@ def _vegas_v2(monkeypatch, selector: str, prompts, sp):
 
     from vegas import DEFAULT_MODEL
     from vegas.vllm_plugin import register
-    from vegas.vllm_plugin.v2_speculator import get_v2_stats
+    from vegas.vllm_plugin import get_stats as get_v2_stats
 
     register()
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")

@@ -93,8 +93,10 @@ def _build_v2_speculator(vllm_config, device):
 
 
 def _drafter(worker):
+    """The Vegas drafter of a worker: the V1 proposer (``runner.drafter``) or the V2
+    speculator (``runner.speculator``)."""
     runner = getattr(worker, "model_runner", worker)
-    return getattr(runner, "drafter", None)
+    return getattr(runner, "drafter", None) or getattr(runner, "speculator", None)
 
 
 def configure(worker, settings: str | None = None, reset_stats: bool = True) -> str:
@@ -134,10 +136,13 @@ def configure(worker, settings: str | None = None, reset_stats: bool = True) -> 
 def get_stats(worker, per_request: bool = False) -> dict:
     """``LLM.collective_rpc(get_stats)``: the proposer's counters (see
     :class:`~vegas.vllm_plugin.stats.ProposerStats`); with ``per_request``, also
-    ``{"requests": {request_id: [iterations, drafted, accepted]}}``."""
+    ``{"requests": {request_id: [iterations, drafted, accepted]}}`` (V1 runner only). On the
+    V2 runner: :meth:`~vegas.vllm_plugin.v2_speculator.VegasSpeculator.stats`."""
     drafter = _drafter(worker)
     if drafter is None or not hasattr(drafter, "stats"):
         return {}
+    if callable(drafter.stats):  # the V2 speculator
+        return drafter.stats()
     from .state import STATE
 
     drafter.resolve_events(wait=True)

@@ -18,6 +18,7 @@ __all__ = [
     "draft_slots",
     "one_hot_draft_logits",
     "padded_idx_mapping",
+    "rows_that_draft",
     "step_inputs",
 ]
 
@@ -153,3 +154,15 @@ def bucket_rows(num_reqs: int, cap: int, max_graph_rows: int) -> int | None:
     or cannot hold ``num_reqs`` (then the step drafts eagerly)."""
     rows = min(1 << max(num_reqs - 1, 0).bit_length(), cap)
     return rows if num_reqs <= rows <= max_graph_rows else None
+
+
+def rows_that_draft(input_batch) -> int:
+    """Rows of the V2 runner's batch that sample a token this step, from its host arrays (no
+    device sync). A row still mid-prefill after this step samples nothing, so it has nothing
+    to draft from; a step where no row samples (a prefill-only step) skips the draft phase."""
+    n = input_batch.num_reqs
+    scheduled = input_batch.num_scheduled_tokens[:n]
+    computed = input_batch.num_computed_prefill_tokens_np[:n]
+    prompt = input_batch.prefill_len_np[:n]
+    prefilling = computed < prompt
+    return int((~prefilling | (computed + scheduled >= prompt)).sum())

@@ -43,12 +43,14 @@ from .v2_helpers import (
     draft_slots,
     one_hot_draft_logits,
     padded_idx_mapping,
+    rows_that_draft,
     step_inputs,
 )
 
-__all__ = ["VegasSpeculator", "get_v2_stats"]
+__all__ = ["VegasSpeculator"]
 
 logger = logging.getLogger("vegas.vllm")
+
 
 
 class VegasSpeculator(DraftModelSpeculator):
@@ -86,6 +88,8 @@ class VegasSpeculator(DraftModelSpeculator):
         self.step_cols = [torch.tensor(j, dtype=torch.int64, device=device) for j in range(self.gamma)]
         self.counters = torch.zeros(2, dtype=torch.int64, device=device)  # iterations, emitted
         self.proposals = 0
+        self.skipped = 0  # steps that drafted nothing (no row sampled a token)
+        self.select_ms = 0.0
         self._layers: list[tuple[str, int]] = []
         self._layer_pos: dict[int, int] = {}
         self._graphs: dict = {}
@@ -126,10 +130,11 @@ class VegasSpeculator(DraftModelSpeculator):
 
     def capture(self, attn_states) -> None:
         """Capture the draft graphs of every power-of-two row count up to the largest
-        captured one, once, after vLLM's verification graphs."""
+        captured one, once, after vLLM's verification graphs (so that no capture happens while
+        requests wait: a lazy capture costs 0.1-0.3 s)."""
         mode = getattr(self, "cudagraph_mode", CUDAGraphMode.NONE)
-        if not self.use_cuda_graphs or mode == CUDAGraphMode.NONE or not STATE.has_selection:
-            return  # no selection yet (the verification capture writes one): capture lazily
+        if not self.use_cuda_graphs or mode == CUDAGraphMode.NONE or STATE.sel_buf is None or not STATE.block_size:
+            return  # no verification forward has run yet (it learns the cache layout): capture lazily
         cap = self._row_cap()
         rows = 1
         while rows <= min(cap, self.max_graph_rows):
@@ -152,11 +157,13 @@ class VegasSpeculator(DraftModelSpeculator):
         if dummy_run or is_profile or attn_metadata is None:
             return self.draft_tokens[:n].zero_()
         idx = input_batch.idx_mapping  # [n] int32 batch row -> request slot
-        if not STATE.has_selection or STATE.sel_buf is None or n > self._row_cap():
-            one_hot_draft_logits(self.draft_logits, idx)
-            return self.draft_tokens[:n].zero_()
         if input_batch.num_draft_tokens > 0:
             self.counters += acceptance_counts(num_sampled, input_batch.cu_num_logits)
+        if rows_that_draft(input_batch) == 0 or not STATE.has_selection or STATE.sel_buf is None or n > self._row_cap():
+            # zero drafts with one-hot logits: the next verification accepts exactly what it samples
+            self.skipped += 1
+            one_hot_draft_logits(self.draft_logits, idx)
+            return self.draft_tokens[:n].zero_()
         # blocks owned per row: the host's values of this step (the UVA view rotates under
         # async scheduling, so it is not read from the device later)
         nblocks = async_copy_to_gpu(self.block_tables.num_blocks.np[0][input_batch.idx_mapping_np],
@@ -181,6 +188,36 @@ class VegasSpeculator(DraftModelSpeculator):
             self._fill(b, n, step_in, idx)
             self._draft_body(b, n)
         return b["out_tok"][:n]
+
+    # ---- counters ---------------------------------------------------------------------------
+    def reset_stats(self) -> None:
+        """Zero the counters (waits for the GPU)."""
+        self.counters.zero_()
+        self.proposals = self.skipped = 0
+        self.select_ms = 0.0
+        if STATE.timer is not None:
+            STATE.timer.read(reset=True)
+
+    def stats(self) -> dict:
+        """proposals (steps that drafted), skipped (steps that did not), iterations (verified
+        steps of rows with drafts), emitted (accepted + bonus tokens of those),
+        ``acceptance_length`` = emitted / iterations, ``select_ms`` (GPU time of the
+        selection inside verification). Waits for the GPU."""
+        if STATE.timer is not None:
+            self.select_ms += STATE.timer.read(reset=True)[0]
+        iterations, emitted = (int(x) for x in self.counters.tolist())
+        return {
+            "runner": "v2",
+            "proposals": self.proposals,
+            "skipped": self.skipped,
+            "iterations": iterations,
+            "emitted": emitted,
+            "acceptance_length": emitted / iterations if iterations else 0.0,
+            "select_ms": self.select_ms,
+            "full_cuda_graphs": STATE.frozen,
+            "draft_graphs": len(self._graphs),
+            "graph_failed": self._graph_failed,
+        }
 
     # ---- drafting ---------------------------------------------------------------------------
     def _row_cap(self) -> int:
@@ -272,23 +309,3 @@ class VegasSpeculator(DraftModelSpeculator):
             )
             b["out_tok"][:, j].copy_(tokens)
 
-
-def get_v2_stats(worker) -> dict:
-    """``LLM.collective_rpc(get_v2_stats)``: the V2 speculator's counters (``{}`` on V1):
-    proposals, iterations (verified steps of rows with drafts), emitted tokens of those
-    (accepted + bonus) and ``acceptance_length`` = emitted / iterations. Waits for the GPU."""
-    runner = getattr(worker, "model_runner", worker)
-    spec = getattr(runner, "speculator", None)
-    if not isinstance(spec, VegasSpeculator):
-        return {}
-    iterations, emitted = (int(x) for x in spec.counters.tolist())
-    return {
-        "runner": "v2",
-        "proposals": spec.proposals,
-        "iterations": iterations,
-        "emitted": emitted,
-        "acceptance_length": emitted / iterations if iterations else 0.0,
-        "full_cuda_graphs": STATE.frozen,
-        "draft_graphs": len(spec._graphs),
-        "graph_failed": spec._graph_failed,
-    }

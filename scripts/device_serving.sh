@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Serving-speed runs of issue 19 on the H200 (runs ON the device machine, after the vLLM bundle and the
+# SmolLM2 parts are unpacked and converted: see the header of scripts/device_check.sh).
+#   bash scripts/device_serving.sh profile   # step timelines (scripts/vllm_profile.py), one process per engine
+#   bash scripts/device_serving.sh serve     # vllm bench serve against vegas serve (scripts/serve_bench.py)
+#   bash scripts/device_serving.sh greedy    # greedy Vegas (V2 runner) against plain vLLM (tests/gpu/test_vllm_v2.py)
+# PROFILE_METHODS (default "plain vegas"; also vegas-v1, vegas-v2), PROFILE_ARGS, SERVE_ARGS adjust the runs; logs and JSON land in $OUT.
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-/tmp/vegas_out}; mkdir -p "$OUT"
+MODEL=${SMOLLM2_HF:-/tmp/smollm2-hf}
+# vegas is on PYTHONPATH, not installed: its vllm.general_plugins entry point, for vllm serve's processes
+EP=/tmp/site/vegas_device_entry_points-0.0.dist-info
+if [ -d /tmp/site ] && [ ! -d "$EP" ]; then
+  mkdir -p "$EP"
+  printf 'Metadata-Version: 2.1\nName: vegas-device-entry-points\nVersion: 0.0\n' > "$EP/METADATA"
+  printf '[vllm.general_plugins]\nvegas = vegas.vllm_plugin:register\n' > "$EP/entry_points.txt"
+fi
+case ${1:-} in
+  profile)
+    for m in ${PROFILE_METHODS:-plain vegas}; do  # one process per engine (vLLM's graph pools)
+      mkdir -p "$OUT/$m"
+      timeout ${PROFILE_S:-240} python3 scripts/vllm_profile.py --model "$MODEL" --methods "$m" \
+        --out "$OUT/$m" ${PROFILE_ARGS:-} 2>&1 | grep -v "it/s\]" > "$OUT/$m/profile.log"
+      grep -E "^\[|^    |Error" "$OUT/$m/profile.log" | grep -v "rank0\]: \[rank0\]:   " | head -30
+    done
+    ;;
+  serve)
+    timeout ${SERVE_S:-560} python3 scripts/serve_bench.py --model "$MODEL" --out "$OUT/serve" \
+      ${SERVE_ARGS:---methods plain,collect2 --rates 16,inf --repeats 3 --max-model-len 8192} 2>&1 | tail -40
+    ;;
+  greedy)
+    timeout ${GREEDY_S:-300} python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_vllm_v2.py 2>&1 | tail -15
+    ;;
+  *) echo "usage: device_serving.sh profile|serve|greedy" >&2; exit 2 ;;
+esac
