@@ -694,3 +694,37 @@ class TestFastPathRegistry(TestSelectors):
             assert path_class(Collect2Selector(config)).__name__ == "ScoreTopKFastPath"
         finally:
             plugins.unregister("test_fast_paths")
+
+
+def test_draft_graphs_are_captured_after_vllms_graphs(monkeypatch):
+    """patch_draft_graph_capture: vLLM's capture_model runs first, then the drafter's
+    capture_draft_graphs, and the graph memory vLLM reports includes the drafts'."""
+    import sys
+    import types
+
+    import torch
+
+    from vegas.vllm_plugin import patches
+
+    calls = []
+    runner_cls = type("GPUModelRunner", (), {"capture_model": lambda self: calls.append("vllm") or 100})
+    mod = types.ModuleType("vllm.v1.worker.gpu_model_runner")
+    mod.GPUModelRunner = runner_cls
+    for name in ("vllm", "vllm.v1", "vllm.v1.worker"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "vllm.v1.worker.gpu_model_runner", mod)
+    free = iter([1000, 700])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (next(free), 2000))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    patches.patch_draft_graph_capture()
+    patched = runner_cls.capture_model
+    patches.patch_draft_graph_capture()  # idempotent
+    assert runner_cls.capture_model is patched
+
+    runner = runner_cls()
+    runner.drafter = types.SimpleNamespace(capture_draft_graphs=lambda: calls.append("drafts") or 16)
+    assert runner.capture_model() == 100 + 300 and calls == ["vllm", "drafts"]
+    plain = runner_cls()  # an engine without the Vegas proposer: vLLM's result, nothing else
+    plain.drafter = None
+    calls.clear()
+    assert plain.capture_model() == 100 and calls == ["vllm"]

@@ -171,6 +171,19 @@ class DraftBuffers:
     tokens: torch.Tensor  # [rows, γ] int64 drafted tokens
     probs: torch.Tensor | None  # [rows, γ, vocab] float32 draft probabilities; None when greedy
 
+    def view(self, rows: int) -> DraftBuffers:
+        """The first ``rows`` rows of these buffers (the draft graphs of smaller row counts
+        share the largest graph's buffers: graphs replay one at a time on one stream)."""
+        return DraftBuffers(
+            step_inputs=self.step_inputs[:, :rows],
+            temperature=self.temperature[:rows],
+            seqused=self.seqused[:rows],
+            query_start_loc=self.query_start_loc[: rows + 1],
+            slot_mapping=self.slot_mapping[: max(rows, SLOT_MAPPING_MIN_ROWS)],
+            tokens=self.tokens[:rows],
+            probs=None if self.probs is None else self.probs[:rows],
+        )
+
     @classmethod
     def allocate(cls, rows: int, gamma: int, vocab: int, sampling: bool, device) -> DraftBuffers:
         return cls(
@@ -214,6 +227,7 @@ class DraftRunner:
         self.layer_rows: dict[int, int] = {}
         self._vocab: int | None = None
         self._graphs: dict = {}
+        self._graph_bufs: dict[bool, DraftBuffers] = {}  # sampling -> buffers of the largest graph
         self._graph_pool = None
         self._graph_failed = False
 
@@ -327,28 +341,69 @@ class DraftRunner:
                 bufs.probs[:, j].copy_(probs)
             bufs.tokens[:, j].copy_(tokens)
 
+    def _max_graph_rows(self) -> int:
+        """Rows a draft graph can have: the block table's and the selection buffers' rows."""
+        return min(self._block_table().shape[0], STATE.sel_buf.shape[1])
+
+    def _graph_rows(self, num_reqs: int) -> int | None:
+        """The draft graph's rows for ``num_reqs`` requests: the next power of two, clamped to
+        :meth:`_max_graph_rows`; None when that exceeds ``draft_graph_max_rows``."""
+        rows = min(1 << max(num_reqs - 1, 0).bit_length(), self._max_graph_rows())
+        return None if rows > self.max_graph_rows or rows < num_reqs else rows
+
+    def capture_draft_graphs(self) -> int:
+        """Capture the draft graph of every row count a batch can map to, greedy and sampling,
+        largest first (smaller graphs then reuse its memory pool and buffers), so that no
+        capture happens while requests wait (a capture costs 0.1-0.3 s). Called once after
+        vLLM captured its own graphs (:func:`vegas.vllm_plugin.patches.patch_draft_graph_capture`);
+        does nothing without draft CUDA graphs or before a forward learnt the cache layout.
+        Returns the number of graphs captured."""
+        if not self.use_cuda_graphs or self._graph_failed or STATE.sel_buf is None or not STATE.block_size:
+            return 0
+        sizes = sorted({r for n in range(1, self._max_graph_rows() + 1) if (r := self._graph_rows(n))}, reverse=True)
+        before = len(self._graphs)
+        for rows in sizes:
+            for sampling in (True, False):
+                self._graph_entry(rows, sampling)
+        return len(self._graphs) - before
+
     def draft_with_graph(self, num_reqs: int, sampling: bool, step_inputs: torch.Tensor, temperature):
         """Replay (capturing first if needed) the draft graph of the next power-of-two row count;
         ``(None, None)`` when the batch is too large for a graph.
 
-        The graph reads the selection buffers, the runner's block table and its own
+        The graph reads the selection buffers, the runner's block table and its
         :class:`DraftBuffers`; it is keyed by rows, sampling, the selection path's kind and the
         selection buffers' generation (buffers reallocated for a larger budget need a new graph).
         """
+        rows = self._graph_rows(num_reqs)
+        if rows is None:
+            return None, None
+        graph, bufs = self._graph_entry(rows, sampling)
+        bufs.fill(num_reqs, step_inputs, temperature)
+        graph.replay()
+        return bufs.tokens, bufs.probs
+
+    def _graph_bufs_for(self, rows: int, sampling: bool) -> DraftBuffers:
+        """Buffers of a ``rows``-row graph: views of the largest allocated so far (a larger
+        graph gets new buffers; graphs captured before keep theirs)."""
+        shared = self._graph_bufs.get(sampling)
+        if shared is None or shared.tokens.shape[0] < rows:
+            shared = self._graph_bufs[sampling] = DraftBuffers.allocate(
+                rows, self.gamma, self.vocab_size(), sampling, self.runner.device)
+        return shared.view(rows)
+
+    def _graph_entry(self, rows: int, sampling: bool):
+        """``(graph, buffers)`` of ``rows`` rows and the sampling mode, captured on first use."""
         from vllm.config import CUDAGraphMode
         from vllm.distributed.parallel_state import graph_capture
         from vllm.forward_context import BatchDescriptor
 
-        max_rows = min(self._block_table().shape[0], STATE.sel_buf.shape[1])
-        rows = min(1 << max(num_reqs - 1, 0).bit_length(), max_rows)  # next power of two
-        if rows > self.max_graph_rows or rows < num_reqs:
-            return None, None
         key = draft_graph_key(rows, sampling)
         table_rows = key[-2]
         entry = self._graphs.get(key)
         device = self.runner.device
         if entry is None:
-            bufs = DraftBuffers.allocate(rows, self.gamma, self.vocab_size(), sampling, device)
+            bufs = self._graph_bufs_for(rows, sampling)
             desc = BatchDescriptor(num_tokens=rows)
             mode = CUDAGraphMode.NONE
             # warm-up: writes nothing (no active row -> every slot is -1)
@@ -365,7 +420,4 @@ class DraftRunner:
                 self.steps(bufs, rows, rows, sampling, mode, desc)
             entry = self._graphs[key] = (graph, bufs)
             logger.info("vegas: captured draft graph rows=%d sampling=%s tables=%d", rows, sampling, table_rows)
-        graph, bufs = entry
-        bufs.fill(num_reqs, step_inputs, temperature)
-        graph.replay()
-        return bufs.tokens, bufs.probs
+        return entry

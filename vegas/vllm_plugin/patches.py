@@ -9,6 +9,7 @@ were. Nothing here imports vLLM at module import time.
 - :func:`patch_draft_probs_gather`: ``GPUModelRunner._get_spec_decode_draft_probs``;
 - :func:`patch_config_check`: ``VllmConfig.__post_init__`` (async scheduling stays on);
 - :func:`patch_bookkeeping`: ``GPUModelRunner._bookkeeping_sync`` (publish before bookkeeping);
+- :func:`patch_draft_graph_capture`: ``GPUModelRunner.capture_model`` (draft graphs at engine start);
 - :func:`time_runner_forward`: one runner's ``_model_forward`` (CUDA events around it);
 - :func:`patch_v2_runner`: ``VllmConfig._get_v2_model_runner_unsupported_features`` and
   ``vllm.v1.worker.gpu.spec_decode.init_speculator`` (the Vegas speculator on the V2 model
@@ -43,6 +44,7 @@ __all__ = [
     "patch_attention",
     "patch_bookkeeping",
     "patch_config_check",
+    "patch_draft_graph_capture",
     "patch_draft_probs_gather",
     "patch_scheduler_lookahead",
     "patch_v2_init_speculator",
@@ -222,6 +224,35 @@ def patch_bookkeeping() -> None:
 
     _bookkeeping_sync._vegas = True  # type: ignore[attr-defined]
     GPUModelRunner._bookkeeping_sync = _bookkeeping_sync
+
+
+def patch_draft_graph_capture() -> None:
+    """Wrap ``vllm.v1.worker.gpu_model_runner.GPUModelRunner.capture_model`` (vLLM 0.24.0, V1
+    runner): after vLLM captured its graphs, a drafter with ``capture_draft_graphs`` (the Vegas
+    proposer) captures its draft graphs, and their memory is added to what ``capture_model``
+    reports. Without it the V1 proposer captured them lazily, inside the first requests' steps
+    (0.1-0.3 s each; three in the first serving run of
+    ``benchmarks/results/vllm_h200_2026-12-01_profile/``)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    original = GPUModelRunner.capture_model
+    if getattr(original, "_vegas", False):
+        return
+
+    def capture_model(self):
+        graph_bytes = original(self)
+        capture = getattr(getattr(self, "drafter", None), "capture_draft_graphs", None)
+        if capture is None:
+            return graph_bytes
+        free_before = torch.cuda.mem_get_info()[0]
+        captured = capture()
+        torch.cuda.synchronize()
+        used = max(free_before - torch.cuda.mem_get_info()[0], 0)
+        logger.info("vegas: captured %d draft graphs at engine start (%.2f GiB)", captured, used / 2**30)
+        return (graph_bytes or 0) + used
+
+    capture_model._vegas = True  # type: ignore[attr-defined]
+    GPUModelRunner.capture_model = capture_model
 
 
 def time_runner_forward(runner, on_forward: Callable[[object, object], None]) -> None:

@@ -165,6 +165,7 @@ class VegasProposer:
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         patches.patch_draft_probs_gather()
         patches.patch_bookkeeping()
+        patches.patch_draft_graph_capture()
         self.recorder = StatsRecorder()
         self._drafted: set[str] = set()
         #: async scheduling: the last step's (req_ids, next_ids, counts, host values on the
@@ -219,6 +220,10 @@ class VegasProposer:
         self.drafting.layers = layers
         self.drafting.layer_rows = {idx: i for i, (_, idx) in enumerate(layers)}
         self._layers_known = True
+
+    def capture_draft_graphs(self) -> int:
+        """Every draft graph, at engine start (:meth:`DraftRunner.capture_draft_graphs`)."""
+        return self.drafting.capture_draft_graphs()
 
     def reset_stats(self) -> None:
         self.resolve_events(wait=True)
