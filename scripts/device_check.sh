@@ -85,9 +85,9 @@ for phase in $PHASES; do
       for spec in ${PROFILE_RUNS:-vegas:collect2:128 plain:none:128}; do
         IFS=: read -r m sel b <<< "$spec"
         say "profile $m $sel batch $b (scripts/vllm_profile.py)"
-        timeout 300 python3 scripts/vllm_profile.py --method "$m" --selector "$sel" --batch "$b" \
-          ${PROFILE_ARGS:-} > "$OUT/profile_${m}_${sel}_b$b.log" 2>&1
-        echo "profile rc=$?"; grep -E "^\[plain wall\]|Error" "$OUT/profile_${m}_${sel}_b$b.log" | tail -3
+        timeout 300 python3 scripts/vllm_profile.py --model "$SMOLLM2" --methods "$m" --selector "$sel" --batch "$b" \
+          --out "$OUT/profile_${m}_${sel}_b$b" ${PROFILE_ARGS:-} > "$OUT/profile_${m}_${sel}_b$b.log" 2>&1
+        echo "profile rc=$?"; grep -E "^\[|^    |Error" "$OUT/profile_${m}_${sel}_b$b.log" | tail -12
       done
       ;;
     bench)
