@@ -9,7 +9,7 @@ import torch
 from vegas.config import VegasConfig, VegasConfigError
 from vegas.kernels import collect_scores, collect_scores_reference, select_topk, select_topk_layers
 from vegas.plugins import create_selector
-from vegas.vllm_plugin.drafting import build_draft_tables
+from vegas.vllm_plugin.drafting import build_draft_tables, draft_tables
 from vegas.vllm_plugin.plan import make_plan
 from vegas.vllm_plugin.selectors.sliding_window import sliding_window_slots
 from vegas.vllm_plugin.settings import path_class
@@ -258,17 +258,6 @@ _STATE_FIELDS = ("path", "settings", "gamma", "first_layer", "last_layer", "laye
                  "budget_buf", "query_buf", "has_selection", "quest_min", "quest_max", "block_size", "page_stride")
 
 
-def _draft_runner(bt):
-    """A DraftRunner over a fake runner whose block table holds ``bt`` twice (4 rows)."""
-    from types import SimpleNamespace
-
-    from vegas.vllm_plugin.drafting import DraftRunner
-
-    runner = SimpleNamespace(input_batch=SimpleNamespace(
-        block_table=[SimpleNamespace(block_table=SimpleNamespace(gpu=torch.cat([bt, bt])))]))
-    return DraftRunner(runner, None, 4, VegasConfig().vllm)
-
-
 def test_proposer_draft_tables_from_selection_buffers():
     """The proposer builds its draft tables from the selection buffers and the step inputs
     (the same code runs inside its CUDA graph); inactive rows use one page."""
@@ -290,9 +279,8 @@ def test_proposer_draft_tables_from_selection_buffers():
         STATE.reserve(4, 12, 5 * 4 * 8, torch.float32, torch.device("cpu"))
         for layer in range(2):
             STATE.on_layer(layer, torch.randn(10, 4, 8), torch.randn(nb, 2, BS, 2, 8), md, 0.5)
-        drafting = _draft_runner(bt)
         step_inputs = torch.tensor([[1, 0, 0, 0], [7, 0, 0, 0], [70, 0, 0, 0], [6, 0, 0, 0]])  # 1 active row of 4
-        tables, base_used, quest = drafting.tables(step_inputs, 4)
+        tables, base_used, quest = draft_tables(step_inputs, torch.cat([bt, bt]), 4, 4)
         assert quest is None
         sel, ctx_sel, budgets = STATE.selection(4)
         want = build_draft_tables(sel[:, :1], budgets[:1], torch.minimum(ctx_sel[:1], torch.tensor([70])),
@@ -337,7 +325,7 @@ def test_quest_draft_step_attends_the_best_pages_plus_every_later_position():
             update_page_bounds(STATE.quest_min[layer], STATE.quest_max[layer], kv.unbind(1)[0], all_slots)
         pos0 = 67  # 2 of 4 drafts accepted: the new token sits at position 67
         step_inputs = torch.tensor([[1, 0, 0, 0], [7, 0, 0, 0], [pos0, 0, 0, 0], [6, 0, 0, 0]])
-        tables, base_used, quest = _draft_runner(bt).tables(step_inputs, 4)
+        tables, base_used, quest = draft_tables(step_inputs, torch.cat([bt, bt]), 4, 4)
         assert quest is not None and quest.num_pages[0] == 4 and quest.budget_cols.tolist() == [32, 0, 0, 0]
         assert base_used[0] == 32 + pos0 - 64 + 1
         q = torch.randn(4, 4, 8)
@@ -728,3 +716,86 @@ def test_draft_graphs_are_captured_after_vllms_graphs(monkeypatch):
     plain.drafter = None
     calls.clear()
     assert plain.capture_model() == 100 and calls == ["vllm"]
+
+
+def test_draft_engine_runs_gamma_forwards_over_the_selection(monkeypatch):
+    """DraftEngine.run (the body both runners draft with, eager here and captured on a GPU):
+    per draft step the active row writes its KV at its own slot and attends its budget plus
+    the pages from ctx_sel on, one page more each step; inactive rows write nothing; each
+    step's sampled token is the next step's input; the sampler sees every step."""
+    import contextlib
+    import sys
+    import types
+    from types import SimpleNamespace
+
+    from vegas.vllm_plugin.drafting import DraftEngine
+    from vegas.vllm_plugin.state import STATE
+
+    forward_log = []
+
+    @contextlib.contextmanager
+    def set_forward_context(attn_metadata, vllm_config, num_tokens, cudagraph_runtime_mode, batch_descriptor,
+                            slot_mapping):
+        md = next(iter(attn_metadata.values()))
+        forward_log.append({"seqused": md.seqused_k.tolist(), "slots": next(iter(slot_mapping.values())).tolist(),
+                            "layers": sorted(attn_metadata), "width": md.max_seq_len})
+        yield
+
+    fake_config = types.ModuleType("vllm.config")
+    fake_config.CUDAGraphMode = SimpleNamespace(NONE="none", PIECEWISE="piecewise")
+    fake_fc = types.ModuleType("vllm.forward_context")
+    fake_fc.set_forward_context = set_forward_context
+    fake_fc.BatchDescriptor = lambda num_tokens: SimpleNamespace(num_tokens=num_tokens)
+    for name, mod in (("vllm", types.ModuleType("vllm")), ("vllm.config", fake_config),
+                      ("vllm.forward_context", fake_fc)):
+        monkeypatch.setitem(sys.modules, name, mod)
+
+    vocab = 50
+
+    class Model:  # next token = input + 1: drafts of the active row count up from its last token
+        def __call__(self, input_ids, positions, intermediate_tensors, inputs_embeds):
+            forward_log[-1]["input_ids"] = input_ids.tolist()
+            forward_log[-1]["positions"] = positions.tolist()
+            return input_ids.float()[:, None]
+
+        def compute_logits(self, hidden):
+            return torch.nn.functional.one_hot((hidden[:, 0].long() + 1) % vocab, vocab).float()
+
+    lens = [70, 40]
+    bt, nb = _block_table(lens, 3)
+    table = torch.cat([bt, bt])  # 4 rows
+    md = SimpleNamespace(query_start_loc=torch.tensor([0, 5, 10], dtype=torch.int32),
+                         seq_lens=torch.tensor(lens, dtype=torch.int32), max_seq_len=70, block_table=bt)
+    saved = {k: getattr(STATE, k) for k in _STATE_FIELDS}
+    try:
+        STATE.use(_path("collect2", kv_budget=8, recent_window=2))
+        STATE.gamma = GAMMA
+        STATE.first_layer, STATE.last_layer, STATE.layers_ready = 0, 1, True
+        STATE.sel_buf = STATE.ctx_sel_buf = STATE.budget_buf = STATE.query_buf = None
+        STATE.reserve(4, 12, 5 * 4 * 8, torch.float32, torch.device("cpu"))
+        for layer in range(2):
+            STATE.on_layer(layer, torch.randn(10, 4, 8), torch.randn(nb, 2, BS, 2, 8), md, 0.5)
+        config = SimpleNamespace(model_config=SimpleNamespace(max_model_len=4096, get_vocab_size=lambda: vocab))
+        engine = DraftEngine(config, GAMMA, VegasConfig().vllm, "cpu", block_table=lambda: table, model=Model)
+        engine.set_layers([("layers.0.attn", 0), ("layers.1.attn", 1)])
+        bufs = engine.buffers(4, with_probs=False)
+        # row 0 is active (last token 7 at position 70, 6 blocks); rows 1-3 are not
+        bufs.fill(4, torch.tensor([[1, 0, 0, 0], [7, 0, 0, 0], [70, 0, 0, 0], [6, 0, 0, 0]]))
+        seen = []
+
+        def sample(logits, j, b):
+            seen.append(j)
+            return logits.argmax(dim=-1)
+
+        engine.run(bufs, 4, sample)
+        assert seen == [0, 1, 2, 3] and bufs.tokens[0].tolist() == [8, 9, 10, 11]
+        assert [f["input_ids"][0] for f in forward_log] == [7, 8, 9, 10]
+        assert [f["positions"] for f in forward_log] == [[70 + j, 0, 0, 0] for j in range(GAMMA)]
+        base = 8 + 70 - 65 + 1  # budget + positions ctx_sel .. the first draft
+        assert [f["seqused"][0] for f in forward_log] == [base + j for j in range(GAMMA)]
+        assert all(f["seqused"][1:] == [1 + j] * 3 for j, f in enumerate(forward_log))
+        assert [f["slots"][:4] for f in forward_log] == [[_slot(bt, 0, 70 + j), -1, -1, -1] for j in range(GAMMA)]
+        assert all(f["layers"] == ["layers.0.attn", "layers.1.attn"] for f in forward_log)
+    finally:
+        for k, v in saved.items():
+            setattr(STATE, k, v)

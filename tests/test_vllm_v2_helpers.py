@@ -8,13 +8,11 @@ import types
 import pytest
 import torch
 
+from vegas.vllm_plugin.drafting import DraftBuffers, bucket_rows, draft_slots
 from vegas.vllm_plugin.v2_helpers import (
     acceptance_counts,
-    bucket_rows,
     draft_noise_positions,
-    draft_slots,
     one_hot_draft_logits,
-    padded_idx_mapping,
     step_inputs,
 )
 
@@ -56,12 +54,19 @@ def test_step_inputs_agree_with_the_v1_async_positions():
     assert pos0.tolist() == draft_start_positions(seq_lens, num_draft, counts).tolist()
 
 
-def test_padded_idx_mapping_sends_padding_to_the_scratch_slot():
-    out = torch.zeros(8, dtype=I32)
-    padded_idx_mapping(torch.tensor([3, 1, 2], dtype=I32), out, scratch=16)
-    assert out.tolist() == [3, 1, 2, 16, 16, 16, 16, 16]
-    with pytest.raises(ValueError, match="do not fit"):
-        padded_idx_mapping(torch.arange(9, dtype=I32), out, scratch=16)
+def test_draft_buffers_fill_sends_padding_to_the_scratch_slot_and_views_share_memory():
+    shared = DraftBuffers.allocate(8, 4, 11, True, "cpu")
+    bufs = shared.view(4)
+    shared.step_inputs.fill_(5)  # what an earlier, larger batch left behind
+    bufs.fill(3, torch.ones((4, 3), dtype=torch.int64), temperature=torch.tensor([0.5, 0.0, 2.0]),
+              slots=torch.tensor([3, 1, 2], dtype=I32), scratch=16)
+    assert bufs.slots.tolist() == [3, 1, 2, 16] and bufs.temperature.tolist() == [0.5, 0.0, 2.0, 1.0]
+    assert bufs.step_inputs[:, 3].tolist() == [0, 0, 0, 0]  # the padded row is inactive
+    assert shared.step_inputs[0, :4].tolist() == [1, 1, 1, 0]  # a view, not a copy
+    assert bufs.probs.shape == (4, 4, 11) and bufs.slot_mapping.shape[0] >= 1024
+    assert bufs.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    with pytest.raises(RuntimeError):
+        bufs.fill(5, torch.ones((4, 5), dtype=torch.int64))  # more requests than rows
 
 
 def test_draft_slots_write_only_into_owned_blocks():

@@ -1,18 +1,23 @@
 """Drafting on vLLM: γ forwards of the target model over the selection, eager or as one CUDA graph.
 
-After each verification the proposer drafts γ tokens per request with query length 1, not
+After each verification the drafter drafts γ tokens per request with query length 1, not
 scheduled by vLLM: the draft tables (:func:`build_draft_tables`) come from the selection
 buffers of :data:`vegas.vllm_plugin.state.STATE`, whichever selection path wrote them, and the
 draft attention (:func:`vegas.vllm_plugin.attention.draft_attention`) reads them through
-:class:`~vegas.vllm_plugin.attention.DraftMetadata`. One body (:meth:`DraftRunner.steps`) runs
-eagerly (piecewise graphs at most) or captured as one CUDA graph per power-of-two row count
-(:meth:`DraftRunner.draft_with_graph`), keyed by rows, sampling, the selection path and the
-selection buffers' generation.
+:class:`~vegas.vllm_plugin.attention.DraftMetadata`. One engine (:class:`DraftEngine`) serves
+both of vLLM's model runners: one body (:meth:`DraftEngine.run`) runs eagerly or captured as one
+CUDA graph per row count (:meth:`DraftEngine.graph`, all captured at engine start by
+:meth:`DraftEngine.capture`), keyed by rows, the runner's own parts (V1: sampling or greedy), the
+selection path and the selection buffers' generation. The runners' adapters are
+:class:`~vegas.vllm_plugin.proposer.VegasProposer` (V1) and
+:class:`~vegas.vllm_plugin.v2_speculator.VegasSpeculator` (V2); they differ in where the block
+table lives and how a draft is sampled (:data:`DraftSampler`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,13 +28,17 @@ from .state import STATE
 
 __all__ = [
     "DraftBuffers",
-    "DraftRunner",
+    "DraftEngine",
+    "DraftSampler",
     "GREEDY_TEMPERATURE",
     "SLOT_MAPPING_MIN_ROWS",
     "attention_layers",
+    "bucket_rows",
     "build_draft_tables",
     "draft_graph_key",
+    "draft_slots",
     "draft_tables",
+    "gumbel_max_sampler",
 ]
 
 logger = logging.getLogger("vegas.vllm")
@@ -86,7 +95,7 @@ def draft_tables(step_inputs: torch.Tensor, block_table: torch.Tensor, rows: int
     """Page-size-1 draft tables ``(L or 1, rows, width)`` int32, the pages in use before the
     first draft (``base_used`` ``(rows,)`` int64) and the selection path's per-step page chooser
     (Quest, else None), from the last verification's selection in :data:`STATE` (whichever
-    path wrote it). Shared by the V1 proposer and the V2 speculator.
+    path wrote it).
 
     Args:
         step_inputs: ``(4, rows)`` int64 (see :class:`DraftBuffers`), batch order.
@@ -108,6 +117,42 @@ def draft_tables(step_inputs: torch.Tensor, block_table: torch.Tensor, rows: int
     base_used = torch.where(active, budgets + (first_pos - ctx_sel + 1), 1)
     pages = path.draft_pages(STATE, block_table, ctx_sel, budgets, active, sel.shape[2])
     return tables, base_used, pages
+
+
+def draft_slots(
+    pos: torch.Tensor,
+    active: torch.Tensor,
+    nblocks: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    max_model_len: int,
+) -> torch.Tensor:
+    """KV slot of each row's draft token at ``pos``, or -1 (no write).
+
+    A slot is written only for active rows whose block index lies inside the blocks the
+    request owns (and the table) and whose position is below ``max_model_len``: the gathered
+    V2 block table holds stale ids of other requests past ``nblocks``.
+
+    Args:
+        pos: ``[rows]`` int64 positions; active: ``[rows]`` bool; nblocks: ``[rows]`` int64.
+        block_table: ``[rows, max_blocks]`` int32 (batch order).
+
+    Returns:
+        ``[rows]`` int64 slot ids.
+    """
+    blk_idx = pos // block_size
+    valid = active & (blk_idx < nblocks) & (blk_idx < block_table.shape[1]) & (pos < max_model_len)
+    blk_idx = torch.clamp(blk_idx, min=0, max=block_table.shape[1] - 1)
+    blk = torch.gather(block_table, 1, blk_idx[:, None])[:, 0].long()
+    return torch.where(valid, blk * block_size + pos % block_size, torch.full_like(pos, -1))
+
+
+def bucket_rows(num_reqs: int, cap: int, max_graph_rows: int) -> int | None:
+    """Rows of the captured draft graph for ``num_reqs`` requests: the next power of two,
+    clamped to ``cap`` (the rows the buffers hold); None when it exceeds ``max_graph_rows``
+    or cannot hold ``num_reqs`` (then the step drafts eagerly)."""
+    rows = min(1 << max(num_reqs - 1, 0).bit_length(), cap)
+    return rows if num_reqs <= rows <= max_graph_rows else None
 
 
 def draft_graph_key(rows: int, *extra) -> tuple:
@@ -161,149 +206,187 @@ def attention_layers(vllm_config) -> list[tuple[str, int]]:
 @dataclass
 class DraftBuffers:
     """Static inputs and outputs of one draft phase over ``rows`` requests (a draft CUDA graph
-    reads and writes exactly these tensors)."""
+    reads and writes exactly these tensors; the graphs of smaller row counts use views of the
+    largest one's, :meth:`view`)."""
 
     step_inputs: torch.Tensor  # [4, rows] int64: active, last sampled token, its position, blocks in use
-    temperature: torch.Tensor  # [rows] float32 sampling temperature (1 on inactive rows)
+    slots: torch.Tensor  # [rows] int32 request slot of each row (V2's per-slot draft logits; padding -> scratch)
+    temperature: torch.Tensor  # [rows] float32 sampling temperature (1 on inactive rows; V1's sampler)
     seqused: torch.Tensor  # [rows] int32 pages each request attends in the current draft step
     query_start_loc: torch.Tensor  # [rows + 1] int32 arange: one query per request
     slot_mapping: torch.Tensor  # [max(rows, SLOT_MAPPING_MIN_ROWS)] int64 KV slot of each draft token, -1: none
+    input_ids: torch.Tensor  # [rows] int32 the draft step's input tokens
+    positions: torch.Tensor  # [rows] int64 their positions
     tokens: torch.Tensor  # [rows, γ] int64 drafted tokens
-    probs: torch.Tensor | None  # [rows, γ, vocab] float32 draft probabilities; None when greedy
-
-    def view(self, rows: int) -> DraftBuffers:
-        """The first ``rows`` rows of these buffers (the draft graphs of smaller row counts
-        share the largest graph's buffers: graphs replay one at a time on one stream)."""
-        return DraftBuffers(
-            step_inputs=self.step_inputs[:, :rows],
-            temperature=self.temperature[:rows],
-            seqused=self.seqused[:rows],
-            query_start_loc=self.query_start_loc[: rows + 1],
-            slot_mapping=self.slot_mapping[: max(rows, SLOT_MAPPING_MIN_ROWS)],
-            tokens=self.tokens[:rows],
-            probs=None if self.probs is None else self.probs[:rows],
-        )
+    probs: torch.Tensor | None  # [rows, γ, vocab] float32 draft probabilities (V1 sampling); else None
 
     @classmethod
-    def allocate(cls, rows: int, gamma: int, vocab: int, sampling: bool, device) -> DraftBuffers:
+    def allocate(cls, rows: int, gamma: int, vocab: int, with_probs: bool, device) -> DraftBuffers:
         return cls(
             step_inputs=torch.zeros((STEP_INPUT_ROWS, rows), dtype=torch.int64, device=device),
+            slots=torch.zeros(rows, dtype=torch.int32, device=device),
             temperature=torch.ones(rows, dtype=torch.float32, device=device),
             seqused=torch.ones(rows, dtype=torch.int32, device=device),
             query_start_loc=torch.arange(rows + 1, dtype=torch.int32, device=device),
             slot_mapping=torch.full((max(rows, SLOT_MAPPING_MIN_ROWS),), -1, dtype=torch.int64, device=device),
+            input_ids=torch.zeros(rows, dtype=torch.int32, device=device),
+            positions=torch.zeros(rows, dtype=torch.int64, device=device),
             tokens=torch.zeros((rows, gamma), dtype=torch.int64, device=device),
-            probs=torch.zeros((rows, gamma, vocab), dtype=torch.float32, device=device) if sampling else None,
+            probs=torch.zeros((rows, gamma, vocab), dtype=torch.float32, device=device) if with_probs else None,
         )
 
-    def fill(self, num_reqs: int, step_inputs: torch.Tensor, temperature: torch.Tensor | None) -> None:
-        """The step's inputs ``(4, num_reqs)`` into the buffers; rows ``>= num_reqs`` become inactive."""
+    def view(self, rows: int) -> DraftBuffers:
+        """The first ``rows`` rows of these buffers (graphs replay one at a time on one stream,
+        so the graphs of several row counts can share one set)."""
+        return DraftBuffers(
+            step_inputs=self.step_inputs[:, :rows],
+            slots=self.slots[:rows],
+            temperature=self.temperature[:rows],
+            seqused=self.seqused[:rows],
+            query_start_loc=self.query_start_loc[: rows + 1],
+            slot_mapping=self.slot_mapping[: max(rows, SLOT_MAPPING_MIN_ROWS)],
+            input_ids=self.input_ids[:rows],
+            positions=self.positions[:rows],
+            tokens=self.tokens[:rows],
+            probs=None if self.probs is None else self.probs[:rows],
+        )
+
+    def fill(self, num_reqs: int, step_inputs: torch.Tensor, temperature: torch.Tensor | None = None,
+             slots: torch.Tensor | None = None, scratch: int = 0) -> None:
+        """The step's inputs ``(4, num_reqs)`` (and per-row temperatures / request slots) into
+        the buffers; rows ``>= num_reqs`` become inactive and point at the ``scratch`` slot."""
         self.step_inputs[:, :num_reqs].copy_(step_inputs, non_blocking=True)
         self.step_inputs[:, num_reqs:] = 0
         if temperature is not None:
             self.temperature[:num_reqs].copy_(temperature)
             self.temperature[num_reqs:] = 1.0
+        if slots is not None:
+            self.slots[:num_reqs].copy_(slots, non_blocking=True)
+        self.slots[num_reqs:] = scratch
 
 
-class DraftRunner:
-    """Runs the draft phases of one proposer on the runner's model and paged KV cache.
+#: a draft sampler: ``(logits [rows, vocab], step j, buffers) -> tokens [rows]``; it may write
+#: the draft distribution where its runner's rejection sampler reads it
+DraftSampler = Callable[[torch.Tensor, int, DraftBuffers], torch.Tensor]
+
+
+def gumbel_max_sampler(sampling: bool) -> DraftSampler:
+    """The V1 runner's draft sampler: argmax for greedy rows (temperature below
+    :data:`GREEDY_TEMPERATURE`, or every row when ``sampling`` is False); otherwise a Gumbel-max
+    draw from ``softmax(logits / T)``, whose probabilities go to ``bufs.probs[:, j]`` for vLLM's
+    rejection sampler (``runner._draft_probs``)."""
+
+    def sample(logits: torch.Tensor, j: int, bufs: DraftBuffers) -> torch.Tensor:
+        logits = logits.float()  # [rows, vocab]
+        tokens = logits.argmax(dim=-1)
+        if not sampling:
+            return tokens
+        greedy = bufs.temperature < GREEDY_TEMPERATURE
+        temperature = torch.where(greedy, 1.0, bufs.temperature)
+        probs = torch.softmax(logits / temperature[:, None], dim=-1)
+        drawn = (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)  # Gumbel-max
+        bufs.probs[:, j].copy_(probs)
+        return torch.where(greedy, tokens, drawn)
+
+    return sample
+
+
+class DraftEngine:
+    """The draft phase of both vLLM model runners: γ query-length-1 forwards of the target
+    model over the last verification's selection, eagerly or replayed from one CUDA graph per
+    row count (captured at engine start, :meth:`capture`).
+
+    What differs between the runners stays with them: where their static block table lives
+    (``block_table``) and how a draft is sampled (a :data:`DraftSampler`).
 
     Args:
-        runner: vLLM's ``GPUModelRunner`` (model, input buffers, block tables, device).
         vllm_config: the engine's ``VllmConfig``.
         gamma: γ, draft tokens per iteration.
         options: the vLLM options of the run (draft CUDA graphs on/off, row limit).
+        device: the runner's device.
+        block_table: returns the runner's static block table ``(max_rows, max_blocks)`` int32,
+            batch order (a draft graph reads it in place).
+        model: returns the target model as the runner calls it (read at each draft phase: the
+            runner may wrap it after loading).
     """
 
-    def __init__(self, runner, vllm_config, gamma: int, options: VllmOptions) -> None:
-        self.runner = runner
+    def __init__(self, vllm_config, gamma: int, options: VllmOptions, device,
+                 block_table: Callable[[], torch.Tensor], model: Callable[[], object]) -> None:
         self.vllm_config = vllm_config
         self.gamma = gamma
+        #: the runner's device (the V1 proposer learns it when the runner loads the model)
+        self.device = device
+        self.block_table = block_table
+        self.model = model
         self.use_cuda_graphs = options.draft_cuda_graphs
         self.max_graph_rows = options.draft_graph_max_rows
-        #: (layer name, layer index) of every attention layer, ascending; set by the proposer
+        #: (layer name, layer index) of every attention layer, ascending (:meth:`set_layers`)
         self.layers: list[tuple[str, int]] = []
         #: layer index -> its row in the selection buffers
         self.layer_rows: dict[int, int] = {}
-        self._vocab: int | None = None
+        self.graph_failed = False
         self._graphs: dict = {}
-        self._graph_bufs: dict[bool, DraftBuffers] = {}  # sampling -> buffers of the largest graph
-        self._graph_pool = None
-        self._graph_failed = False
+        self._shared: dict[bool, DraftBuffers] = {}  # with probs? -> buffers of the largest graph
+        self._pool = None
 
+    @property
+    def max_model_len(self) -> int:
+        return int(self.vllm_config.model_config.max_model_len)
+
+    @property
     def vocab_size(self) -> int:
-        if self._vocab is None:
-            self._vocab = int(self.vllm_config.model_config.get_vocab_size())
-        return self._vocab
+        return int(self.vllm_config.model_config.get_vocab_size())
 
-    def _block_table(self, rows: int | None = None) -> torch.Tensor:
-        return self.runner.input_batch.block_table[0].block_table.gpu[:rows]  # [rows, max_blocks] int32
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
 
-    def draft(self, num_reqs: int, sampling: bool, step_inputs: torch.Tensor, temperature):
-        """Draft γ tokens for ``num_reqs`` requests: the draft graph when it applies, else eagerly.
+    def set_layers(self, layers: list[tuple[str, int]]) -> None:
+        self.layers = layers
+        self.layer_rows = {idx: i for i, (_, idx) in enumerate(layers)}
 
-        Returns:
-            ``tokens`` ``(>= num_reqs, γ)`` int64 and ``probs`` ``(>= num_reqs, γ, vocab)``
-            float32 or None (greedy), views of static buffers (copy before the next draft).
+    def buffers(self, rows: int, with_probs: bool) -> DraftBuffers:
+        """Fresh buffers for an eager draft phase."""
+        return DraftBuffers.allocate(rows, self.gamma, self.vocab_size, with_probs, self.device)
+
+    def run(self, bufs: DraftBuffers, rows: int, sample: DraftSampler, num_tokens: int | None = None,
+            mode=None, desc=None, input_ids: torch.Tensor | None = None,
+            positions: torch.Tensor | None = None) -> None:
+        """One draft phase over ``rows`` requests (what a draft graph captures): the draft
+        tables, then γ forwards, each sampled into ``bufs.tokens[:, j]``.
+
+        Args:
+            num_tokens: tokens of each forward (>= rows; vLLM pads eager batches).
+            mode, desc: vLLM's CUDA-graph mode and batch descriptor of the forwards (default:
+                no vLLM graph; the V1 runner's eager path passes its piecewise graphs).
+            input_ids, positions: the forwards' input buffers (default: ``bufs``'; vLLM's
+                piecewise graphs read the runner's own).
         """
         from vllm.config import CUDAGraphMode
-
-        if self.use_cuda_graphs and not self._graph_failed:
-            try:
-                tokens, probs = self.draft_with_graph(num_reqs, sampling, step_inputs, temperature)
-            except Exception as e:  # fall back to eager drafting for good
-                logger.warning("vegas: CUDA-graph drafting failed (%r); drafting eagerly from now on", e)
-                self._graph_failed = True
-            else:
-                if tokens is not None:
-                    return tokens, probs
-        bufs = DraftBuffers.allocate(num_reqs, self.gamma, self.vocab_size(), sampling, self.runner.device)
-        bufs.fill(num_reqs, step_inputs, temperature)
-        # piecewise at most: a FULL key would replay vLLM's captured verification graph,
-        # with its own metadata and slot mapping, instead of this draft step
-        mode, desc = self.runner.cudagraph_dispatcher.dispatch(
-            num_tokens=num_reqs, uniform_decode=False,
-            valid_modes={CUDAGraphMode.PIECEWISE, CUDAGraphMode.NONE},
-        )
-        num_tokens = desc.num_tokens if desc is not None and desc.num_tokens else num_reqs
-        self.steps(bufs, num_reqs, num_tokens, sampling, mode, desc)
-        return bufs.tokens, bufs.probs
-
-    def tables(self, step_inputs: torch.Tensor, rows: int):
-        """:func:`draft_tables` over the runner's block table (batch order)."""
-        return draft_tables(step_inputs, self._block_table(rows), rows, self.gamma)
-
-    def steps(self, bufs: DraftBuffers, rows: int, num_tokens: int, sampling: bool, mode, desc) -> None:
-        """Draft tables, then γ draft forwards over ``rows`` requests (``num_tokens`` >= rows
-        padded tokens); inputs and outputs in ``bufs``."""
-        from vllm.forward_context import set_forward_context
+        from vllm.forward_context import BatchDescriptor, set_forward_context
 
         from .attention import DraftMetadata
 
-        runner = self.runner
-        model = runner.model
-        block_size = STATE.block_size
-        tables, base_used, pages = self.tables(bufs.step_inputs, rows)
+        num_tokens = num_tokens or rows
+        mode = CUDAGraphMode.NONE if mode is None else mode
+        desc = BatchDescriptor(num_tokens=rows) if desc is None else desc
+        input_ids = bufs.input_ids if input_ids is None else input_ids
+        positions = bufs.positions if positions is None else positions
+        max_len = self.max_model_len
+        model = self.model()
+        block_table = self.block_table()[:rows]  # [rows, max_blocks] int32
+        tables, base_used, pages = draft_tables(bufs.step_inputs, block_table, rows, self.gamma)
         width = tables.shape[-1]
         layer_rows = {idx: 0 for _, idx in self.layers} if tables.shape[0] == 1 else self.layer_rows
         active, tokens, first_pos, num_blocks = bufs.step_inputs.unbind(0)
         active = active.bool()
-        if sampling:
-            greedy = bufs.temperature < GREEDY_TEMPERATURE
-            temperature = torch.where(greedy, 1.0, bufs.temperature)
-        block_table = self._block_table(rows)
-        last_block = block_table.shape[1] - 1
-        input_ids, positions = runner.input_ids.gpu, runner.positions
         slot = bufs.slot_mapping
         slot[rows:num_tokens] = -1
         for j in range(self.gamma):
             pos = first_pos + j
-            block_idx = pos // block_size
-            valid = active & (block_idx < num_blocks)
-            block = torch.gather(block_table, 1, torch.clamp(block_idx, max=last_block)[:, None])[:, 0].long()
-            slot[:rows].copy_(torch.where(valid, block * block_size + pos % block_size, -1))
+            slot[:rows].copy_(draft_slots(pos, active, num_blocks, block_table, STATE.block_size, max_len))
             input_ids[:rows].copy_(tokens)
-            positions[:rows].copy_(torch.where(active, pos, 0))
+            positions[:rows].copy_(torch.where(active, torch.clamp(pos, max=max_len - 1), 0))
             if num_tokens > rows:
                 input_ids[rows:num_tokens] = 0
                 positions[rows:num_tokens] = 0
@@ -315,14 +398,13 @@ class DraftRunner:
                 )
                 for name, idx in self.layers
             }
-            slot_mapping = {name: slot[:num_tokens] for name, _ in self.layers}
             with set_forward_context(
                 attn_metadata,
                 self.vllm_config,
                 num_tokens=num_tokens,
                 cudagraph_runtime_mode=mode,
                 batch_descriptor=desc,
-                slot_mapping=slot_mapping,
+                slot_mapping={name: slot[:num_tokens] for name, _ in self.layers},
             ):
                 hidden = model(
                     input_ids=input_ids[:num_tokens],
@@ -332,92 +414,56 @@ class DraftRunner:
                 )
             if isinstance(hidden, tuple):
                 hidden = hidden[0]
-            logits = model.compute_logits(hidden[:rows]).float()  # [rows, vocab]
-            tokens = logits.argmax(dim=-1)
-            if sampling:
-                probs = torch.softmax(logits / temperature[:, None], dim=-1)
-                drawn = (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)  # Gumbel-max
-                tokens = torch.where(greedy, tokens, drawn)
-                bufs.probs[:, j].copy_(probs)
+            tokens = sample(model.compute_logits(hidden[:rows]), j, bufs)  # [rows]
             bufs.tokens[:, j].copy_(tokens)
 
-    def _max_graph_rows(self) -> int:
-        """Rows a draft graph can have: the block table's and the selection buffers' rows."""
-        return min(self._block_table().shape[0], STATE.sel_buf.shape[1])
+    def graph_rows(self, num_reqs: int, cap: int) -> int | None:
+        """Rows of the draft graph for ``num_reqs`` requests (:func:`bucket_rows`), or None
+        (draft eagerly): draft graphs off or failed, or a batch above ``draft_graph_max_rows``."""
+        if not self.use_cuda_graphs or self.graph_failed:
+            return None
+        return bucket_rows(num_reqs, cap, self.max_graph_rows)
 
-    def _graph_rows(self, num_reqs: int) -> int | None:
-        """The draft graph's rows for ``num_reqs`` requests: the next power of two, clamped to
-        :meth:`_max_graph_rows`; None when that exceeds ``draft_graph_max_rows``."""
-        rows = min(1 << max(num_reqs - 1, 0).bit_length(), self._max_graph_rows())
-        return None if rows > self.max_graph_rows or rows < num_reqs else rows
-
-    def capture_draft_graphs(self) -> int:
-        """Capture the draft graph of every row count a batch can map to, greedy and sampling,
-        largest first (smaller graphs then reuse its memory pool and buffers), so that no
-        capture happens while requests wait (a capture costs 0.1-0.3 s). Called once after
-        vLLM captured its own graphs (:func:`vegas.vllm_plugin.patches.patch_draft_graph_capture`);
-        does nothing without draft CUDA graphs or before a forward learnt the cache layout.
-        Returns the number of graphs captured."""
-        if not self.use_cuda_graphs or self._graph_failed or STATE.sel_buf is None or not STATE.block_size:
-            return 0
-        sizes = sorted({r for n in range(1, self._max_graph_rows() + 1) if (r := self._graph_rows(n))}, reverse=True)
-        before = len(self._graphs)
-        for rows in sizes:
-            for sampling in (True, False):
-                self._graph_entry(rows, sampling)
-        return len(self._graphs) - before
-
-    def draft_with_graph(self, num_reqs: int, sampling: bool, step_inputs: torch.Tensor, temperature):
-        """Replay (capturing first if needed) the draft graph of the next power-of-two row count;
-        ``(None, None)`` when the batch is too large for a graph.
-
-        The graph reads the selection buffers, the runner's block table and its
-        :class:`DraftBuffers`; it is keyed by rows, sampling, the selection path's kind and the
-        selection buffers' generation (buffers reallocated for a larger budget need a new graph).
-        """
-        rows = self._graph_rows(num_reqs)
-        if rows is None:
-            return None, None
-        graph, bufs = self._graph_entry(rows, sampling)
-        bufs.fill(num_reqs, step_inputs, temperature)
-        graph.replay()
-        return bufs.tokens, bufs.probs
-
-    def _graph_bufs_for(self, rows: int, sampling: bool) -> DraftBuffers:
-        """Buffers of a ``rows``-row graph: views of the largest allocated so far (a larger
-        graph gets new buffers; graphs captured before keep theirs)."""
-        shared = self._graph_bufs.get(sampling)
-        if shared is None or shared.tokens.shape[0] < rows:
-            shared = self._graph_bufs[sampling] = DraftBuffers.allocate(
-                rows, self.gamma, self.vocab_size(), sampling, self.runner.device)
-        return shared.view(rows)
-
-    def _graph_entry(self, rows: int, sampling: bool):
-        """``(graph, buffers)`` of ``rows`` rows and the sampling mode, captured on first use."""
-        from vllm.config import CUDAGraphMode
-        from vllm.distributed.parallel_state import graph_capture
-        from vllm.forward_context import BatchDescriptor
-
-        key = draft_graph_key(rows, sampling)
-        table_rows = key[-2]
+    def graph(self, rows: int, key: tuple, sample: DraftSampler, with_probs: bool, scratch: int = 0):
+        """``(graph, buffers)`` of ``rows`` rows under ``key`` (:func:`draft_graph_key`),
+        captured on first use over views of the shared buffers."""
         entry = self._graphs.get(key)
-        device = self.runner.device
-        if entry is None:
-            bufs = self._graph_bufs_for(rows, sampling)
-            desc = BatchDescriptor(num_tokens=rows)
-            mode = CUDAGraphMode.NONE
-            # warm-up: writes nothing (no active row -> every slot is -1)
-            self.steps(bufs, rows, rows, sampling, mode, desc)
-            torch.cuda.synchronize()
-            if self._graph_pool is None:
-                self._graph_pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            # vLLM's capture context: with tensor parallelism its custom all-reduce must register
-            # the buffers the graph uses (a collective: every rank captures the same key here)
-            with graph_capture(device=device) as ctx, torch.cuda.graph(
-                graph, pool=self._graph_pool, stream=ctx.stream, capture_error_mode="thread_local"
-            ):
-                self.steps(bufs, rows, rows, sampling, mode, desc)
-            entry = self._graphs[key] = (graph, bufs)
-            logger.info("vegas: captured draft graph rows=%d sampling=%s tables=%d", rows, sampling, table_rows)
+        if entry is not None:
+            return entry
+        from vllm.distributed.parallel_state import graph_capture
+
+        shared = self._shared.get(with_probs)
+        if shared is None or shared.tokens.shape[0] < rows:
+            shared = self._shared[with_probs] = self.buffers(rows, with_probs)
+        bufs = shared.view(rows)
+        # no active row and every row on the scratch slot: the warm-up and capture write no KV
+        # and no live request's draft distribution
+        bufs.fill(0, bufs.step_inputs[:, :0], scratch=scratch)
+        self.run(bufs, rows, sample)
+        torch.cuda.synchronize(self.device)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        # vLLM's capture context: with tensor parallelism its custom all-reduce must register
+        # the buffers the graph uses (a collective: every rank captures the same key here)
+        with graph_capture(device=self.device) as ctx, torch.cuda.graph(
+            graph, pool=self._pool, stream=ctx.stream, capture_error_mode="thread_local"
+        ):
+            self.run(bufs, rows, sample)
+        entry = self._graphs[key] = (graph, bufs)
+        logger.info("vegas: captured draft graph rows=%d key=%s", rows, key[1:])
         return entry
+
+    def capture(self, cap: int, variants) -> int:
+        """Capture, largest first (smaller graphs reuse its pool and buffers), the graph of every
+        row count a batch of up to ``cap`` requests maps to, for each ``(key extra, sampler,
+        with_probs, scratch)`` in ``variants``; nothing without draft graphs or before a
+        verification forward learnt the cache layout. Returns the graphs captured."""
+        if not self.use_cuda_graphs or self.graph_failed or STATE.sel_buf is None or not STATE.block_size:
+            return 0
+        before = len(self._graphs)
+        sizes = sorted({r for n in range(1, cap + 1) if (r := bucket_rows(n, cap, self.max_graph_rows))}, reverse=True)
+        for rows in sizes:
+            for extra, sample, with_probs, scratch in variants:
+                self.graph(rows, draft_graph_key(rows, *extra), sample, with_probs, scratch)
+        return len(self._graphs) - before

@@ -32,7 +32,7 @@ from ..config import VegasConfigError
 from ..interfaces import Selector
 from . import patches
 from .async_sched import draft_start_positions, next_tokens_and_counts
-from .drafting import DraftRunner, attention_layers
+from .drafting import DraftEngine, attention_layers, draft_graph_key, gumbel_max_sampler
 from .settings import build_selector, path_class, read_settings, settings_json
 from .state import STATE
 from .stats import StatsRecorder
@@ -173,7 +173,11 @@ class VegasProposer:
         self._published: tuple | None = None
         self._layers_known = False
         self._checked_groups = False
-        self.drafting = DraftRunner(self.runner, vllm_config, self.gamma, self.config.vllm)
+        self.drafting = DraftEngine(
+            vllm_config, self.gamma, self.config.vllm, getattr(self.runner, "device", None),
+            block_table=lambda: self.runner.input_batch.block_table[0].block_table.gpu,  # [max_reqs, max_blocks] int32
+            model=lambda: self.runner.model,
+        )
         logger.info("vegas proposer: gamma=%d tp=%d selector=%s config=%s", self.gamma, self.tp_size, name, self.config)
 
     @property
@@ -196,10 +200,11 @@ class VegasProposer:
         """Called by the runner with the target model; Vegas drafts with that same model."""
         self._target = target_model
         if self.runner is None:
-            self.runner = self.drafting.runner = _find_runner()
+            self.runner = _find_runner()
         if self.runner is None:
             raise RuntimeError("vegas: could not find vLLM's GPU model runner (V1 runner required; "
                                "set VLLM_USE_V2_MODEL_RUNNER=0)")
+        self.drafting.device = self.runner.device
         use_path(self.selector, self._settings, self.gamma, self.runner.device)
         # the layers are registered once the model is built: learn them before the first
         # forward (the prefill), whose last queries give the first selection
@@ -216,14 +221,53 @@ class VegasProposer:
         reserve_selection_buffers(self.vllm_config, self.selector, self.gamma, max_seqs, self.runner.device)
 
     def _init_layers(self) -> None:
-        layers = attention_layers(self.vllm_config)
-        self.drafting.layers = layers
-        self.drafting.layer_rows = {idx: i for i, (_, idx) in enumerate(layers)}
+        self.drafting.set_layers(attention_layers(self.vllm_config))
         self._layers_known = True
 
     def capture_draft_graphs(self) -> int:
-        """Every draft graph, at engine start (:meth:`DraftRunner.capture_draft_graphs`)."""
-        return self.drafting.capture_draft_graphs()
+        """Every draft graph, greedy and sampling, at engine start (:meth:`DraftEngine.capture`)."""
+        return self.drafting.capture(self._graph_cap(), [
+            ((sampling,), gumbel_max_sampler(sampling), sampling, 0) for sampling in (True, False)
+        ])
+
+    def _graph_cap(self) -> int:
+        """Rows a draft graph can have: the block table's and the selection buffers' rows."""
+        return min(self.drafting.block_table().shape[0], STATE.sel_buf.shape[1])
+
+    def _draft(self, num_reqs: int, sampling: bool, step_inputs: torch.Tensor, temperature):
+        """Draft γ tokens for ``num_reqs`` requests: the draft graph of the batch's row count,
+        else eagerly (through vLLM's piecewise graphs, which read the runner's input buffers).
+
+        Returns:
+            ``tokens`` ``(>= num_reqs, γ)`` int64 and ``probs`` ``(>= num_reqs, γ, vocab)``
+            float32 or None (greedy), views of static buffers (copy before the next draft).
+        """
+        from vllm.config import CUDAGraphMode
+
+        engine = self.drafting
+        sample = gumbel_max_sampler(sampling)
+        rows = engine.graph_rows(num_reqs, self._graph_cap())
+        if rows is not None:
+            try:
+                graph, bufs = engine.graph(rows, draft_graph_key(rows, sampling), sample, sampling)
+                bufs.fill(num_reqs, step_inputs, temperature)
+                graph.replay()
+                return bufs.tokens, bufs.probs
+            except Exception as e:  # fall back to eager drafting for good
+                logger.warning("vegas: CUDA-graph drafting failed (%r); drafting eagerly from now on", e)
+                engine.graph_failed = True
+        bufs = engine.buffers(num_reqs, sampling)
+        bufs.fill(num_reqs, step_inputs, temperature)
+        # piecewise at most: a FULL key would replay vLLM's captured verification graph,
+        # with its own metadata and slot mapping, instead of this draft step
+        mode, desc = self.runner.cudagraph_dispatcher.dispatch(
+            num_tokens=num_reqs, uniform_decode=False,
+            valid_modes={CUDAGraphMode.PIECEWISE, CUDAGraphMode.NONE},
+        )
+        num_tokens = desc.num_tokens if desc is not None and desc.num_tokens else num_reqs
+        engine.run(bufs, num_reqs, sample, num_tokens, mode, desc,
+                   input_ids=self.runner.input_ids.gpu, positions=self.runner.positions)
+        return bufs.tokens, bufs.probs
 
     def reset_stats(self) -> None:
         self.resolve_events(wait=True)
@@ -282,7 +326,7 @@ class VegasProposer:
         temperature = sampling_metadata.temperature[:num_reqs] if sampling else None
 
         start = self._event()
-        tokens, probs = self.drafting.draft(num_reqs, sampling, step_inputs, temperature)
+        tokens, probs = self._draft(num_reqs, sampling, step_inputs, temperature)
         draft_ids = tokens[:num_reqs].clone()  # [num_reqs, γ]
         if sampling:
             runner._draft_probs = probs[:num_reqs]  # [num_reqs, γ, vocab]

@@ -13,11 +13,8 @@ import torch
 
 __all__ = [
     "acceptance_counts",
-    "bucket_rows",
     "draft_noise_positions",
-    "draft_slots",
     "one_hot_draft_logits",
-    "padded_idx_mapping",
     "rows_that_draft",
     "step_inputs",
 ]
@@ -56,56 +53,6 @@ def step_inputs(
     return torch.stack([active.long(), torch.where(active, token, zero), torch.where(active, pos0, zero),
                         nblocks[:n].long()])
 
-
-def padded_idx_mapping(idx_mapping: torch.Tensor, out: torch.Tensor, scratch: int) -> torch.Tensor:
-    """Write ``idx_mapping`` into ``out[:n]`` and ``scratch`` into ``out[n:]`` (padded rows of a
-    captured graph write their draft logits into a scratch slot, never into a live request's).
-
-    Args:
-        idx_mapping: ``[n]`` int32 batch row -> request slot.
-        out: ``[rows]`` int32 static buffer, ``rows >= n``.
-        scratch: the scratch slot (``max_num_reqs``).
-
-    Returns:
-        ``out``.
-
-    Raises:
-        ValueError: if ``out`` is shorter than ``idx_mapping``.
-    """
-    n = idx_mapping.shape[0]
-    if n > out.shape[0]:
-        raise ValueError(f"padded_idx_mapping: {n} rows do not fit a buffer of {out.shape[0]}")
-    out[:n].copy_(idx_mapping, non_blocking=True)
-    out[n:] = scratch
-    return out
-
-
-def draft_slots(
-    pos: torch.Tensor,
-    active: torch.Tensor,
-    nblocks: torch.Tensor,
-    block_table: torch.Tensor,
-    block_size: int,
-    max_model_len: int,
-) -> torch.Tensor:
-    """KV slot of each row's draft token at ``pos``, or -1 (no write).
-
-    A slot is written only for active rows whose block index lies inside the blocks the
-    request owns (and the table) and whose position is below ``max_model_len``: the gathered
-    V2 block table holds stale ids of other requests past ``nblocks``.
-
-    Args:
-        pos: ``[rows]`` int64 positions; active: ``[rows]`` bool; nblocks: ``[rows]`` int64.
-        block_table: ``[rows, max_blocks]`` int32 (batch order).
-
-    Returns:
-        ``[rows]`` int64 slot ids.
-    """
-    blk_idx = pos // block_size
-    valid = active & (blk_idx < nblocks) & (blk_idx < block_table.shape[1]) & (pos < max_model_len)
-    blk_idx = torch.clamp(blk_idx, min=0, max=block_table.shape[1] - 1)
-    blk = torch.gather(block_table, 1, blk_idx[:, None])[:, 0].long()
-    return torch.where(valid, blk * block_size + pos % block_size, torch.full_like(pos, -1))
 
 
 def draft_noise_positions(pos: torch.Tensor, max_model_len: int) -> torch.Tensor:
@@ -147,13 +94,6 @@ def acceptance_counts(num_sampled: torch.Tensor, cu_num_logits: torch.Tensor) ->
     emitted = torch.where(had_drafts, num_sampled.long(), 0)
     return torch.stack([had_drafts.long().sum(), emitted.sum()])
 
-
-def bucket_rows(num_reqs: int, cap: int, max_graph_rows: int) -> int | None:
-    """Rows of the captured draft graph for ``num_reqs`` requests: the next power of two,
-    clamped to ``cap`` (the rows the buffers hold); None when it exceeds ``max_graph_rows``
-    or cannot hold ``num_reqs`` (then the step drafts eagerly)."""
-    rows = min(1 << max(num_reqs - 1, 0).bit_length(), cap)
-    return rows if num_reqs <= rows <= max_graph_rows else None
 
 
 def rows_that_draft(input_batch) -> int:

@@ -9,11 +9,12 @@ sampler and V2's ``postprocess_sampled``, :meth:`VegasSpeculator.propose`:
 1. builds the step's draft inputs on the device from ``num_sampled``, ``num_rejected``,
    ``input_batch.seq_lens``/``idx_mapping`` and ``last_sampled`` (no host lists; one small
    host-to-device copy of the blocks each request owns);
-2. replays one CUDA graph (captured per power-of-two row count) that turns the selection of
-   the verification that just ran (:data:`~vegas.vllm_plugin.state.STATE`, batch order, written
-   by whichever selection path is in force) into page-size-1 draft tables
-   (:func:`vegas.vllm_plugin.drafting.draft_tables`, shared with the V1 proposer) and runs γ
-   query-length-1 forwards of the target through the attention override;
+2. replays one CUDA graph of the drafting engine shared with the V1 proposer
+   (:class:`~vegas.vllm_plugin.drafting.DraftEngine`, graphs captured per power-of-two row count
+   at engine start) that turns the selection of the verification that just ran
+   (:data:`~vegas.vllm_plugin.state.STATE`, batch order, written by whichever selection path is
+   in force) into page-size-1 draft tables and runs γ query-length-1 forwards of the target
+   through the attention override;
 3. samples every draft with V2's ``gumbel_sample`` and writes its temperature-scaled logits
    into ``draft_logits[request slot, step]``, which the runner hands to V2's rejection
    sampler: sampling keeps the target distribution, greedy rows take the argmax.
@@ -27,22 +28,17 @@ import logging
 
 import torch
 from vllm.config.compilation import CUDAGraphMode
-from vllm.forward_context import BatchDescriptor, set_forward_context
 from vllm.v1.worker.gpu.buffer_utils import async_copy_to_gpu
 from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
 
-from .attention import DraftMetadata
-from .drafting import attention_layers, draft_graph_key, draft_tables
+from .drafting import DraftBuffers, DraftEngine, attention_layers, draft_graph_key
 from .proposer import reserve_selection_buffers, start_drafter, use_path
 from .state import STATE
 from .v2_helpers import (
     acceptance_counts,
-    bucket_rows,
     draft_noise_positions,
-    draft_slots,
     one_hot_draft_logits,
-    padded_idx_mapping,
     rows_that_draft,
     step_inputs,
 )
@@ -90,21 +86,18 @@ class VegasSpeculator(DraftModelSpeculator):
         self.proposals = 0
         self.skipped = 0  # steps that drafted nothing (no row sampled a token)
         self.select_ms = 0.0
-        self._layers: list[tuple[str, int]] = []
-        self._layer_pos: dict[int, int] = {}
-        self._graphs: dict = {}
-        self._graph_pool = None
-        self._graph_failed = False
-        self.use_cuda_graphs = options.draft_cuda_graphs
-        self.max_graph_rows = options.draft_graph_max_rows
+        self.drafting = DraftEngine(
+            vllm_config, self.gamma, options, device,
+            block_table=lambda: self.block_tables.input_block_tables[0],  # [max_reqs, max_blocks] int32, batch order
+            model=lambda: self.model,
+        )
         logger.info("vegas: V2 model runner speculator, gamma=%d settings=%s", self.gamma, self._settings)
 
     # ---- DraftModelSpeculator hooks ---------------------------------------------------------
     def load_draft_model(self, target_model, target_attn_layer_names):
         """The target is the draft model. Learns its attention layers and reserves the
         selection buffers at their largest, before vLLM captures the verification graphs."""
-        self._layers = attention_layers(self.vllm_config)
-        self._layer_pos = {idx: i for i, (_, idx) in enumerate(self._layers)}
+        self.drafting.set_layers(attention_layers(self.vllm_config))
         reserve_selection_buffers(self.vllm_config, self.selector, self.gamma, self.max_num_reqs, self.device)
         return target_model
 
@@ -132,14 +125,9 @@ class VegasSpeculator(DraftModelSpeculator):
         """Capture the draft graphs of every power-of-two row count up to the largest
         captured one, once, after vLLM's verification graphs (so that no capture happens while
         requests wait: a lazy capture costs 0.1-0.3 s)."""
-        mode = getattr(self, "cudagraph_mode", CUDAGraphMode.NONE)
-        if not self.use_cuda_graphs or mode == CUDAGraphMode.NONE or STATE.sel_buf is None or not STATE.block_size:
-            return  # no verification forward has run yet (it learns the cache layout): capture lazily
-        cap = self._row_cap()
-        rows = 1
-        while rows <= min(cap, self.max_graph_rows):
-            self._graph_entry(rows)
-            rows *= 2
+        if getattr(self, "cudagraph_mode", CUDAGraphMode.NONE) == CUDAGraphMode.NONE:
+            return
+        self.drafting.capture(self._row_cap(), [(("v2",), self._sample, False, self.scratch)])
 
     # ---- propose ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -172,22 +160,21 @@ class VegasSpeculator(DraftModelSpeculator):
         self.temp_buf[: self.max_num_reqs].copy_(temperature)
         self.seed_buf[: self.max_num_reqs].copy_(seeds)
         self.proposals += 1
-        b = None
-        rows = bucket_rows(n, self._row_cap(), self.max_graph_rows)
-        if self.use_cuda_graphs and not self._graph_failed and rows is not None:
+        engine = self.drafting
+        rows = engine.graph_rows(n, self._row_cap())
+        if rows is not None:
             try:
-                graph, b = self._graph_entry(rows)
-                self._fill(b, n, step_in, idx)
+                graph, bufs = engine.graph(rows, draft_graph_key(rows, "v2"), self._sample, False, self.scratch)
+                bufs.fill(n, step_in, slots=idx, scratch=self.scratch)
                 graph.replay()
+                return bufs.tokens[:n]
             except Exception as e:  # fall back to eager drafting for good
                 logger.warning("vegas: CUDA-graph drafting failed (%r); drafting eagerly from now on", e)
-                self._graph_failed = True
-                b = None
-        if b is None:
-            b = self._make_bufs(n)
-            self._fill(b, n, step_in, idx)
-            self._draft_body(b, n)
-        return b["out_tok"][:n]
+                engine.graph_failed = True
+        bufs = engine.buffers(n, with_probs=False)
+        bufs.fill(n, step_in, slots=idx, scratch=self.scratch)
+        engine.run(bufs, n, self._sample)
+        return bufs.tokens[:n]
 
     # ---- counters ---------------------------------------------------------------------------
     def reset_stats(self) -> None:
@@ -215,97 +202,22 @@ class VegasSpeculator(DraftModelSpeculator):
             "acceptance_length": emitted / iterations if iterations else 0.0,
             "select_ms": self.select_ms,
             "full_cuda_graphs": STATE.frozen,
-            "draft_graphs": len(self._graphs),
-            "graph_failed": self._graph_failed,
+            "draft_graphs": self.drafting.num_graphs,
+            "graph_failed": self.drafting.graph_failed,
         }
 
     # ---- drafting ---------------------------------------------------------------------------
     def _row_cap(self) -> int:
         return min(self.max_num_reqs, STATE.sel_buf.shape[1] if STATE.sel_buf is not None else 0)
 
-    def _make_bufs(self, rows: int) -> dict:
-        dev = self.device
-        return {
-            "step_in": torch.zeros((4, rows), dtype=torch.int64, device=dev),  # active, token, pos0, nblocks
-            "idx": torch.full((rows,), self.scratch, dtype=torch.int32, device=dev),  # row -> request slot
-            "seqused": torch.ones(rows, dtype=torch.int32, device=dev),
-            "cu_q": torch.arange(rows + 1, dtype=torch.int32, device=dev),
-            "slot": torch.full((rows,), -1, dtype=torch.int64, device=dev),
-            "input_ids": torch.zeros(rows, dtype=torch.int32, device=dev),
-            "positions": torch.zeros(rows, dtype=torch.int64, device=dev),
-            "out_tok": torch.zeros((rows, self.gamma), dtype=torch.int64, device=dev),
-        }
-
-    def _fill(self, b: dict, n: int, step_in: torch.Tensor, idx: torch.Tensor) -> None:
-        """The step's inputs into the static buffers; rows ``>= n`` become inactive and
-        sample into the scratch slot."""
-        b["step_in"][:, :n].copy_(step_in)
-        b["step_in"][:, n:] = 0
-        padded_idx_mapping(idx, b["idx"], self.scratch)
-
-    def _graph_entry(self, rows: int):
-        """``(graph, buffers)`` of ``rows`` rows, captured on first use (keyed also by the
-        selection kind and the selection buffers' generation)."""
-        key = draft_graph_key(rows, "v2")
-        sel_kind = key[-2]
-        entry = self._graphs.get(key)
-        if entry is not None:
-            return entry
-        from vllm.distributed.parallel_state import graph_capture
-
-        b = self._make_bufs(rows)
-        self._draft_body(b, rows)  # warm-up: no active row, so every KV slot is -1
-        torch.cuda.synchronize(self.device)
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with graph_capture(device=self.device) as ctx, torch.cuda.graph(
-            graph, pool=self._graph_pool, stream=ctx.stream, capture_error_mode="thread_local"
-        ):
-            self._draft_body(b, rows)
-        self._graphs[key] = (graph, b)
-        logger.info("vegas: captured V2 draft graph rows=%d tables=%d", rows, sel_kind)
-        return graph, b
-
-    def _draft_body(self, b: dict, rows: int) -> None:
-        """Draft tables, then γ forwards of ``rows`` requests (query length 1), each sampled
-        by ``gumbel_sample`` into ``b["out_tok"][:, j]`` and ``draft_logits[b["idx"], j]``."""
-        bs = STATE.block_size
-        max_len = int(self.max_model_len)
-        bt = self.block_tables.input_block_tables[0][:rows]  # [rows, max_blocks] int32, batch order
-        tables, base_used, pages = draft_tables(b["step_in"], bt, rows, self.gamma)
-        width = tables.shape[-1]
-        layer_rows = {idx: 0 for _, idx in self._layers} if tables.shape[0] == 1 else self._layer_pos
-        active, tokens, pos0, nblocks = b["step_in"].unbind(0)
-        active = active.bool()
-        idx = b["idx"]
-        for j in range(self.gamma):
-            pos = pos0 + j
-            b["slot"].copy_(draft_slots(pos, active, nblocks, bt, bs, max_len))
-            b["input_ids"].copy_(tokens)
-            b["positions"].copy_(torch.where(active, torch.clamp(pos, max=max_len - 1), 0))
-            b["seqused"].copy_(torch.clamp(base_used + j, max=width))
-            attn_md = {
-                name: DraftMetadata(
-                    tables[layer_rows[i]], b["seqused"], b["cu_q"], width, rows, quest=pages, quest_row=layer_rows[i],
-                )
-                for name, i in self._layers
-            }
-            with set_forward_context(
-                attn_md, self.vllm_config, num_tokens=rows, cudagraph_runtime_mode=CUDAGraphMode.NONE,
-                batch_descriptor=BatchDescriptor(num_tokens=rows),
-                slot_mapping={name: b["slot"] for name, _ in self._layers},
-            ):
-                hidden = self.model(
-                    input_ids=b["input_ids"], positions=b["positions"], intermediate_tensors=None, inputs_embeds=None,
-                )
-            if isinstance(hidden, tuple):
-                hidden = hidden[0]
-            logits = self.model.compute_logits(hidden[:rows])
-            tokens = gumbel_sample(
-                logits, idx, self.temp_buf, self.seed_buf, draft_noise_positions(b["positions"], max_len),
-                apply_temperature=True, output_processed_logits=self.draft_logits,
-                output_processed_logits_col=self.step_cols[j], use_fp64=self.use_fp64_gumbel,
-            )
-            b["out_tok"][:, j].copy_(tokens)
-
+    def _sample(self, logits: torch.Tensor, j: int, bufs: DraftBuffers) -> torch.Tensor:
+        """V2's draft sampler: vLLM's ``gumbel_sample`` keyed by each request's seed and the
+        draft position (:func:`~vegas.vllm_plugin.v2_helpers.draft_noise_positions`), which also
+        writes the temperature-scaled logits into ``draft_logits[bufs.slots, j]`` for V2's
+        rejection sampler; greedy rows (temperature 0) take the argmax."""
+        return gumbel_sample(
+            logits, bufs.slots, self.temp_buf, self.seed_buf,
+            draft_noise_positions(bufs.positions, self.drafting.max_model_len),
+            apply_temperature=True, output_processed_logits=self.draft_logits,
+            output_processed_logits_col=self.step_cols[j], use_fp64=self.use_fp64_gumbel,
+        )
