@@ -402,3 +402,19 @@ def test_unsupported_attention_is_refused_by_name_or_exact(zoo, arch):
         assert out.token_ids == want, f"{arch} / {selector}: {_first_divergence(out.token_ids, want)}"
         rejections += out.stats.num_drafted - out.stats.num_accepted
     assert rejections > 0, f"{arch} loaded, but drafting never differed from full attention: it is not sparse"
+
+
+def test_soft_capped_vegas_attention_without_a_context_equals_eager(zoo):
+    """Plain transformers use of ``attn_implementation="vegas"`` (no ``vegas_ctx``: causal, the
+    model's own mask) on a soft-capped model gives eager's logits; without the cap it would not."""
+    import vegas.backends.hf  # noqa: F401  registers attn_implementation="vegas"
+
+    path = zoo.dir("gemma2_full")
+    ids = torch.tensor([PROMPT[:64]])
+    eager = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    vegas_model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="vegas").eval()
+    with torch.no_grad():
+        want = eager(ids).logits
+        torch.testing.assert_close(vegas_model(ids).logits, want, rtol=1e-4, atol=1e-4)
+        _no_softcap(vegas_model)
+        assert not torch.allclose(vegas_model(ids).logits, want, rtol=1e-2, atol=1e-2)
