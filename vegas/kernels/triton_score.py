@@ -14,9 +14,10 @@ layer 0's (a table of ``L`` int64), with an alignment hint so that loads stay 16
 
 With a logit soft-cap (``softcap > 0``, Gemma 2) the logits are no longer linear in the query,
 so nothing folds: per KV head the kernel multiplies a tile of keys ``[BLOCK_N, head_dim]`` by
-that head's ``num_collect * group`` query rows (``tl.dot``, float32), caps every logit,
-``softcap * tanh(scale * q . k / softcap)``, weighs it by its query's weight and sums. This
-path reads the keys once as well, but does ``num_collect * group`` times the arithmetic.
+that head's ``num_collect * group`` query rows, read in place from the queries (``tl.dot``,
+float32), caps every logit, ``softcap * tanh(scale * q . k / softcap)``, weighs it by its
+query's weight and sums. This path reads the keys once as well, but does ``num_collect * group``
+times the arithmetic.
 
 Any head shape works (:func:`row_chunks`): the row is read in power-of-two chunks of at most 256
 elements. When a power of two of at least 64 divides the row (8 x 128, 2 x 64, 3 x 64,
@@ -81,8 +82,8 @@ def collect_scores_triton(
 
 @triton.jit(do_not_specialize=["num_seqs", "max_len", "stride_bt", "stride_ol", "stride_os"])
 def _score_layers_kernel(
-    q_ptr,  # [L, num_seqs, ROW] float32 folded collect queries; CAPPED: [L, num_seqs, KVH, BLOCK_M, BLOCK_D]
-    w_ptr,  # CAPPED: [num_seqs, BLOCK_M] float32 weight of each query row of a KV head (0: padding)
+    q_ptr,  # [L, num_seqs, ROW] float32 folded collect queries; CAPPED: the queries [L, num_seqs, NQ, HQ, HEAD_DIM]
+    w_ptr,  # CAPPED: [num_seqs, NQ] float32 weight of each collect query
     k_ptr,  # layer 0's key cache
     koff_ptr,  # [L] int64 element offset of each layer's key cache from k_ptr
     bt_ptr,  # [num_seqs, max_blocks] int32
@@ -103,10 +104,12 @@ def _score_layers_kernel(
     BLOCK_N: tl.constexpr,  # tokens per program
     ALIGN: tl.constexpr,  # elements every layer offset is a multiple of
     CAPPED: tl.constexpr,  # soft-capped logits, one dot product per query row and head
+    NQ: tl.constexpr,  # CAPPED: collect queries per request
     KVH: tl.constexpr,  # CAPPED: KV heads of a row
+    GROUP: tl.constexpr,  # CAPPED: query heads per KV head
     HEAD_DIM: tl.constexpr,  # CAPPED: head_dim
     BLOCK_D: tl.constexpr,  # CAPPED: head_dim padded to a power of two >= 16
-    BLOCK_M: tl.constexpr,  # CAPPED: query rows per KV head padded to a power of two >= 16
+    BLOCK_M: tl.constexpr,  # CAPPED: NQ * GROUP query rows of a KV head, padded to a power of two >= 16
 ):
     pid = tl.program_id(0)
     tile = tl.program_id(1)
@@ -125,13 +128,18 @@ def _score_layers_kernel(
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     if CAPPED:
         offs_d = tl.arange(0, BLOCK_D)
-        offs_m = tl.arange(0, BLOCK_M)
-        w = tl.load(w_ptr + s.to(tl.int64) * BLOCK_M + offs_m)  # [BLOCK_M]
-        q_base = q_ptr + pid.to(tl.int64) * (KVH * BLOCK_M * BLOCK_D)
-        kmask = valid[:, None] & (offs_d[None, :] < HEAD_DIM)
+        offs_m = tl.arange(0, BLOCK_M)  # row m of a KV head g: collect query m // GROUP, head g * GROUP + m % GROUP
+        mmask = offs_m < NQ * GROUP
+        dmask = offs_d < HEAD_DIM
+        t = offs_m // GROUP
+        w = tl.load(w_ptr + s.to(tl.int64) * NQ + t, mask=mmask, other=0.0)  # [BLOCK_M], 0 on padding rows
+        q_base = q_ptr + pid.to(tl.int64) * (NQ * KVH * GROUP * HEAD_DIM)
+        kmask = valid[:, None] & dmask[None, :]
+        qmask = mmask[:, None] & dmask[None, :]
         for g in range(KVH):
             k = tl.load(k_ptr + row[:, None] + g * HEAD_DIM + offs_d[None, :], mask=kmask, other=0.0)
-            q = tl.load(q_base + (g * BLOCK_M + offs_m[:, None]) * BLOCK_D + offs_d[None, :])  # [BLOCK_M, BLOCK_D]
+            q_row = t * (KVH * GROUP) + g * GROUP + offs_m % GROUP  # [BLOCK_M] (query, head) row
+            q = tl.load(q_base + q_row[:, None] * HEAD_DIM + offs_d[None, :], mask=qmask, other=0.0).to(tl.float32)
             logits = tl.dot(k.to(tl.float32), tl.trans(q), input_precision="ieee") * scale  # [BLOCK_N, BLOCK_M]
             capped = softcap * (2.0 * tl.sigmoid(2.0 * logits / softcap) - 1.0)  # softcap * tanh(logits / softcap)
             acc += tl.sum(capped * w[None, :], axis=1)
@@ -239,18 +247,17 @@ def collect_scores_layers_triton(
     if num_seqs == 0 or max_len == 0:
         return out
     group = num_q_heads // num_kv_heads
-    q = queries.float().reshape(num_layers, num_seqs, nq, num_kv_heads, group, head_dim)
-    w = weights.to(torch.float32)
-    rows_per_head = nq * group
-    block_d, block_m = max(16, triton.next_power_of_2(head_dim)), max(16, triton.next_power_of_2(rows_per_head))
-    if softcap:  # per KV head its query rows (t, h), zero-padded to [block_m, block_d]
-        q = q.permute(0, 1, 3, 2, 4, 5).reshape(num_layers, num_seqs, num_kv_heads, rows_per_head, head_dim)
-        q = torch.nn.functional.pad(q, (0, block_d - head_dim, 0, block_m - rows_per_head)).contiguous()
-        w = torch.nn.functional.pad(w.repeat_interleave(group, dim=1), (0, block_m - rows_per_head)).contiguous()
-        capped = dict(CAPPED=True, KVH=num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m)
+    w = weights.to(torch.float32).contiguous()
+    if softcap:  # the kernel reads every (query, head) row as it is
+        q = queries.contiguous()
+        capped = dict(CAPPED=True, NQ=nq, KVH=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
+                      BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+                      BLOCK_M=max(16, triton.next_power_of_2(nq * group)))
     else:  # logits are linear in q: fold the collect queries (weighted) and each KV head's group first
+        q = queries.float().reshape(num_layers, num_seqs, nq, num_kv_heads, group, head_dim)
         q = (q * w[None, :, :, None, None, None]).sum(dim=(2, 4)).reshape(num_layers, num_seqs, row).contiguous()
-        capped = dict(CAPPED=False, KVH=1, HEAD_DIM=1, BLOCK_D=16, BLOCK_M=16)  # unused: no extra specialisations
+        # the CAPPED-only constants fixed: no extra specialisations of the raw kernel
+        capped = dict(CAPPED=False, NQ=1, KVH=1, GROUP=1, HEAD_DIM=1, BLOCK_D=16, BLOCK_M=16)
     block_r, even_r = row_chunks(row)
     grid = (num_layers * num_seqs, triton.cdiv(max_len, block_n))
     _score_layers_kernel[grid](
