@@ -5,11 +5,18 @@ vLLM's custom dataset). Prints a table (TTFT, TPOT, output tokens/s per method a
 plots ``throughput_vs_rate.png`` and ``tpot_vs_rate.png``.
 
 Every server is started with ``vegas serve`` (:mod:`vegas.serve`), so the command that runs is
-the documented one. On a GPU (not yet run on one)::
+the documented one. ``--model`` is resolved as everywhere in vegas (a model name such as
+``smollm2-135m`` or a ``.gguf`` file becomes its converted checkpoint). ``--max-model-len``
+defaults to what the requests need (the longest prompt, ``input_len x (1 + range_ratio)``, plus
+``--output-len`` and a small margin, rounded up to 256) within the model's context
+(``max_position_embeddings``); requests that do not fit the model are refused before any server
+starts. On a GPU::
 
-    python scripts/serve_bench.py --model /tmp/smollm2-hf --rates 1,2,4,8,16,inf --out serve-bench
-    python scripts/serve_bench.py --dataset code --model /tmp/smollm2-hf --out serve-bench-code
+    python scripts/serve_bench.py --model smollm2-135m --input-len 6000 --range-ratio 0.2 --out serve-bench
+    python scripts/serve_bench.py --dataset code --model /tmp/smollm2-hf --input-len 6000 --range-ratio 0.2
     python scripts/serve_bench.py --report serve-bench        # table and plots again from its JSON
+
+(SmolLM2's context is 8,192 tokens: the default 4K-8K prompts plus 256 output tokens do not fit it.)
 
 Results: ``OUT/raw/<method>_r<rate>.json`` (vLLM's result files), ``OUT/summary.json``,
 ``OUT/table.md``, the two PNGs and each server's log in ``OUT/logs``.
@@ -29,6 +36,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from vegas.config import VegasConfigError  # noqa: E402
+from vegas.models import resolve_model  # noqa: E402
 from vegas.serve import ServerError, ServerProcess, free_port, log_tail, vllm_command  # noqa: E402
 
 METHODS = ("plain", "collect2", "sliding_window", "ngram")
@@ -45,6 +54,59 @@ COLUMNS = (
     ("request_throughput", "req/s", "{:.2f}"),
     ("spec_decode_acceptance_length", "τ", "{:.2f}"),
 )
+
+
+#: tokens kept above the longest request in the derived --max-model-len (vLLM's datasets
+#: re-tokenise their prompts, which can add a few tokens); then rounded up to a multiple of 256
+LEN_MARGIN = 64
+
+
+def model_context(model: str) -> int:
+    """The context of a model directory or hub id in tokens (its text config's
+    ``max_position_embeddings``).
+
+    Raises:
+        VegasConfigError: the config cannot be read or has no ``max_position_embeddings``.
+    """
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model).get_text_config()
+    except (OSError, ValueError) as exc:
+        raise VegasConfigError(f"model {model!r}: its config cannot be read ({exc})") from exc
+    context = getattr(config, "max_position_embeddings", None)
+    if not context:
+        raise VegasConfigError(f"model {model!r} has no max_position_embeddings; pass --max-model-len")
+    return int(context)
+
+
+def longest_request(args) -> int:
+    """Tokens of the longest request: the longest prompt plus ``--output-len``."""
+    return math.ceil(args.input_len * (1 + args.range_ratio)) + args.output_len
+
+
+def max_model_len(args, context: int) -> int:
+    """``--max-model-len`` for these requests on a model of ``context`` tokens: ``args.max_model_len``
+    when given, else the longest request plus :data:`LEN_MARGIN`, rounded up to 256, at most
+    ``context``.
+
+    Raises:
+        VegasConfigError: the longest request does not fit ``--max-model-len`` or the model's
+            context, or ``--max-model-len`` exceeds the model's context.
+    """
+    need = longest_request(args)
+    what = (f"the longest request ({args.input_len} x (1 + {args.range_ratio:g}) prompt tokens + "
+            f"--output-len {args.output_len} = {need} tokens)")
+    if need > context:
+        raise VegasConfigError(f"{what} exceeds the model's context of {context} tokens; lower --input-len, "
+                               "--range-ratio or --output-len")
+    if args.max_model_len is None:
+        return min(context, -(-(need + LEN_MARGIN) // 256) * 256)
+    if args.max_model_len > context:
+        raise VegasConfigError(f"--max-model-len {args.max_model_len} exceeds the model's context of {context} tokens")
+    if need > args.max_model_len:
+        raise VegasConfigError(f"{what} does not fit --max-model-len {args.max_model_len}")
+    return args.max_model_len
 
 
 def rate_value(rate) -> float:
@@ -257,7 +319,8 @@ def run(args) -> None:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=str(ROOT / "vegas" / "model"), help="Model directory or hub id.")
+    p.add_argument("--model", default=str(ROOT / "vegas" / "model"),
+                   help="Model name (smollm2-135m), .gguf file, model directory or hub id.")
     p.add_argument("--methods", default=",".join(METHODS), type=lambda s: [m for m in s.split(",") if m],
                    help="plain, ngram, or Vegas selector names (collect2, sliding_window, ...).")
     p.add_argument("--rates", default="1,2,4,8,16,inf", type=lambda s: [rate_value(r) for r in s.split(",") if r],
@@ -273,7 +336,8 @@ def parse_args(argv=None):
     p.add_argument("-g", "--gamma", type=int, default=4, help="γ of Vegas and ngram.")
     p.add_argument("--sparsity-ratio", type=float, default=0.05)
     p.add_argument("--config", default=None, help="Further Vegas settings (vegas serve --config).")
-    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="vLLM's max_model_len [default: the longest request plus a margin, within the model's context].")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--serve-arg", action="append", default=[], help="One more vllm serve argument (repeatable).")
@@ -283,8 +347,12 @@ def parse_args(argv=None):
     p.add_argument("--out", default="serve-bench")
     p.add_argument("--report", metavar="OUT", default=None, help="Only rebuild table and plots from OUT/raw.")
     args = p.parse_args(argv)
-    if args.report is None and args.input_len * (1 + args.range_ratio) + args.output_len > args.max_model_len:
-        p.error("--max-model-len must hold the longest prompt plus --output-len")
+    if args.report is None:
+        try:
+            args.model = resolve_model(args.model)  # names and .gguf files -> a checkpoint directory
+            args.max_model_len = max_model_len(args, model_context(args.model))
+        except VegasConfigError as exc:
+            p.error(str(exc))
     return args
 
 

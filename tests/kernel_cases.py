@@ -72,9 +72,11 @@ def paged_layers(num_layers, ctx_lens, hkv, d, block_size, device, dtype, seed=0
 
 
 def check_score_kernel(device, shape, ctx_lens, nq=2, num_layers=2, block_size=16, dtype=torch.bfloat16,
-                       separate=False):
+                       separate=False, softcap=0.0):
     """The all-layers Triton score kernel (and the one-layer wrapper) against the reference
-    for one head shape: same ``-inf`` pattern, relative error of the finite scores < 1e-4."""
+    for one head shape: same ``-inf`` pattern, relative error of the finite scores < 1e-4.
+    With ``softcap`` the logits are soft-capped (the queries are scaled so that many exceed
+    the cap) and the weights include a fraction, which must apply after the cap."""
     from vegas.kernels import collect_scores_layers_reference, collect_scores_reference
     from vegas.kernels.triton_score import collect_scores_layers_triton, collect_scores_triton
 
@@ -85,15 +87,20 @@ def check_score_kernel(device, shape, ctx_lens, nq=2, num_layers=2, block_size=1
     q = torch.randn(num_layers, len(ctx_lens), nq, hq, d, generator=g).to(dtype).to(device)
     w = torch.ones(len(ctx_lens), nq)
     w[0, -1] = 0.0  # a masked repeat
+    if softcap:
+        q = q * 3
+        w[1, 0] = 0.5
     w = w.to(device)
     ctx = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
     max_len = max(ctx_lens) + 5
     scale = d**-0.5
-    got = collect_scores_layers_triton(q, w, kcs, bt, ctx, max_len, scale)
-    want = collect_scores_layers_reference(q.double(), w.double(), [k.double() for k in kcs], bt, ctx, max_len, scale)
+    got = collect_scores_layers_triton(q, w, kcs, bt, ctx, max_len, scale, softcap=softcap)
+    want = collect_scores_layers_reference(q.double(), w.double(), [k.double() for k in kcs], bt, ctx, max_len, scale,
+                                           softcap)
     _assert_scores_close(got, want)
-    one = collect_scores_triton(q[1], kcs[1], bt, ctx, max_len, scale)
-    _assert_scores_close(one, collect_scores_reference(q[1].double(), kcs[1].double(), bt, ctx, max_len, scale))
+    one = collect_scores_triton(q[1], kcs[1], bt, ctx, max_len, scale, softcap)
+    _assert_scores_close(one, collect_scores_reference(q[1].double(), kcs[1].double(), bt, ctx, max_len, scale,
+                                                       softcap))
 
 
 def _assert_scores_close(got, want):

@@ -14,9 +14,10 @@ with ``attn_implementation="eager"``, one prompt at a time (no padding). For eve
 
 Prompts are longer than every sliding window and than the KV budget, and decoding runs past
 both. Architectures whose attention needs something that plain SDPA attention would drop
-(Gemma 2 logit soft-capping, GPT-OSS attention sinks, Bloom's ALiBi outside
-``AttentionInterface``) must be refused by name when loaded, or else be exact; their weights
-are set so that the feature decides the greedy output (checked by switching it off).
+(GPT-OSS attention sinks, Bloom's ALiBi outside ``AttentionInterface``) must be refused by
+name when loaded, or else be exact. Gemma 2's logit soft-capping is implemented and tested
+like the other architectures. Models with such a feature get weights that make the feature
+decide the greedy output (checked by switching it off), so ignoring it cannot pass.
 
 Mistral has every layer sliding with a window (24) above the KV budget (16): its rejection
 check asks that drafting on sliding layers be sparse inside the window, not the full window.
@@ -33,6 +34,9 @@ qwen3      4      1        64      q/k norms, dict of masks (works before the ma
 gemma3     4      2        32      [sliding (16), full], query_pre_attn_scalar 24, q/k norms
 phi3       2      1        80      fused qkv, partial rotary (0.5)
 gpt_neox   4      4        32      MHA, partial rotary (0.25), parallel residual
+gemma2     4      2        16      [sliding (16), full], logit soft-cap 2 (q/k amplified so
+                                   logits go far past it), final logit soft-cap 4
+gemma2_full 4     1        16      [full, full], logit soft-cap 2 only (q/k amplified), MQA
 =========  =====  =======  ======  ===========================================================
 """
 
@@ -96,6 +100,22 @@ ARCHS: dict[str, tuple[str, dict]] = {
         dict(hidden_size=160, num_attention_heads=2, num_key_value_heads=1, partial_rotary_factor=0.5),
     ),
     "gpt_neox": ("GPTNeoXConfig", dict(hidden_size=128, num_attention_heads=4, rotary_pct=0.25)),
+    "gemma2": (
+        "Gemma2Config",
+        dict(
+            hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=0.05,
+            attn_logit_softcapping=2.0, final_logit_softcapping=4.0, sliding_window=16,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+    ),
+    "gemma2_full": (
+        "Gemma2Config",
+        dict(
+            hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=16, initializer_range=0.05,
+            attn_logit_softcapping=2.0, final_logit_softcapping=None, sliding_window=16,
+            layer_types=["full_attention", "full_attention"],
+        ),
+    ),
 }
 
 #: Attention that SDPA with a boolean mask cannot express: name -> (config class, fields,
@@ -124,17 +144,13 @@ def _no_sinks(model):
         layer.self_attn.sinks.fill_(float("-inf"))
 
 
+#: supported architectures with such a feature: name -> (weight tweak, switch turning it off)
+FEATURES: dict[str, tuple] = {
+    "gemma2": (_amplify_qk, _no_softcap),  # attention logits well beyond the cap
+    "gemma2_full": (_amplify_qk, _no_softcap),
+}
+
 UNSUPPORTED: dict[str, tuple] = {
-    "gemma2": (  # attn_logit_softcapping -> the softcap= kwarg
-        "Gemma2Config",
-        dict(
-            hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=0.05,
-            attn_logit_softcapping=2.0, final_logit_softcapping=None, sliding_window=16,
-            layer_types=["full_attention", "full_attention"],
-        ),
-        _amplify_qk,  # logits well beyond the cap
-        _no_softcap,
-    ),
     "gpt_oss": (  # learned attention sinks -> the s_aux= kwarg
         "GptOssConfig",
         dict(
@@ -219,7 +235,7 @@ class Zoo:
         config = _config(arch, table)
         torch.manual_seed(sum(map(ord, arch)))
         model = AutoModelForCausalLM.from_config(config)
-        tweak = UNSUPPORTED[arch][2] if arch in UNSUPPORTED else None
+        tweak = UNSUPPORTED[arch][2] if arch in UNSUPPORTED else FEATURES.get(arch, (None,))[0]
         if tweak is not None:
             with torch.no_grad():
                 tweak(model)
@@ -281,7 +297,7 @@ def test_prompts_exceed_window_and_budget(zoo, arch):
     assert shortest > KV_BUDGET
     if window is not None:
         assert shortest > 4 * window, f"{arch}: prompts must run well past the sliding window {window}"
-    if arch in ("mistral", "qwen2", "gemma3"):
+    if arch in ("mistral", "qwen2", "gemma3", "gemma2"):
         assert window is not None, f"{arch} was meant to have sliding-window layers"
     if arch == "qwen2":
         assert config.layer_types == ["full_attention", "sliding_attention"]
@@ -320,7 +336,7 @@ def test_real_rejections_happen(zoo, arch):
 
 
 # -- mixed batch, left padding ----------------------------------------------------------------
-BATCH_ARCHS = ["llama", "mistral", "gemma3", "qwen3"]  # qwen3: control that worked before the rewrite
+BATCH_ARCHS = ["llama", "mistral", "gemma3", "qwen3", "gemma2"]  # qwen3: control that worked before the rewrite
 BATCH_SELECTORS = [None, "collect2", "quest"]
 
 
@@ -345,14 +361,17 @@ def test_mixed_batch_equals_single_prompt_generate(zoo, arch, selector):
 
 
 # -- attention that SDPA would silently get wrong ------------------------------------------------
-@pytest.mark.parametrize("arch", [a for a in UNSUPPORTED if UNSUPPORTED[a][3] is not None])
-def test_unsupported_feature_decides_the_output(zoo, arch):
-    """Sanity of the next test: with the feature switched off, greedy decoding differs, so a
-    backend that ignores the feature cannot be exact by luck."""
+SWITCHES = {**{a: f[1] for a, f in FEATURES.items()}, **{a: u[3] for a, u in UNSUPPORTED.items() if u[3]}}
+
+
+@pytest.mark.parametrize("arch", list(SWITCHES))
+def test_feature_decides_the_output(zoo, arch):
+    """Sanity of the exactness tests: with the feature switched off, greedy decoding differs, so
+    a backend that ignores the feature cannot be exact by luck."""
     want = zoo.reference(arch, tuple(PROMPT))
     model = AutoModelForCausalLM.from_pretrained(zoo.dir(arch), attn_implementation="eager").eval()
     with torch.no_grad():
-        UNSUPPORTED[arch][3](model)
+        SWITCHES[arch](model)
     ids = torch.tensor([PROMPT])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS,
                          pad_token_id=0)
@@ -383,3 +402,19 @@ def test_unsupported_attention_is_refused_by_name_or_exact(zoo, arch):
         assert out.token_ids == want, f"{arch} / {selector}: {_first_divergence(out.token_ids, want)}"
         rejections += out.stats.num_drafted - out.stats.num_accepted
     assert rejections > 0, f"{arch} loaded, but drafting never differed from full attention: it is not sparse"
+
+
+def test_soft_capped_vegas_attention_without_a_context_equals_eager(zoo):
+    """Plain transformers use of ``attn_implementation="vegas"`` (no ``vegas_ctx``: causal, the
+    model's own mask) on a soft-capped model gives eager's logits; without the cap it would not."""
+    import vegas.backends.hf  # noqa: F401  registers attn_implementation="vegas"
+
+    path = zoo.dir("gemma2_full")
+    ids = torch.tensor([PROMPT[:64]])
+    eager = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    vegas_model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="vegas").eval()
+    with torch.no_grad():
+        want = eager(ids).logits
+        torch.testing.assert_close(vegas_model(ids).logits, want, rtol=1e-4, atol=1e-4)
+        _no_softcap(vegas_model)
+        assert not torch.allclose(vegas_model(ids).logits, want, rtol=1e-2, atol=1e-2)

@@ -27,8 +27,9 @@ def _paged_case(num_seqs, ctx_lens, num_q_heads, num_kv_heads, head_dim, block_s
     return q.to(device), kv.to(device), block_table.to(device), ctx.to(device)
 
 
-def _dense_scores(q, kv, block_table, ctx, max_len, scale):
-    """Independent dense computation: gather each sequence's keys, softmax-free logits, sum."""
+def _dense_scores(q, kv, block_table, ctx, max_len, scale, softcap=0.0, weights=None):
+    """Independent dense computation: gather each sequence's keys, softmax-free logits (capped,
+    weighted per query), sum."""
     block_size = kv.shape[2]
     group = q.shape[2] // kv.shape[3]
     out = torch.full((q.shape[0], max_len), float("-inf"), dtype=torch.float64)
@@ -39,7 +40,10 @@ def _dense_scores(q, kv, block_table, ctx, max_len, scale):
         acc = torch.zeros(n, dtype=torch.float64)
         for t in range(q.shape[1]):
             for h in range(q.shape[2]):
-                acc += scale * keys[:, h // group] @ q[s, t, h].double()
+                logit = scale * keys[:, h // group] @ q[s, t, h].double()
+                if softcap:
+                    logit = softcap * torch.tanh(logit / softcap)
+                acc += logit * (1.0 if weights is None else float(weights[s, t]))
         out[s, :n] = acc
     return out
 
@@ -52,6 +56,22 @@ def test_reference_matches_dense_logit_sum():
     assert torch.isinf(ref[1, 5:]).all() and torch.isinf(ref[0, 37:]).all()
     finite = torch.isfinite(dense)
     torch.testing.assert_close(ref[finite].double(), dense[finite], rtol=1e-5, atol=1e-4)
+
+
+def test_reference_soft_cap_caps_each_logit_before_the_weighted_sum():
+    """Gemma 2 (``logits_soft_cap``): each logit is capped, then weighted, then summed; the
+    capped scores rank differently from the raw ones (so passing the cap through matters)."""
+    q, kv, bt, ctx = _paged_case(3, [37, 5, 64], 6, 2, 16, 16, 2, "cpu", torch.float32)
+    q = q * 4  # logits far beyond the cap
+    key_cache = kv.unbind(1)[0]
+    weights = torch.tensor([[1.0, 0.5], [1.0, 0.0], [0.25, 1.0]])
+    ref = collect_scores_reference(q, key_cache, bt, ctx, 70, 0.25, softcap=1.5, weights=weights)
+    dense = _dense_scores(q, kv, bt, ctx, 70, 0.25, softcap=1.5, weights=weights)
+    finite = torch.isfinite(dense)
+    assert torch.equal(torch.isfinite(ref), finite)
+    torch.testing.assert_close(ref[finite].double(), dense[finite], rtol=1e-5, atol=1e-4)
+    raw = collect_scores_reference(q, key_cache, bt, ctx, 70, 0.25, weights=weights)
+    assert not torch.equal(raw[2, :64].argsort(), ref[2, :64].argsort())
 
 
 def test_select_topk_known_positions():

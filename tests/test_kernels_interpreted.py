@@ -1,6 +1,7 @@
-"""The Triton kernels (score collection, Quest page bounds) against their PyTorch references on
-the CPU, run by Triton's interpreter (``TRITON_INTERPRET=1``), for every head shape of
-:data:`tests.kernel_cases.HEAD_SHAPES`; and the kernels' block choices and shape errors.
+"""The Triton kernels (score collection, raw and soft-capped; Quest page bounds) against their
+PyTorch references on the CPU, run by Triton's interpreter (``TRITON_INTERPRET=1``), for every
+head shape of :data:`tests.kernel_cases.HEAD_SHAPES`; and the kernels' block choices and shape
+errors.
 
 The interpreter is chosen when a kernel is defined, so the kernels run in one subprocess that
 checks every shape and reports each one (small contexts keep it to seconds)."""
@@ -22,6 +23,7 @@ from tests.kernel_cases import HEAD_SHAPES, check_quest_kernel, check_score_kern
 out = {}
 for shape in HEAD_SHAPES:
     for kind, check in (("score", lambda s: check_score_kernel("cpu", s, [37, 5, 70, 0])),
+                        ("capped", lambda s: check_score_kernel("cpu", s, [37, 5, 70, 0], softcap=1.5)),
                         ("quest", lambda s: check_quest_kernel("cpu", s, 12))):
         try:
             check(shape)
@@ -41,6 +43,12 @@ def interpreted():
 @pytest.mark.parametrize("shape", HEAD_SHAPES, ids=shape_id)
 def test_score_kernel_matches_reference_interpreted(interpreted, shape):
     assert interpreted[f"score:{shape_id(shape)}"] == "ok", interpreted[f"score:{shape_id(shape)}"]
+
+
+@pytest.mark.parametrize("shape", HEAD_SHAPES, ids=shape_id)
+def test_soft_capped_score_kernel_matches_reference_interpreted(interpreted, shape):
+    """Gemma 2's ``logits_soft_cap``: capped per query row and head, then weighted and summed."""
+    assert interpreted[f"capped:{shape_id(shape)}"] == "ok", interpreted[f"capped:{shape_id(shape)}"]
 
 
 @pytest.mark.parametrize("shape", HEAD_SHAPES, ids=shape_id)

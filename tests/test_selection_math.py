@@ -1,5 +1,7 @@
 """Selector maths on tiny hand-made tensors."""
 
+import math
+
 import torch
 
 from vegas import SelectionInput, VegasConfig
@@ -34,6 +36,22 @@ def test_collect_scores_matches_bruteforce_and_respects_mask():
     torch.testing.assert_close(per_head.sum(1, keepdim=True), want)
     weights = collect_scores(q, k, allowed, 0.5, groups=1, score_mode="weight")
     assert torch.allclose(weights.sum(-1), torch.full((B, 1), float(H * m)))  # softmax rows sum to 1
+
+
+def test_collect_scores_softcap_scores_the_capped_logits():
+    """Gemma 2: the scores sum the capped logits the softmax sees. One head puts a huge logit on
+    slot 0, two heads a moderate one on slot 1: raw sums rank slot 0 first, capped sums slot 1."""
+    k = torch.eye(2)[None, None]  # [1, 1, 2 slots, D=2]: key i is the unit vector e_i
+    q = torch.tensor([[[[20.0, 0.0]], [[0.0, 1.5]], [[0.0, 1.5]]]])  # [1, 3 heads, 1 row, 2]
+    allowed = torch.ones(1, 1, 2, dtype=torch.bool)
+    raw = collect_scores(q, k, allowed, 1.0, groups=1)
+    capped = collect_scores(q, k, allowed, 1.0, groups=1, softcap=2.0)
+    torch.testing.assert_close(raw, torch.tensor([[[20.0, 3.0]]]))
+    want = torch.tensor([2.0 * math.tanh(20.0 / 2.0), 2 * 2.0 * math.tanh(1.5 / 2.0)])  # ~2.0, ~2.54
+    torch.testing.assert_close(capped, want[None, None])
+    assert raw.argmax() == 0 and capped.argmax() == 1
+    weights = collect_scores(q, k, allowed, 1.0, groups=1, score_mode="weight", softcap=2.0)
+    torch.testing.assert_close(weights.sum(-1), torch.full((1, 1), 3.0))
 
 
 def test_score_rows():

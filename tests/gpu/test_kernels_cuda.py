@@ -50,10 +50,12 @@ def test_triton_matches_reference_gpu(shape, dtype):
 
 
 @cuda
-@pytest.mark.parametrize("shape", [(32, 8, 128), (9, 3, 64), (8, 1, 80)], ids=shape_id)
-def test_triton_bandwidth_report(capsys, shape):
+@pytest.mark.parametrize("softcap", [0.0, 50.0], ids=["raw", "softcap"])
+@pytest.mark.parametrize("shape", [(32, 8, 128), (9, 3, 64), (8, 1, 80), (8, 4, 256)], ids=shape_id)
+def test_triton_bandwidth_report(capsys, shape, softcap):
     """Times the kernel at a long context (informational; the device script prints it): 8 x 128
-    is the tuned shape (4.1-4.4 TB/s of keys on an H200), 3 x 64 SmolLM2's, 1 x 80 a masked row."""
+    is the tuned shape (4.1-4.4 TB/s of keys on an H200), 3 x 64 SmolLM2's, 1 x 80 a masked row,
+    4 x 256 Gemma 2's (soft-capped: one dot product per query row and head instead of one per key)."""
     triton_score = pytest.importorskip("vegas.kernels.triton_score")
     import triton.testing
 
@@ -61,11 +63,13 @@ def test_triton_bandwidth_report(capsys, shape):
     q, kv, bt, ctx = _paged_case(8, [32768] * 8, hq, hkv, d, 16, 2, "cuda", torch.bfloat16)
     key_cache = kv.unbind(1)[0]
     ms = triton.testing.do_bench(
-        lambda: triton_score.collect_scores_triton(q, key_cache, bt, ctx, 32768), return_mode="median"
+        lambda: triton_score.collect_scores_triton(q, key_cache, bt, ctx, 32768, softcap=softcap),
+        return_mode="median",
     )
     gbytes = 8 * 32768 * hkv * d * 2 / 1e9
     with capsys.disabled():
-        print(f"\n[score kernel] 8 seqs x 32K ctx, {hkv} kv heads x {d}: {ms*1e3:.1f} us, {gbytes/ms*1e3:.0f} GB/s of keys")
+        print(f"\n[score kernel{' softcap' if softcap else ''}] 8 seqs x 32K ctx, {hkv} kv heads x {d}: "
+              f"{ms*1e3:.1f} us, {gbytes/ms*1e3:.0f} GB/s of keys")
 
 
 @cuda
@@ -75,3 +79,11 @@ def test_triton_all_layers_matches_reference_gpu(shape, nq):
     """Three layers in separate allocations (as vLLM allocates them), one collect query of one
     request weighted 0, every head shape."""
     check_score_kernel("cuda", shape, [3000, 17, 1200, 0], nq=nq, num_layers=3, separate=True)
+
+
+@cuda
+@pytest.mark.parametrize("nq", [2, 5])
+@pytest.mark.parametrize("shape", HEAD_SHAPES, ids=shape_id)
+def test_soft_capped_triton_matches_reference_gpu(shape, nq):
+    """Gemma 2's ``logits_soft_cap`` on the GPU (``tl.dot`` per KV head), every head shape."""
+    check_score_kernel("cuda", shape, [3000, 17, 1200, 0], nq=nq, num_layers=3, separate=True, softcap=1.5)

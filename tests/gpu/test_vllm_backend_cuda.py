@@ -205,3 +205,46 @@ def test_plugin_selectors_run_on_vllm_and_equal_plain(selector, tp1_plain):
     assert iterations > 0 and tau > 1.0
     _assert_tokens_equal_up_to_ties(plain, [o.token_ids for o in out], stops_early=True)
 
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_soft_capped_model_scores_capped_logits_and_equals_plain(tmp_path_factory, monkeypatch):
+    """A tiny random Gemma 2 whose layers are all full attention (vLLM's Gemma 2 hands
+    ``attn_logit_softcapping`` to FlashAttention as ``logits_soft_cap``): the attention hook
+    passes the cap to the score kernel (the worker reports it), and Vegas greedy equals plain
+    vLLM greedy up to bf16 near-ties. (Gemma 2 with its sliding-window layers stays refused.)"""
+    pytest.importorskip("vllm")
+    import transformers
+    from vllm import LLM, SamplingParams
+
+    from vegas.vllm_plugin import get_stats, register
+
+    path = tmp_path_factory.mktemp("gemma2-full")
+    config = transformers.Gemma2Config(
+        vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=128, max_position_embeddings=4096, initializer_range=0.1,
+        attn_logit_softcapping=2.0, final_logit_softcapping=30.0, sliding_window=4096,
+        layer_types=["full_attention"] * 4, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(path)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 4096, (n,), generator=g).tolist() for n in (2000, 1200, 700)]
+    sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=2, detokenize=False)
+    kw = dict(TP1, skip_tokenizer_init=True)
+    register()
+    llm = LLM(**vllm_engine_kwargs(str(path), **kw))
+    try:
+        plain = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    monkeypatch.setenv("VEGAS_VLLM_CONFIG", settings_json("collect2", VegasConfig(min_kv_budget=64)))
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    llm = LLM(**vllm_engine_kwargs(str(path), num_draft_tokens=4, **kw))
+    try:
+        vegas = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        stats = llm.collective_rpc(get_stats, args=(True,))[0]
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert stats["logits_soft_cap"] == 2.0 and stats["iterations"] > 0
+    _assert_equal_up_to_ties(plain, vegas)

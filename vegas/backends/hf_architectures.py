@@ -1,11 +1,13 @@
 """Which transformers architectures the HF backend runs exactly, checked when a model loads.
 
 Vegas replaces the model's attention with :func:`~vegas.backends.hf_attention.vegas_attention`
-(causal SDPA with per-slot masks, optional sliding window) and rolls the KV cache back by
-cropping. An architecture whose attention needs more (logit soft-capping, learned sinks,
-ALiBi computed in its own code, chunked attention, KV shared across layers, bidirectional
-attention) or whose layers keep a recurrent state that cropping cannot roll back would be
-silently wrong, so it is refused by name before any decoding.
+(causal attention with per-slot masks, optional sliding window, optional logit soft-capping as
+in Gemma 2) and rolls the KV cache back by cropping. An architecture whose attention needs more
+(learned sinks, ALiBi computed in its own code, chunked attention, KV shared across layers,
+bidirectional attention) or whose layers keep a recurrent state that cropping cannot roll back
+would be silently wrong, so it is refused by name before any decoding. Final-logit soft-capping
+(Gemma 2's ``final_logit_softcapping``) is applied by the model to the logits it returns, so
+drafting and verification both see it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 
 #: config fields whose set value changes attention in a way the backend does not implement
 UNSUPPORTED_CONFIG_FIELDS = {
-    "attn_logit_softcapping": "attention logit soft-capping",
     "attention_chunk_size": "chunked attention",
     "num_kv_shared_layers": "KV caches shared across layers",
     "use_bidirectional_attention": "bidirectional attention",
@@ -49,7 +50,7 @@ def refuse_unsupported(model: Any) -> None:
         VegasConfigError: naming the model type and the unsupported feature.
     """
     config = model.config.get_text_config()
-    supported = "causal decoder-only attention, with optional sliding-window layers"
+    supported = "causal decoder-only attention, with optional sliding-window layers and logit soft-capping"
     if not model.is_backend_compatible():
         raise VegasConfigError(
             f"model {_name(model)} computes attention in its own code (e.g. ALiBi), not through "

@@ -22,6 +22,14 @@ transformers calls with ``sliding_window=W``, only keys with ``query_pos - key_p
   proportional to the KV budget) plus every slot appended since the selection; on a
   sliding-window layer the selection is made among the slots inside the window, and the
   slots a draft query's window has left are masked out.
+
+Logit soft-capping (Gemma 2's ``attn_logit_softcapping``, passed by transformers as
+``softcap=c``): every mode computes ``c * tanh(scaling * q·k / c)`` before the mask and the
+softmax, as transformers' eager attention does (SDPA has no soft-cap, so these layers run the
+explicit matmul-softmax-matmul of :func:`_softcapped_attention`). Scores are collected on the
+same capped logits, the ones the softmax sees: tanh is monotonic per entry, but the scores sum
+over query rows and heads, so ranking raw logits would weigh a few far-beyond-the-cap entries
+more than the softmax does.
 """
 
 from __future__ import annotations
@@ -40,8 +48,8 @@ from ..selection import collect_scores
 ATTENTION_NAME = "vegas"
 
 #: keyword arguments of transformers' attention call that change the attention maths and that
-#: this SDPA-based function does not implement; a model passing any of them is refused
-UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks", "attention_chunk_size")
+#: this function does not implement; a model passing any of them is refused
+UNSUPPORTED_KWARGS = ("s_aux", "sinks", "attention_chunk_size")
 
 
 def clock(sync: bool) -> float:
@@ -125,20 +133,45 @@ def _gather_slots(x: torch.Tensor, sel: Selection) -> torch.Tensor:
     return x.gather(2, idx[..., None].expand(-1, -1, -1, head_dim))
 
 
-def _masked_attention(query, key, value, scaling, ctx: AttentionContext, window: int | None):
+def _softcapped_attention(query, key, value, mask, scaling: float, softcap: float):
+    """Attention on soft-capped logits, as transformers' eager attention computes it.
+
+    Args:
+        query: ``(batch_size, num_heads, q_len, head_dim)``.
+        key, value: ``(batch_size, num_kv_heads, num_keys, head_dim)``.
+        mask: bool, broadcastable to ``(batch_size, num_heads, q_len, num_keys)``; every row
+            must allow at least one key.
+        softcap: ``c`` in ``c * tanh(scaling * q·k / c)``.
+
+    Returns:
+        ``(batch_size, num_heads, q_len, head_dim)`` in the query's dtype (softmax in float32).
+    """
+    repeat = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+    logits = torch.matmul(query, key.transpose(-1, -2)) * scaling
+    logits = torch.tanh(logits / softcap) * softcap
+    weights = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32)
+    return torch.matmul(weights.to(query.dtype), value)
+
+
+def _attend(query, key, value, mask, scaling, softcap: float | None):
+    """SDPA with a boolean ``mask`` (GQA), or :func:`_softcapped_attention` when ``softcap``."""
+    if softcap:
+        return _softcapped_attention(query, key, value, mask, scaling, softcap)
+    return scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
+
+
+def _masked_attention(query, key, value, scaling, ctx: AttentionContext, window: int | None, softcap=None):
     """Attention of this forward's queries under ``ctx.mask(window)``."""
     start, allowed = ctx.mask(window)
-    return scaled_dot_product_attention(
-        query, key[:, :, start:], value[:, :, start:], attn_mask=allowed[:, None],
-        scale=scaling, enable_gqa=True,
-    )
+    return _attend(query, key[:, :, start:], value[:, :, start:], allowed[:, None], scaling, softcap)
 
 
-def _draft_attention(module, query, key, value, scaling, ctx: AttentionContext, window: int | None):
+def _draft_attention(module, query, key, value, scaling, ctx: AttentionContext, window: int | None, softcap=None):
     layer = module.layer_idx
     sel = ctx.selections[layer] if ctx.selections else None
     if sel is None:  # nothing selected yet (one-token prompts): attend to everything
-        return _masked_attention(query, key, value, scaling, ctx, window)
+        return _masked_attention(query, key, value, scaling, ctx, window, softcap)
     if ctx.selector is not None and ctx.selector.query_aware:
         start = ctx._tick()
         sel = run_selector(ctx.selector, "select_for_query", layer, query, sel)
@@ -154,7 +187,7 @@ def _draft_attention(module, query, key, value, scaling, ctx: AttentionContext, 
         mask = mask & (ctx.query_pos[:, :, None] - positions < window)  # query_pos: [B, 1]
     num_heads, groups = query.shape[1], mask.shape[1]
     mask = mask.repeat_interleave(num_heads // groups, dim=1)[:, :, None, :]  # [B, H, 1, ...]
-    return scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+    return _attend(query, k, v, mask, scaling, softcap)
 
 
 def _check_supported(module: torch.nn.Module, kwargs: dict) -> None:
@@ -163,7 +196,7 @@ def _check_supported(module: torch.nn.Module, kwargs: dict) -> None:
             raise VegasConfigError(
                 f"{type(module).__name__} calls attention with {name}={kwargs[name]!r}, which the "
                 f"vegas HF backend does not implement (supported: causal attention with optional "
-                f"sliding_window); this architecture is not supported"
+                f"sliding_window and softcap); this architecture is not supported"
             )
 
 
@@ -177,6 +210,7 @@ def vegas_attention(
     dropout: float = 0.0,
     vegas_ctx: AttentionContext | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Attention for transformers models; see the module docstring.
@@ -185,34 +219,42 @@ def vegas_attention(
         attention_mask: ignored when ``vegas_ctx`` is given (the context's positions define
             the mask); else a mask as transformers' SDPA takes it, or None for causal.
         sliding_window: the layer's window W (tokens) when transformers passes one.
+        softcap: the layer's logit soft-cap ``c`` (Gemma 2), or None: attention, and the
+            scores collected for selection, use ``c * tanh(scaling * q·k / c)``.
 
     Returns:
         ``(attn_output (batch_size, q_len, num_heads, head_dim), None)``.
 
     Raises:
         VegasConfigError: the model passes an attention option this function does not
-            implement (:data:`UNSUPPORTED_KWARGS`, e.g. Gemma 2's logit soft-capping).
+            implement (:data:`UNSUPPORTED_KWARGS`, e.g. GPT-OSS's attention sinks).
     """
     _check_supported(module, kwargs)
     ctx = vegas_ctx
     if ctx is None:  # plain transformers use: causal, the model's own mask
-        is_causal = attention_mask is None and query.shape[2] > 1
-        out = scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask, is_causal=is_causal, scale=scaling, enable_gqa=True
-        )
+        if softcap:
+            q_len, num_keys = query.shape[2], key.shape[2]
+            causal = torch.ones(q_len, num_keys, dtype=torch.bool, device=query.device).tril(num_keys - q_len)
+            mask = causal if attention_mask is None else attention_mask
+            out = _softcapped_attention(query, key, value, mask, scaling, softcap)
+        else:
+            is_causal = attention_mask is None and query.shape[2] > 1
+            out = scaled_dot_product_attention(
+                query, key, value, attn_mask=attention_mask, is_causal=is_causal, scale=scaling, enable_gqa=True
+            )
         return out.transpose(1, 2).contiguous(), None
     layer = module.layer_idx
     ctx.layer_windows[layer] = sliding_window
     if ctx.mode == "draft":
-        out = _draft_attention(module, query, key, value, scaling, ctx, sliding_window)
+        out = _draft_attention(module, query, key, value, scaling, ctx, sliding_window, softcap)
     else:
-        out = _masked_attention(query, key, value, scaling, ctx, sliding_window)
+        out = _masked_attention(query, key, value, scaling, ctx, sliding_window, softcap)
         if ctx.score_rows:
             start = ctx._tick()
             first, allowed = ctx.mask(sliding_window)
             allowed = allowed[:, ctx.score_rows] & ctx.query_valid[:, ctx.score_rows, None]
             rows = query[:, :, ctx.score_rows]  # [B, H, m, D]
-            scores = collect_scores(rows, key[:, :, first:], allowed, scaling, ctx.groups, ctx.score_mode)
+            scores = collect_scores(rows, key[:, :, first:], allowed, scaling, ctx.groups, ctx.score_mode, softcap)
             ctx.scores[layer] = torch.nn.functional.pad(scores, (first, 0))  # slots before the window: 0
             ctx.selection_seconds += ctx._tick() - start
     return out.transpose(1, 2).contiguous(), None

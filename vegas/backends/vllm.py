@@ -50,12 +50,14 @@ from .base import Backend, RequestOutput, RequestStats, as_selector
 
 __all__ = [
     "ENGINE_ARGS_ENV",
+    "VLLM_INSTALL_HINT",
     "VLLMBackend",
     "engine_args_from_env",
     "raise_if_sliding_window",
     "sliding_window_layers",
     "verify_cuda_graphs",
     "vllm_engine_kwargs",
+    "vllm_missing_message",
 ]
 
 log = logging.getLogger(__name__)
@@ -167,16 +169,22 @@ def raise_if_sliding_window(model: str) -> None:
     )
 
 
+#: how to install vLLM for vegas (said wherever vLLM is needed and missing)
+VLLM_INSTALL_HINT = "pip install 'vegas[vllm]'"
+
+
+def vllm_missing_message(what: str) -> str:
+    """``"<what> needs vLLM 0.24.0 and a CUDA GPU: vllm is not installed (pip install ...)"``."""
+    return f"{what} needs vLLM 0.24.0 and a CUDA GPU: vllm is not installed ({VLLM_INSTALL_HINT})"
+
+
 def _raise_if_unavailable() -> None:
     import importlib.util
 
     import torch
 
     if importlib.util.find_spec("vllm") is None:
-        raise VegasConfigError(
-            "backend 'vllm' needs vLLM 0.24.0 and a CUDA GPU: vllm is not installed "
-            "(pip install 'vegas[vllm]'), or use backend='hf'"
-        )
+        raise VegasConfigError(vllm_missing_message("backend 'vllm'") + ", or use backend='hf'")
     if not torch.cuda.is_available():
         raise VegasConfigError("backend 'vllm' needs a CUDA GPU and none is visible; use backend='hf'")
 

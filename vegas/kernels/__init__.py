@@ -45,8 +45,13 @@ def collect_scores(
     ctx_lens: torch.Tensor,
     max_len: int,
     scale: float = 1.0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Summed pre-softmax logits of each sequence's collect queries against its prefix keys.
+
+    With ``softcap`` (a layer's ``logits_soft_cap``, Gemma 2) each logit is the soft-capped one
+    the softmax sees, ``softcap * tanh(scale * q . k / softcap)``, before the sum: capping is
+    monotonic per entry but not across the sum over queries and heads.
 
     Args:
         queries: ``(num_seqs, num_collect, num_q_heads, head_dim)``, the collect queries
@@ -56,11 +61,12 @@ def collect_scores(
         block_table: ``(num_seqs, max_blocks)`` int32 block ids of each sequence.
         ctx_lens: ``(num_seqs,)`` number of prefix positions to score per sequence.
         max_len: width of the output (>= ``ctx_lens.max()``).
-        scale: softmax scale applied to the logits (does not change the ranking).
+        scale: softmax scale applied to the logits (does not change the ranking without a soft-cap).
+        softcap: the attention logit soft-cap; 0 (vLLM's and FlashAttention's "none") for none.
 
     Returns:
-        ``torch.FloatTensor`` of shape ``(num_seqs, max_len)``: ``sum_{t, h} scale * q[t, h] . k[i, kv(h)]``
-        for ``i < ctx_lens[s]``, ``-inf`` beyond.
+        ``torch.FloatTensor`` of shape ``(num_seqs, max_len)``: ``sum_{t, h} cap(scale * q[t, h] . k[i, kv(h)])``
+        (``cap`` the identity without a soft-cap) for ``i < ctx_lens[s]``, ``-inf`` beyond.
     """
     if queries.is_cuda:
         try:
@@ -68,5 +74,5 @@ def collect_scores(
         except ImportError:  # pragma: no cover - Triton missing on a CUDA machine
             pass
         else:
-            return collect_scores_triton(queries, key_cache, block_table, ctx_lens, max_len, scale)
-    return collect_scores_reference(queries, key_cache, block_table, ctx_lens, max_len, scale)
+            return collect_scores_triton(queries, key_cache, block_table, ctx_lens, max_len, scale, softcap)
+    return collect_scores_reference(queries, key_cache, block_table, ctx_lens, max_len, scale, softcap)

@@ -46,10 +46,16 @@ def collect_scores_reference(
     ctx_lens: torch.Tensor,
     max_len: int,
     scale: float = 1.0,
+    softcap: float = 0.0,
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference of :func:`vegas.kernels.collect_scores` (same arguments and result).
 
     Materialises every logit per head and query in float32, one sequence at a time.
+
+    Args:
+        weights: optional ``(num_seqs, num_collect)`` float weight of each collect query's
+            (capped) logits; None weighs every query 1.
 
     Raises:
         VegasConfigError: see :func:`check_head_shape`.
@@ -68,6 +74,10 @@ def collect_scores_reference(
         keys = key_cache[blocks, pos % block_size].float()  # [n, num_kv_heads, head_dim]
         keys = keys.repeat_interleave(group, dim=1)  # [n, num_q_heads, head_dim]
         logits = torch.einsum("qhd,nhd->qhn", queries[s].float(), keys) * scale  # [Q, H, n]
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        if weights is not None:
+            logits = logits * weights[s].float()[:, None, None]
         out[s, :n] = logits.sum(dim=(0, 1))
     return out
 
@@ -136,13 +146,14 @@ def collect_scores_layers_reference(
     ctx_lens: torch.Tensor,
     max_len: int,
     scale: float = 1.0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Reference of the all-layers kernel: ``queries`` ``(L, num_seqs, NQ, H, D)`` weighted by
-    ``weights`` ``(num_seqs, NQ)``; returns ``(L, num_seqs, max_len)`` float32."""
-    w = weights.to(torch.float32)[:, :, None, None]
+    """Reference of the all-layers kernel: ``queries`` ``(L, num_seqs, NQ, H, D)``, each query's
+    (soft-capped) logits weighted by ``weights`` ``(num_seqs, NQ)``; returns
+    ``(L, num_seqs, max_len)`` float32."""
     return torch.stack(
         [
-            collect_scores_reference(queries[l].float() * w, key_caches[l], block_table, ctx_lens, max_len, scale)
+            collect_scores_reference(queries[l], key_caches[l], block_table, ctx_lens, max_len, scale, softcap, weights)
             for l in range(queries.shape[0])
         ]
     )

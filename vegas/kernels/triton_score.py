@@ -12,6 +12,13 @@ All layers go in one launch. Each layer's key cache is addressed as an element o
 layer 0's (a table of ``L`` int64), with an alignment hint so that loads stay 16-byte vectors
 (a pointer loaded from memory carries no alignment, which made an earlier version 10x slower).
 
+With a logit soft-cap (``softcap > 0``, Gemma 2) the logits are no longer linear in the query,
+so nothing folds: per KV head the kernel multiplies a tile of keys ``[BLOCK_N, head_dim]`` by
+that head's ``num_collect * group`` query rows, read in place from the queries (``tl.dot``,
+float32), caps every logit, ``softcap * tanh(scale * q . k / softcap)``, weighs it by its
+query's weight and sums. This path reads the keys once as well, but does ``num_collect * group``
+times the arithmetic.
+
 Any head shape works (:func:`row_chunks`): the row is read in power-of-two chunks of at most 256
 elements. When a power of two of at least 64 divides the row (8 x 128, 2 x 64, 3 x 64,
 4 x 256, 32 x 128, 8 x 80 ...) the chunks tile it exactly and no load is masked: the tuned
@@ -64,17 +71,19 @@ def collect_scores_triton(
     ctx_lens: torch.Tensor,
     max_len: int,
     scale: float = 1.0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Triton implementation of :func:`vegas.kernels.collect_scores` (one layer)."""
     weights = torch.ones(queries.shape[:2], dtype=torch.float32, device=queries.device)
     return collect_scores_layers_triton(
-        queries[None], weights, [key_cache], block_table, ctx_lens, max_len, scale
+        queries[None], weights, [key_cache], block_table, ctx_lens, max_len, scale, softcap=softcap
     )[0]
 
 
 @triton.jit(do_not_specialize=["num_seqs", "max_len", "stride_bt", "stride_ol", "stride_os"])
 def _score_layers_kernel(
-    qsum_ptr,  # [L, num_seqs, ROW] float32, contiguous: folded collect queries
+    q_ptr,  # [L, num_seqs, ROW] float32 folded collect queries; CAPPED: the queries [L, num_seqs, NQ, HQ, HEAD_DIM]
+    w_ptr,  # CAPPED: [num_seqs, NQ] float32 weight of each collect query
     k_ptr,  # layer 0's key cache
     koff_ptr,  # [L] int64 element offset of each layer's key cache from k_ptr
     bt_ptr,  # [num_seqs, max_blocks] int32
@@ -87,12 +96,20 @@ def _score_layers_kernel(
     stride_ol,
     stride_os,
     scale,
+    softcap,
     BLOCK_SIZE: tl.constexpr,
     ROW: tl.constexpr,  # num_kv_heads * head_dim: the key row of one token
     BLOCK_R: tl.constexpr,  # chunk of the row per inner step (a power of two)
     EVEN_R: tl.constexpr,  # BLOCK_R divides ROW: no column mask
     BLOCK_N: tl.constexpr,  # tokens per program
     ALIGN: tl.constexpr,  # elements every layer offset is a multiple of
+    CAPPED: tl.constexpr,  # soft-capped logits, one dot product per query row and head
+    NQ: tl.constexpr,  # CAPPED: collect queries per request
+    KVH: tl.constexpr,  # CAPPED: KV heads of a row
+    GROUP: tl.constexpr,  # CAPPED: query heads per KV head
+    HEAD_DIM: tl.constexpr,  # CAPPED: head_dim
+    BLOCK_D: tl.constexpr,  # CAPPED: head_dim padded to a power of two >= 16
+    BLOCK_M: tl.constexpr,  # CAPPED: NQ * GROUP query rows of a KV head, padded to a power of two >= 16
 ):
     pid = tl.program_id(0)
     tile = tl.program_id(1)
@@ -108,19 +125,38 @@ def _score_layers_kernel(
     koff = tl.multiple_of(tl.load(koff_ptr + layer), ALIGN)
     blk = tl.load(bt_ptr + s.to(tl.int64) * stride_bt + offs_n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     row = koff + blk * stride_kb + (offs_n % BLOCK_SIZE).to(tl.int64) * ROW  # [BLOCK_N]
-    q_base = qsum_ptr + pid.to(tl.int64) * ROW
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for c in tl.static_range((ROW + BLOCK_R - 1) // BLOCK_R):
-        offs_r = c * BLOCK_R + tl.arange(0, BLOCK_R)
-        if EVEN_R:
-            q = tl.load(q_base + offs_r)
-            k = tl.load(k_ptr + row[:, None] + offs_r[None, :], mask=valid[:, None], other=0.0)
-        else:  # padded tail of the row
-            rmask = offs_r < ROW
-            q = tl.load(q_base + offs_r, mask=rmask, other=0.0)
-            k = tl.load(k_ptr + row[:, None] + offs_r[None, :], mask=valid[:, None] & rmask[None, :], other=0.0)
-        acc += tl.sum(k.to(tl.float32) * q[None, :], axis=1)
-    res = tl.where(valid, acc * scale, float("-inf"))
+    if CAPPED:
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_m = tl.arange(0, BLOCK_M)  # row m of a KV head g: collect query m // GROUP, head g * GROUP + m % GROUP
+        mmask = offs_m < NQ * GROUP
+        dmask = offs_d < HEAD_DIM
+        t = offs_m // GROUP
+        w = tl.load(w_ptr + s.to(tl.int64) * NQ + t, mask=mmask, other=0.0)  # [BLOCK_M], 0 on padding rows
+        q_base = q_ptr + pid.to(tl.int64) * (NQ * KVH * GROUP * HEAD_DIM)
+        kmask = valid[:, None] & dmask[None, :]
+        qmask = mmask[:, None] & dmask[None, :]
+        for g in range(KVH):
+            k = tl.load(k_ptr + row[:, None] + g * HEAD_DIM + offs_d[None, :], mask=kmask, other=0.0)
+            q_row = t * (KVH * GROUP) + g * GROUP + offs_m % GROUP  # [BLOCK_M] (query, head) row
+            q = tl.load(q_base + q_row[:, None] * HEAD_DIM + offs_d[None, :], mask=qmask, other=0.0).to(tl.float32)
+            logits = tl.dot(k.to(tl.float32), tl.trans(q), input_precision="ieee") * scale  # [BLOCK_N, BLOCK_M]
+            capped = softcap * (2.0 * tl.sigmoid(2.0 * logits / softcap) - 1.0)  # softcap * tanh(logits / softcap)
+            acc += tl.sum(capped * w[None, :], axis=1)
+    else:
+        q_base = q_ptr + pid.to(tl.int64) * ROW
+        for c in tl.static_range((ROW + BLOCK_R - 1) // BLOCK_R):
+            offs_r = c * BLOCK_R + tl.arange(0, BLOCK_R)
+            if EVEN_R:
+                q = tl.load(q_base + offs_r)
+                k = tl.load(k_ptr + row[:, None] + offs_r[None, :], mask=valid[:, None], other=0.0)
+            else:  # padded tail of the row
+                rmask = offs_r < ROW
+                q = tl.load(q_base + offs_r, mask=rmask, other=0.0)
+                k = tl.load(k_ptr + row[:, None] + offs_r[None, :], mask=valid[:, None] & rmask[None, :], other=0.0)
+            acc += tl.sum(k.to(tl.float32) * q[None, :], axis=1)
+        acc = acc * scale
+    res = tl.where(valid, acc, float("-inf"))
     tl.store(out_base + offs_n, res, mask=offs_n < max_len)
 
 
@@ -154,6 +190,7 @@ def collect_scores_layers_triton(
     scale: float = 1.0,
     key_offsets: tuple[torch.Tensor, int] | None = None,
     block_n: int = 64,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """All layers in one launch.
 
@@ -167,9 +204,12 @@ def collect_scores_layers_triton(
         max_len: output width (>= ``ctx_lens.max()``).
         scale: softmax scale.
         key_offsets: cached result of :func:`layer_offsets` for ``key_caches``.
+        block_n: tokens per program (a power of two; at least 16 with ``softcap``).
+        softcap: the layers' attention logit soft-cap (one value for all of them); 0 for none.
 
     Returns:
-        ``(L, num_seqs, max_len)`` float32, as :func:`vegas.kernels.collect_scores` per layer.
+        ``(L, num_seqs, max_len)`` float32, as :func:`vegas.kernels.collect_scores` per layer:
+        ``sum_t weights[s, t] * sum_h cap(scale * q[t, h] . k[i, kv(h)])``.
 
     Any ``num_kv_heads x head_dim`` and any GQA ratio ``H / num_kv_heads`` work (see
     :func:`row_chunks` for how the row is read).
@@ -200,24 +240,31 @@ def collect_scores_layers_triton(
         )
     if block_table.dim() != 2 or (block_table.shape[1] > 1 and block_table.stride(1) != 1):
         raise VegasConfigError(f"block_table must be 2-D with a unit last stride, got strides {block_table.stride()}")
-    if block_n < 1 or block_n & (block_n - 1):
-        raise VegasConfigError(f"block_n must be a power of two, got {block_n}")
+    if block_n < (16 if softcap else 1) or block_n & (block_n - 1):
+        raise VegasConfigError(f"block_n must be a power of two (at least 16 with softcap), got {block_n}")
     koffs, align = key_offsets if key_offsets is not None else layer_offsets(key_caches)
     out = torch.empty((num_layers, num_seqs, max_len), dtype=torch.float32, device=k0.device)
     if num_seqs == 0 or max_len == 0:
         return out
-    # logits are linear in q: fold the collect queries (weighted) and each KV head's group first
     group = num_q_heads // num_kv_heads
-    w = weights.to(torch.float32)[None, :, :, None, None, None]
-    qsum = (queries.float().reshape(num_layers, num_seqs, nq, num_kv_heads, group, head_dim) * w).sum(dim=(2, 4))
-    qsum = qsum.reshape(num_layers, num_seqs, row).contiguous()
+    w = weights.to(torch.float32).contiguous()
+    if softcap:  # the kernel reads every (query, head) row as it is
+        q = queries.contiguous()
+        capped = dict(CAPPED=True, NQ=nq, KVH=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
+                      BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+                      BLOCK_M=max(16, triton.next_power_of_2(nq * group)))
+    else:  # logits are linear in q: fold the collect queries (weighted) and each KV head's group first
+        q = queries.float().reshape(num_layers, num_seqs, nq, num_kv_heads, group, head_dim)
+        q = (q * w[None, :, :, None, None, None]).sum(dim=(2, 4)).reshape(num_layers, num_seqs, row).contiguous()
+        # the CAPPED-only constants fixed: no extra specialisations of the raw kernel
+        capped = dict(CAPPED=False, NQ=1, KVH=1, GROUP=1, HEAD_DIM=1, BLOCK_D=16, BLOCK_M=16)
     block_r, even_r = row_chunks(row)
     grid = (num_layers * num_seqs, triton.cdiv(max_len, block_n))
     _score_layers_kernel[grid](
-        qsum, k0, koffs, block_table, ctx_lens.to(torch.int32), out,
+        q, w, k0, koffs, block_table, ctx_lens.to(torch.int32), out,
         num_seqs, max_len,
         k0.stride(0), block_table.stride(0), out.stride(0), out.stride(1),
-        float(scale),
-        BLOCK_SIZE=block_size, ROW=row, BLOCK_R=block_r, EVEN_R=even_r, BLOCK_N=block_n, ALIGN=align,
+        float(scale), float(softcap or 1.0),
+        BLOCK_SIZE=block_size, ROW=row, BLOCK_R=block_r, EVEN_R=even_r, BLOCK_N=block_n, ALIGN=align, **capped,
     )
     return out

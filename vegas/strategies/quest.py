@@ -5,6 +5,10 @@ Pages of P slots keep the element-wise min and max of their keys per KV head. Fo
 query q the score of a page is bounded by ``Σ_d max(q_d · min_d, q_d · max_d) ≥ q · k`` for
 every key k of the page; the pages with the highest bounds are attended, recomputed at
 every draft step (so selection cost grows with the context).
+
+With attention logit soft-capping (Gemma 2) the bound stays on the raw ``q·k``: capping is
+monotonic, so each head's page order is unchanged, but the sum over a group's heads weighs
+logits beyond the cap more than the softmax does (the score-based selectors sum capped logits).
 """
 
 from __future__ import annotations

@@ -148,6 +148,7 @@ def get_stats(worker, per_request: bool = False) -> dict:
     drafter.resolve_events(wait=True)
     out = drafter.stats.as_dict()
     out["full_cuda_graphs"] = STATE.frozen
+    out["logits_soft_cap"] = STATE.softcap  # the cap the last scoring forward used (0: none)
     if per_request:
         out["requests"] = {k: list(v) for k, v in drafter.req_stats.items()}
     return out

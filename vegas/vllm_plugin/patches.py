@@ -98,7 +98,9 @@ def patch_attention() -> None:
             self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
         )
         if STATE.enabled and attn_metadata is not None and kv_cache.numel() > 0:
-            STATE.on_layer(layer_index(layer.layer_name), query, kv_cache, attn_metadata, self.scale)
+            STATE.on_layer(
+                layer_index(layer.layer_name), query, kv_cache, attn_metadata, self.scale, self.logits_soft_cap
+            )
         return out
 
     forward._vegas = True  # type: ignore[attr-defined]

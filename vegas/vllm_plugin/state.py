@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..config import VegasConfigError
 from .plan import CollectPlan, make_plan
 
 __all__ = ["STATE", "SelectionState"]
@@ -66,6 +67,9 @@ class SelectionState:
     ctx_sel_buf: torch.Tensor | None = None  # [max_seqs] int64 selectable positions
     budget_buf: torch.Tensor | None = None  # [max_seqs] int64 selected entries per request
     query_buf: torch.Tensor | None = None  # [L * max_seqs * q_elems] model dtype, collect queries
+    #: attention logit soft-cap of the model's layers (vLLM's ``logits_soft_cap``, Gemma 2), 0 for
+    #: none; read from the first layer of each forward, scores are taken on the capped logits
+    softcap: float = 0.0
     #: Quest page bounds ``(L, num_blocks + 1, kv_heads, head_dim)`` (see :mod:`.quest`)
     quest_min: torch.Tensor | None = None
     quest_max: torch.Tensor | None = None
@@ -138,7 +142,7 @@ class SelectionState:
         if timer is not None:
             timer.stop()
 
-    def on_layer(self, layer_idx: int, query, kv_cache, attn_metadata, scale: float) -> None:
+    def on_layer(self, layer_idx: int, query, kv_cache, attn_metadata, scale: float, softcap: float = 0.0) -> None:
         """Called after the full attention of ``layer_idx`` in a runner forward.
 
         The first layer builds the plan (:func:`~vegas.vllm_plugin.plan.make_plan`) and lets the
@@ -151,6 +155,12 @@ class SelectionState:
             attn_metadata: vLLM's FlashAttention metadata (``query_start_loc``, ``seq_lens``,
                 ``max_seq_len``, ``block_table``, ``slot_mapping``).
             scale: the softmax scale.
+            softcap: the layer's ``logits_soft_cap`` (0: none). One value for all layers (every
+                soft-capped model vLLM runs has one): the scores of all layers are taken in one
+                launch with the first layer's cap.
+
+        Raises:
+            VegasConfigError: a layer's soft-cap differs from the first layer's.
         """
         if not self.layers_ready or self.path is None:  # the proposer has not set us up yet
             return
@@ -164,6 +174,7 @@ class SelectionState:
                 if plan.q_idx is not None:  # padded requests of a captured batch point past the end
                     plan.q_idx.clamp_(0, query.shape[0] - 1)
                 self.plan = plan
+                self.softcap = float(softcap or 0.0)
                 self.block_size = kv_cache.shape[2]
                 self.page_stride = kv_cache.stride(0) // kv_cache.stride(2)
                 width = plan.q_idx.shape[1] if plan.q_idx is not None else 0
@@ -172,6 +183,11 @@ class SelectionState:
                 self.path.begin(self, plan, query, kv_cache, attn_metadata)
         if self.plan is None:
             return
+        if float(softcap or 0.0) != self.softcap:
+            raise VegasConfigError(
+                f"vegas: layer {layer_idx} has logit soft-cap {softcap}, the first layer {self.softcap}; "
+                "the score kernel takes one soft-cap for all layers"
+            )
         self.path.layer(self, row, query, kv_cache, attn_metadata, scale)
 
     def selection(self, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

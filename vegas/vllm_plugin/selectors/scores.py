@@ -46,7 +46,8 @@ class ScoreCollector:
     def scores(self, state, plan: CollectPlan, block_table: torch.Tensor, scale: float, capturing: bool) -> torch.Tensor:
         """``(L, num_seqs, max_len)`` float32 summed logits of the collect queries over each
         layer's query heads (all ranks' heads under ``tp_selection="all_reduce"``); ``-inf``
-        at and beyond ``ctx_sel``."""
+        at and beyond ``ctx_sel``. With the layers' soft-cap (``state.softcap``, Gemma 2) the
+        logits are the capped ones the softmax sees."""
         if self._queries.is_cuda:
             from ...kernels.triton_score import collect_scores_layers_triton, layer_offsets
 
@@ -58,11 +59,12 @@ class ScoreCollector:
                 self._key_offsets_of = pointers
             scores = collect_scores_layers_triton(
                 self._queries, plan.q_weight, self._key_caches, block_table, plan.ctx_sel, plan.max_len, scale,
-                key_offsets=self._key_offsets,
+                key_offsets=self._key_offsets, softcap=state.softcap,
             )
         else:
             scores = collect_scores_layers_reference(
-                self._queries, plan.q_weight, self._key_caches, block_table, plan.ctx_sel, plan.max_len, scale
+                self._queries, plan.q_weight, self._key_caches, block_table, plan.ctx_sel, plan.max_len, scale,
+                state.softcap,
             )
         if state.all_reduce is not None and _sums_over_ranks(state):
             scores = state.all_reduce(scores)  # this rank's heads -> all heads; -inf stays -inf
