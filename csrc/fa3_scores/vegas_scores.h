@@ -1,8 +1,7 @@
 /******************************************************************************
- * vegas: selection scores written from inside FlashAttention-3's forward mainloop.
- * Added by vegas (csrc/fa3_scores.patch) to FlashAttention-3, which is
- * Copyright (c) 2024, Jay Shah, Ganesh Bikshandi, Ying Zhang, Vijay Thakkar, Pradeep Ramani, Tri Dao,
- * BSD 3-Clause License (hopper/../LICENSE).
+ * vegas: selection scores written from inside FlashAttention-3's sm90 forward mainloop (issue 22).
+ * The project's own code, written for FlashAttention-3 (vllm-project/flash-attention 803020a8,
+ * BSD-3-Clause, Tri Dao et al.), whose headers it includes; csrc/README.md says where it hooks in.
  *
  * What is written. For request b and slot h (the KV head under PackGQA, the query head otherwise):
  *   scores[h, b, p] = softmax_scale * sum over the tile's rows r that are a scored row (token
