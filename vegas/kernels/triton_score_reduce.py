@@ -73,6 +73,14 @@ def reduce_head_scores(
     num_seqs, max_len = scores.shape
     if num_seqs == 0 or max_len == 0:
         return scores
+    if not scores.is_cuda:  # the same computation in PyTorch (CPU tests)
+        pos = torch.arange(max_len, device=scores.device)
+        ctx = ctx_sel[:num_seqs].to(pos.dtype)[:, None]
+        scored = (cu_seqlens_q[1 : num_seqs + 1] > cu_seqlens_q[:num_seqs])[:, None]
+        total = scores.clone() if direct else part[:, :num_seqs, :max_len].sum(0)
+        total = torch.where(scored, total, torch.zeros_like(total))
+        scores.copy_(torch.where(pos[None, :] < ctx, total, torch.full_like(total, float("-inf"))))
+        return scores
     src = scores if direct else part
     sg, ss = (0, scores.stride(0)) if direct else (part.stride(0), part.stride(1))
     _score_reduce_kernel[(num_seqs, triton.cdiv(max_len, REDUCE_BLOCK))](

@@ -33,7 +33,7 @@ from ..kernels.triton_score_reduce import reduce_head_scores
 
 __all__ = ["FA3ScoreVerify"]
 
-log = logging.getLogger("vegas")
+log = logging.getLogger("vegas.vllm")
 
 
 class FA3ScoreVerify:
@@ -127,11 +127,14 @@ class FA3ScoreVerify:
     def fallback_layer(self, state, row: int, query, kv_cache, attn_metadata, scale: float) -> None:
         """Layer ``row`` of an active forward that the build does not cover (vLLM's FA3 already
         ran): its score row from the separate kernel, for this layer alone."""
-        from ..kernels.triton_score import collect_scores_layers_triton
+        if query.is_cuda:
+            from ..kernels.triton_score import collect_scores_layers_triton as collect
+        else:
+            from ..kernels import collect_scores_layers_reference as collect
 
         plan = state.plan
         width = plan.q_idx.shape[1]
         rows = torch.index_select(query, 0, plan.q_idx.reshape(-1)).view(1, plan.num_seqs, width, *query.shape[1:])
         block_table = attn_metadata.block_table[: plan.num_seqs]
-        self.scores[row : row + 1] = collect_scores_layers_triton(
+        self.scores[row : row + 1] = collect(
             rows, plan.q_weight, [kv_cache.unbind(1)[0]], block_table, plan.ctx_sel, plan.max_len, scale)
