@@ -19,7 +19,8 @@ is scored alone by the separate kernel, and later forwards take today's path thr
 line says which path runs, once it is known (after the first forward that saw every layer).
 
 Under vLLM's full CUDA graphs the decision is captured with the graph, as the rest of the
-selection: a batch size captured before the first forward saw every layer replays today's path.
+selection: a batch size captured in a forward that took the extension replays it, each layer the
+way it ran at capture (an uncovered layer found during that forward replays its separate scoring).
 """
 
 from __future__ import annotations
