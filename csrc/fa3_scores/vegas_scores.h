@@ -18,11 +18,14 @@
  *
  * How, per key block (kBlockN positions): each thread adds the scored rows it holds per column;
  * the 8 row groups of a warp are summed by a 3-step reduce-scatter butterfly over lanes
- * (7 shuffles per 8 columns); every warp of the warpgroup writes its column sums (zeros for a warp
- * with no scored row) to shared memory; after a named barrier of the warpgroup each thread sums
- * one column over the 4 warps in a fixed order and stores it (coalesced, predicated on
- * p < score_ctx). The order of every addition is fixed, so the scores are deterministic. The
- * attention itself is untouched: tSrS is only read.
+ * (7 shuffles per 8 columns). When a single warp holds every scored row (SmolLM2: G = 3, rows
+ * 0-2 and 12-14), its lanes store their column sums straight to global memory: no shared memory,
+ * no barrier. Otherwise each warp holding scored rows writes its column sums to shared memory and,
+ * after a named barrier of the warpgroup, each thread sums one column over those warps in a fixed
+ * order and stores it (coalesced, predicated on p < score_ctx). Which warps hold scored rows is
+ * settled once per tile (a flag per warp in shared memory, one barrier). The order of every
+ * addition is fixed, so the scores are deterministic. The attention itself is untouched: tSrS is
+ * only read.
  ******************************************************************************/
 
 #pragma once
@@ -44,7 +47,7 @@ struct VegasScores {
 
     static constexpr int kWarps = cutlass::NumThreadsPerWarpGroup / cutlass::NumThreadsPerWarp;
     // shared memory of the per-warp column sums (floats); 1 when disabled (no zero-size arrays)
-    static constexpr int kSmemFloats = Enabled ? kBufs * kWarps * kBlockN : 1;
+    static constexpr int kSmemFloats = Enabled ? kBufs * kWarps * kBlockN + kWarps : 1;  // + a flag per warp
     // FwdNamedBarriers::QueryRotated is only used by AppendKV with rotary, which the enabled
     // configurations exclude (see CollectiveMainloopFwdSm90::kVegasScores)
     static constexpr uint32_t kBarrierId = static_cast<uint32_t>(FwdNamedBarriers::QueryRotated);
@@ -57,6 +60,7 @@ struct VegasScores {
     float scale = 0.f;
     uint32_t row_mask = 0;  // bit m: row m of this thread's accumulator fragment is a scored row
     bool warp_active = false;  // some lane of this warp holds a scored row
+    uint32_t warp_mask = 0;  // bit w: warp w of the warpgroup holds a scored row (same in every thread)
 
     template <typename Params>
     CUTLASS_DEVICE
@@ -86,6 +90,14 @@ struct VegasScores {
                 if (token == r0 || token == r1) { row_mask |= 1u << m; }
             }
             warp_active = __any_sync(0xffffffff, row_mask != 0);
+            // which warps hold scored rows: a flag per warp after the column buffers, one barrier
+            // (the previous tile's reads of the flags are behind its finish() barrier)
+            float* flags = smem + kBufs * kWarps * kBlockN;
+            int const warp = thread_idx / cutlass::NumThreadsPerWarp;
+            if (thread_idx % cutlass::NumThreadsPerWarp == 0) { flags[warp] = warp_active ? 1.f : 0.f; }
+            cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, kBarrierId);
+            #pragma unroll
+            for (int w = 0; w < kWarps; ++w) { if (flags[w] != 0.f) { warp_mask |= 1u << w; } }
         }
     }
 
@@ -110,25 +122,26 @@ struct VegasScores {
             int const warp = thread_idx / cutlass::NumThreadsPerWarp;
             // after the butterfly, lane holds index 4*b2 + 2*b3 + b4 of each chunk of 8 (b_i: lane bit i)
             int const lane_idx = ((lane >> 2) & 1) * 4 + ((lane >> 3) & 1) * 2 + ((lane >> 4) & 1);
+            bool const single = (warp_mask & (warp_mask - 1)) == 0;  // one warp holds every scored row
             float* buf = smem + (kBufs == 1 ? 0 : (n_block & 1) * (kWarps * kBlockN)) + warp * kBlockN;
             if constexpr (kBufs == 1) {  // the previous block's sums must have been read
-                cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, kBarrierId);
+                if (!single) { cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, kBarrierId); }
             }
-            #pragma unroll
-            for (int c = 0; c < kChunks; ++c) {
-                float v[8];
+            if (warp_active) {
                 #pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    v[i] = 0.f;
-                    if (c * 8 + i < kCols) {
-                        #pragma unroll
-                        for (int m = 0; m < kRows; ++m) {
-                            // select, not multiply: rows beyond the chunk may hold anything
-                            if (row_mask & (1u << m)) { v[i] += tSrS_rowcol(m, c * 8 + i); }
+                for (int c = 0; c < kChunks; ++c) {
+                    float v[8];
+                    #pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        v[i] = 0.f;
+                        if (c * 8 + i < kCols) {
+                            #pragma unroll
+                            for (int m = 0; m < kRows; ++m) {
+                                // select, not multiply: rows beyond the chunk may hold anything
+                                if (row_mask & (1u << m)) { v[i] += tSrS_rowcol(m, c * 8 + i); }
+                            }
                         }
                     }
-                }
-                if (warp_active) {
                     bool up = lane & 4;
                     #pragma unroll
                     for (int i = 0; i < 4; ++i) {
@@ -147,31 +160,40 @@ struct VegasScores {
                     float const send = up ? v[0] : v[1];
                     float const keep = up ? v[1] : v[0];
                     v[0] = keep + __shfl_xor_sync(0xffffffff, send, 16);
-                } else {
-                    v[0] = 0.f;
+                    int const n = c * 8 + lane_idx;
+                    if (n < kCols) {
+                        int const col = get<1>(tScS_rowcol(_0{}, n));
+                        if (single) {  // the whole sum: straight to global memory
+                            int const pos = n_block * kBlockN + col;
+                            if (pos < ctx) { gmem[pos] = v[0] * scale; }
+                        } else {
+                            buf[col] = v[0];
+                        }
+                    }
                 }
-                int const n = c * 8 + lane_idx;
-                if (n < kCols) { buf[get<1>(tScS_rowcol(_0{}, n))] = v[0]; }
             }
+            if (single) { return; }
             cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, kBarrierId);
             float const* sums = smem + (kBufs == 1 ? 0 : (n_block & 1) * (kWarps * kBlockN));
             #pragma unroll
             for (int col = thread_idx; col < kBlockN; col += cutlass::NumThreadsPerWarpGroup) {
                 int const pos = n_block * kBlockN + col;
                 if (pos < ctx) {
-                    float s = sums[col];
+                    float s = 0.f;
                     #pragma unroll
-                    for (int w = 1; w < kWarps; ++w) { s += sums[w * kBlockN + col]; }
+                    for (int w = 0; w < kWarps; ++w) {  // fixed order; 0 + x = x exactly
+                        if (warp_mask & (1u << w)) { s += sums[w * kBlockN + col]; }
+                    }
                     gmem[pos] = s * scale;
                 }
             }
         }
     }
 
-    // End of the tile: the next tile of this CTA may reuse the buffers.
+    // End of the tile: the next tile of this CTA may reuse the buffers and the flags.
     CUTLASS_DEVICE
     void finish() const {
-        if constexpr (Enabled && kBufs == 2) {
+        if constexpr (Enabled) {
             if (gmem != nullptr) { cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, kBarrierId); }
         }
     }
