@@ -43,6 +43,12 @@ batch instead waits for its slowest request: speculative requests finish after d
 numbers of iterations, and the last iterations run few requests. Both modes time the same window
 (first token to last token, every request prefix-cached beforehand).
 
+FA3 score extension (issue 22): ``--fa3-ext PATH`` also runs every vegas engine (and the 8B latency
+table's) with ``VEGAS_FA3_EXT=PATH`` (rows ``-fa3``: verification attention and scores in one FA3 pass,
+:mod:`vegas.vllm_plugin.fa3_verify`); the other engines run with ``VEGAS_FA3_EXT`` unset, so one run
+gives tok/s before and after. The selection overhead of a ``-fa3`` row leaves out the scoring, which is
+inside the attention: compare its tok/s and verify ms.
+
 Greedy exactness: ``--exact-prompts`` prompts at the first context, greedy, compared token by
 token with plain vLLM greedy; at the first differing token the plain run's top-2 logprob gap
 is reported (a bf16 near-tie shows a small gap).
@@ -413,14 +419,18 @@ def latency_8b(args, prompts_long: list[list[int]], results) -> None:
     # piecewise verification graphs: CUDA events around each eager forward time the verify step
     sub.verify_graphs = "piecewise"
     n_new = 33
-    engines = [("plain", args.tp_selection)]
-    engines += [("vegas", t) for t in (args.tp_selections if args.tp > 1 else [args.tp_selection])]
-    for method, tp_sel in engines:
+    engines = [("plain", args.tp_selection, None)]
+    engines += [("vegas", t, None) for t in (args.tp_selections if args.tp > 1 else [args.tp_selection])]
+    if args.fa3_ext:
+        engines += [("vegas", t, args.fa3_ext) for t in (args.tp_selections if args.tp > 1 else [args.tp_selection])]
+    for method, tp_sel, fa3_ext in engines:
         if time.time() - T_START > args.time_budget:
             log("time budget reached; 8B latency skipped")
             return
         sub.tp_selection = tp_sel
         label = method if method == "plain" or args.tp == 1 else f"{method}-{tp_sel}"
+        label += "-fa3" if fa3_ext else ""
+        set_fa3_ext(fa3_ext)
         try:
             llm = build_llm(method, sub, max(ctxs) + n_new + 64, vegas_settings(sub, "collect2"))
             HOLD["llm"] = llm
@@ -609,6 +619,9 @@ def engine_jobs(args, methods: list[str]) -> list[tuple[str, argparse.Namespace]
         for s in args.extra_gamma_selectors.split(","):
             jobs.append(("vegas", sub(gamma=g, exact_prompts=0, selectors=[s], name_suffix=f"-g{g}",
                                       verify_graphs=modes[0])))
+    if getattr(args, "fa3_ext", None):  # every vegas engine again with the FA3 score extension
+        jobs += [(m, _with(a, fa3_on=True, name_suffix=a.name_suffix + "-fa3", exact_prompts=0))
+                 for m, a in list(jobs) if m == "vegas"]
     if getattr(args, "steady", 0):  # max_num_seqs = batch: one engine per batch size, batch-major
         jobs = [(m, _with(a, batches=[b], exact_prompts=a.exact_prompts if i == 0 else 0))
                 for i, b in enumerate(args.batches) for m, a in jobs]
@@ -662,7 +675,16 @@ def _with(ns: argparse.Namespace, **kw) -> argparse.Namespace:
     return out
 
 
+def set_fa3_ext(path: str | None) -> None:
+    """``VEGAS_FA3_EXT`` for the engines built next (their worker processes inherit it)."""
+    if path:
+        os.environ["VEGAS_FA3_EXT"] = path
+    else:
+        os.environ.pop("VEGAS_FA3_EXT", None)
+
+
 def run_job(method: str, args, prompts_by_ctx, results, exact_ref) -> None:
+    set_fa3_ext(args.fa3_ext if getattr(args, "fa3_on", False) else None)
     llm = run_engine(method, args, prompts_by_ctx, results, exact_ref)
     shutdown(llm)
     del llm
@@ -720,6 +742,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--vegas-scheduling", default="async",
                     help="comma list of vLLM scheduling modes for the vegas engines (async, sync), one "
                          "engine each; rows of all but the first get the suffix '-NAME'")
+    ap.add_argument("--fa3-ext", default=None, metavar="PATH",
+                    help="also run every vegas engine with the FA3 score extension _vegas_fa3_C at PATH "
+                         "(rows '-fa3'); the other engines run without it")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     args.method_list = methods = [m for m in args.methods.split(",") if m]
@@ -739,6 +764,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.greedy:
         args.temperature = 0.0
     args.name_suffix = ""
+    args.fa3_on = False  # set on the engine jobs that run with the extension
     return args
 
 

@@ -251,3 +251,21 @@ def test_vegas_rows_hand_the_proposer_its_settings(vb):
     name, config = parse_settings(vb.vegas_settings(args, "quest"))
     assert name == "quest" and config.kv_budget == 300 and config.num_draft_tokens == 6
     assert config.vllm.tp_selection == "per_rank" and config.vllm.verify_cuda_graphs == "piecewise"
+
+
+def test_fa3_extension_runs_every_vegas_engine_again(vb, monkeypatch):
+    """``--fa3-ext``: each vegas engine once more with the FA3 score extension (rows '-fa3', no
+    second exactness check); only those engines see ``VEGAS_FA3_EXT``."""
+    jobs = vb.engine_jobs(_args(selectors=["collect2", "aggregated"], fa3_ext="/x/_vegas_fa3_C.so", fa3_on=False),
+                          ["plain", "vegas"])
+    got = [(m, a.name_suffix, a.fa3_on, a.exact_prompts) for m, a in jobs]
+    assert got == [("plain", "", False, 8), ("vegas", "", False, 8), ("vegas", "", False, 8),
+                   ("vegas", "-fa3", True, 0), ("vegas", "-fa3", True, 0)]
+    monkeypatch.setenv("VEGAS_FA3_EXT", "/stale")
+    seen = []
+    monkeypatch.setattr(vb, "run_engine", lambda *a, **k: seen.append(vb.os.environ.get("VEGAS_FA3_EXT")))
+    monkeypatch.setattr(vb, "shutdown", lambda llm: None)
+    for m, a in jobs:
+        vb.run_job(m, a, {}, {}, {})
+    assert seen == [None, None, None, "/x/_vegas_fa3_C.so", "/x/_vegas_fa3_C.so"]
+    assert vb.parse_args(["--methods", "plain"]).fa3_ext is None

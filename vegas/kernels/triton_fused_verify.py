@@ -44,6 +44,7 @@ import triton.language as tl
 
 from ..config import VegasConfigError
 from .reference import check_head_shape
+from .triton_score_reduce import _score_reduce_kernel
 
 __all__ = ["choose_num_splits", "fused_verify_attention", "fused_blocks"]
 
@@ -252,37 +253,6 @@ def _combine_kernel(
     out = tl.sum(part * wts[:, None], axis=0) / tl.sum(wts, axis=0)
     tl.store(o_ptr + tok.to(tl.int64) * stride_ot + h * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
-
-
-@triton.jit(do_not_specialize=["max_len"])
-def _score_reduce_kernel(
-    part_ptr,  # [Hkv, num_seqs, max_len] float32 (or the score row itself when DIRECT)
-    sc_ptr,  # [num_seqs, max_len] float32 view
-    cu_q_ptr,
-    ctx_ptr,
-    max_len,
-    stride_pg, stride_ps,
-    stride_ss,
-    HKV: tl.constexpr,
-    DIRECT: tl.constexpr,  # one KV head: the scores are in place, only the tail is written
-    BLOCK: tl.constexpr,
-):
-    s = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    in_row = offs < max_len
-    ctx = tl.load(ctx_ptr + s).to(tl.int32)
-    # positions [0, n_sc) were scored by the main kernel; an empty chunk scores nothing (0)
-    n_sc = tl.where(tl.load(cu_q_ptr + s + 1) > tl.load(cu_q_ptr + s), ctx, 0)
-    sel = offs < ctx
-    out_row = sc_ptr + s.to(tl.int64) * stride_ss + offs
-    if DIRECT:
-        tl.store(out_row, tl.where(sel, 0.0, float("-inf")), mask=in_row & (offs >= n_sc))
-    else:
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for g in tl.static_range(HKV):
-            acc += tl.load(part_ptr + g * stride_pg + s.to(tl.int64) * stride_ps + offs, mask=offs < n_sc,
-                           other=0.0)
-        tl.store(out_row, tl.where(sel, acc, float("-inf")), mask=in_row)
 
 
 def fused_verify_attention(

@@ -67,7 +67,9 @@ def patch_attention() -> None:
     A call whose metadata is a :class:`~vegas.vllm_plugin.attention.DraftMetadata` runs the
     draft attention over the page-size-1 view (:func:`vegas.vllm_plugin.attention.draft_attention`);
     every other call with metadata (prefill, verification) runs vLLM's FA3 call, then the
-    selection hook :meth:`vegas.vllm_plugin.state.SelectionState.on_layer`.
+    selection hook :meth:`vegas.vllm_plugin.state.SelectionState.on_layer`, unless
+    :meth:`~vegas.vllm_plugin.state.SelectionState.verify_layer` ran the layer through FA3 with
+    the score output (the optional ``_vegas_fa3_C`` extension, :mod:`vegas.vllm_plugin.fa3_verify`).
     """
     from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
 
@@ -94,6 +96,13 @@ def patch_attention() -> None:
             attn_metadata = attn_metadata.get(layer.layer_name)
         if isinstance(attn_metadata, DraftMetadata):
             return draft_attention(self, layer, query, kv_cache, attn_metadata, output)
+        if (
+            STATE.enabled
+            and attn_metadata is not None
+            and kv_cache.numel() > 0
+            and STATE.verify_layer(self, layer_index(layer.layer_name), query, kv_cache, attn_metadata, output)
+        ):
+            return output  # FA3 with the score output ran instead (vegas.vllm_plugin.fa3_verify)
         out = original(
             self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
         )

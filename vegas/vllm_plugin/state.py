@@ -73,6 +73,9 @@ class SelectionState:
     #: Quest page bounds ``(L, num_blocks + 1, kv_heads, head_dim)`` (see :mod:`.quest`)
     quest_min: torch.Tensor | None = None
     quest_max: torch.Tensor | None = None
+    #: the FA3 score path (:class:`~.fa3_verify.FA3ScoreVerify`), made by the first
+    #: :meth:`verify_layer` of a path that takes it
+    fa3: object | None = None
 
     @property
     def num_layers(self) -> int:
@@ -165,22 +168,15 @@ class SelectionState:
         if not self.layers_ready or self.path is None:  # the proposer has not set us up yet
             return
         row = layer_idx - self.first_layer
+        if self.fa3 is not None and self.fa3.active:  # a layer the FA3 score path does not cover
+            self.fa3.fallback_layer(self, row, query, kv_cache, attn_metadata, scale)
+            if row == self.num_layers - 1:
+                self._finish_fa3(query, attn_metadata)
+            return
         if row == 0:
             with self.timed(query):
-                plan = make_plan(
-                    attn_metadata.query_start_loc, attn_metadata.seq_lens, attn_metadata.max_seq_len,
-                    self.gamma, self.path.selector, self.path.row_table,
-                )
-                if plan.q_idx is not None:  # padded requests of a captured batch point past the end
-                    plan.q_idx.clamp_(0, query.shape[0] - 1)
-                self.plan = plan
                 self.softcap = float(softcap or 0.0)
-                self.block_size = kv_cache.shape[2]
-                self.page_stride = kv_cache.stride(0) // kv_cache.stride(2)
-                width = plan.q_idx.shape[1] if plan.q_idx is not None else 0
-                self._ensure(plan.num_seqs, plan.k_max, width * query.shape[1] * query.shape[2], query.dtype,
-                             query.device)
-                self.path.begin(self, plan, query, kv_cache, attn_metadata)
+                self._begin_forward(query, kv_cache, attn_metadata)
         if self.plan is None:
             return
         if float(softcap or 0.0) != self.softcap:
@@ -189,6 +185,70 @@ class SelectionState:
                 "the score kernel takes one soft-cap for all layers"
             )
         self.path.layer(self, row, query, kv_cache, attn_metadata, scale)
+
+    def _begin_forward(self, query, kv_cache, attn_metadata, fa3_heads: int = 0) -> None:
+        """First layer of a runner forward: the plan, the buffers and the path's begin.
+        ``fa3_heads``: the FA3 score path runs this forward with that many KV heads per layer."""
+        plan = make_plan(
+            attn_metadata.query_start_loc, attn_metadata.seq_lens, attn_metadata.max_seq_len,
+            self.gamma, self.path.selector, self.path.row_table,
+        )
+        if fa3_heads:
+            self.fa3.prepare(self, plan, attn_metadata, fa3_heads, query.device)
+        if plan.q_idx is not None:  # padded requests of a captured batch point past the end
+            plan.q_idx.clamp_(0, query.shape[0] - 1)
+        self.plan = plan
+        self.block_size = kv_cache.shape[2]
+        self.page_stride = kv_cache.stride(0) // kv_cache.stride(2)
+        width = plan.q_idx.shape[1] if plan.q_idx is not None else 0
+        self._ensure(plan.num_seqs, plan.k_max, width * query.shape[1] * query.shape[2], query.dtype,
+                     query.device)
+        self.path.begin(self, plan, query, kv_cache, attn_metadata)
+
+    def verify_layer(self, impl, layer_idx: int, query, kv_cache, attn_metadata, output) -> bool:
+        """Before vLLM's FA3 call of a runner forward's layer: run it through FA3 with the score
+        output instead when this forward can (:class:`~.fa3_verify.FA3ScoreVerify`).
+
+        Returns:
+            True: ``output`` holds the layer's attention and its score row is kept (nothing else
+            to call); False: call vLLM's FA3, then :meth:`on_layer`, as without the extension.
+        """
+        if not self.layers_ready or self.path is None or not getattr(self.path, "uses_fa3_scores", False):
+            return False
+        if self.fa3 is None:
+            from .fa3_verify import FA3ScoreVerify
+
+            self.fa3 = FA3ScoreVerify()
+        fa3 = self.fa3
+        row = layer_idx - self.first_layer
+        if row == 0:
+            if not fa3.begin(self, impl, query, attn_metadata):
+                return False
+            with self.timed(query):
+                self.softcap = float(getattr(impl, "logits_soft_cap", 0.0) or 0.0)
+                self._begin_forward(query, kv_cache, attn_metadata, fa3_heads=impl.num_kv_heads)
+        elif row not in fa3.layer_reason:
+            fa3.layer_reason[row] = fa3.impl_reason(impl, query)
+        if not fa3.active or fa3.layer_reason[row] is not None:
+            return False
+        fa3.layer(self, row, impl, query, kv_cache, attn_metadata, output)
+        if row == self.num_layers - 1:
+            self._finish_fa3(query, attn_metadata)
+        return True
+
+    def _finish_fa3(self, query, attn_metadata) -> None:
+        """Last layer of a forward on the FA3 score path: the selection from its score rows."""
+        from .selectors.scores import _sums_over_ranks
+
+        plan, fa3 = self.plan, self.fa3
+        fa3.active = False
+        if plan.k_max == 0:
+            return
+        with self.timed(query):
+            scores = fa3.scores  # [L, num_seqs, max_len] float32
+            if self.all_reduce is not None and _sums_over_ranks(self):
+                scores = self.all_reduce(scores)
+            self.path.select_layers(self, plan, scores, attn_metadata.block_table[: plan.num_seqs])
 
     def selection(self, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(sel, ctx_sel, budgets)`` of the last forward's first ``num_seqs`` requests:

@@ -16,6 +16,8 @@ __all__ = ["ScoreTopKFastPath"]
 class ScoreTopKFastPath(CollectingPath, FastPath):
     """Top-k of the summed logits of the selector's score rows, per layer."""
 
+    uses_fa3_scores = True
+
     def select_layers(self, state, plan, scores, block_table) -> None:
         slots = select_topk_layers(
             scores, plan.budgets, plan.k_max, block_table, state.block_size, plan.recent, plan.ctx_sel

@@ -6,6 +6,7 @@ collect queries are stashed, at the last layer every layer is scored in one kern
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 
@@ -79,6 +80,10 @@ def _sums_over_ranks(state) -> bool:
 class CollectingPath(SelectionPath):
     """A path that collects the selector's score rows of every layer and selects at the last
     layer (:meth:`select_layers`), all layers at once."""
+
+    #: the score rows may come from FA3 itself (:mod:`vegas.vllm_plugin.fa3_verify`): a path
+    #: whose :meth:`select_layers` takes the ``(L, num_seqs, max_len)`` rows with ``-inf`` tails
+    uses_fa3_scores: ClassVar[bool] = False
 
     def __init__(self, selector, gamma, device) -> None:
         super().__init__(selector, gamma, device)
