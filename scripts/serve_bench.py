@@ -337,7 +337,8 @@ def parse_args(argv=None):
     p.add_argument("--sparsity-ratio", type=float, default=0.05)
     p.add_argument("--config", default=None, help="Further Vegas settings (vegas serve --config).")
     p.add_argument("--max-model-len", type=int, default=None,
-                   help="vLLM's max_model_len [default: the longest request plus a margin, within the model's context].")
+                   help="vLLM's max_model_len [default: the longest request plus a margin, within the model's "
+                        "context].")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--serve-arg", action="append", default=[], help="One more vllm serve argument (repeatable).")

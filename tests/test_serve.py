@@ -250,7 +250,8 @@ def test_without_vllm_the_backend_install_hint_in_one_line(monkeypatch):
     from vegas.backends import vllm as vllm_backend
 
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real_find_spec(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "vllm" else real_find_spec(name, *a))
     monkeypatch.setattr(vegas_serve.shutil, "which", lambda name: None)
     with pytest.raises(VegasConfigError) as backend_error:
         vllm_backend.VLLMBackend(MODEL)

@@ -84,6 +84,27 @@ def _assert_tokens_equal_up_to_ties(plain, vegas_tokens, stops_early: bool = Fal
         assert top[0] - top[1] <= 0.125, f"differs at token {j} with top-2 gap {top[0] - top[1]}"
 
 
+def _generate(engine_kw: dict, prompts, sp):
+    """``(outputs, stats)`` of one ``vllm.LLM(**engine_kw)`` over token-id ``prompts``, then shut
+    down; ``stats`` is the Vegas proposer's :func:`~vegas.vllm_plugin.get_stats` (``{}`` plain)."""
+    import os
+
+    from vllm import LLM
+
+    from vegas.vllm_plugin import get_stats
+
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(get_stats)
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    llm = LLM(**engine_kw)
+    try:
+        out = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        stats = llm.collective_rpc(get_stats, args=(True,))[0]
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    return out, stats
+
+
 @pytest.fixture(scope="module")
 def tp1_plain():
     if not torch.cuda.is_available():
@@ -132,20 +153,13 @@ def test_vllm_quest_greedy_equals_plain(tp1_plain, monkeypatch):
     """Quest on one GPU (page bounds kept by every verification, pages chosen per draft query
     inside the draft CUDA graph): greedy equals plain vLLM greedy up to bf16 near-ties, Vegas
     drafts (acceptance length > 1), and the bound updates are timed in every verification."""
-    from vllm import LLM
-
     from vegas import DEFAULT_MODEL
-    from vegas.vllm_plugin import get_stats, register
+    from vegas.vllm_plugin import register
 
     prompts, sp, plain = tp1_plain
     register()
     monkeypatch.setenv("VEGAS_VLLM_CONFIG", settings_json("quest", VegasConfig(min_kv_budget=64)))
-    llm = LLM(**vllm_engine_kwargs(str(DEFAULT_MODEL), num_draft_tokens=4, **TP1))
-    try:
-        vegas = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-        stats = llm.collective_rpc(get_stats, args=(True,))[0]
-    finally:
-        llm.llm_engine.engine_core.shutdown()
+    vegas, stats = _generate(vllm_engine_kwargs(str(DEFAULT_MODEL), num_draft_tokens=4, **TP1), prompts, sp)
     assert stats["acceptance_length"] > 1.0 and len(stats["requests"]) == len(prompts)
     assert stats["full_cuda_graphs"] and stats["select_timed"] >= stats["proposals"] > 0
     _assert_equal_up_to_ties(plain, vegas)
@@ -215,9 +229,9 @@ def test_soft_capped_model_scores_capped_logits_and_equals_plain(tmp_path_factor
     vLLM greedy up to bf16 near-ties. (Gemma 2 with its sliding-window layers stays refused.)"""
     pytest.importorskip("vllm")
     import transformers
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    from vegas.vllm_plugin import get_stats, register
+    from vegas.vllm_plugin import register
 
     path = tmp_path_factory.mktemp("gemma2-full")
     config = transformers.Gemma2Config(
@@ -233,18 +247,9 @@ def test_soft_capped_model_scores_capped_logits_and_equals_plain(tmp_path_factor
     sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=2, detokenize=False)
     kw = dict(TP1, skip_tokenizer_init=True)
     register()
-    llm = LLM(**vllm_engine_kwargs(str(path), **kw))
-    try:
-        plain = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    finally:
-        llm.llm_engine.engine_core.shutdown()
+    plain, _ = _generate(vllm_engine_kwargs(str(path), **kw), prompts, sp)
     monkeypatch.setenv("VEGAS_VLLM_CONFIG", settings_json("collect2", VegasConfig(min_kv_budget=64)))
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
-    llm = LLM(**vllm_engine_kwargs(str(path), num_draft_tokens=4, **kw))
-    try:
-        vegas = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-        stats = llm.collective_rpc(get_stats, args=(True,))[0]
-    finally:
-        llm.llm_engine.engine_core.shutdown()
+    vegas, stats = _generate(vllm_engine_kwargs(str(path), num_draft_tokens=4, **kw), prompts, sp)
     assert stats["logits_soft_cap"] == 2.0 and stats["iterations"] > 0
     _assert_equal_up_to_ties(plain, vegas)
