@@ -82,11 +82,12 @@ def test_budget_above_context_logs_once(pipe, code_prompts, caplog, monkeypatch)
     from vegas.backends import hf
 
     monkeypatch.setattr(hf, "FULL_BUDGET_LOGGED", False)
-    with caplog.at_level("WARNING", logger="vegas.backends.hf"):
+    with caplog.at_level("INFO", logger="vegas.backends.hf"):
         run(pipe, code_prompts, "collect2", kv_budget=10_000)
         run(pipe, code_prompts, "collect2", kv_budget=10_000)  # a second call says nothing more
     said = [r.message for r in caplog.records if "attends to every position" in r.message]
     assert len(said) == 1 and "KV budget 10000 >= context" in said[0]
+    assert [r.levelname for r in caplog.records if "attends to every position" in r.message] == ["INFO"]
 
 
 def bf16_step(x: float) -> float:
