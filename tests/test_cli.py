@@ -29,6 +29,14 @@ def test_bench_small_writes_json(tmp_path):
     assert "plain decoding (--selector none)" in verdict or "× plain decoding" in verdict
 
 
+def test_bench_of_plain_decoding_only_at_temperature_0():
+    result = CliRunner().invoke(main, ["bench", "--selectors", "none", "--context", "64", "--new-tokens", "2",
+                                       "--check-tokens", "2", "--batch-size", "1", "--temperature", "0"])
+    assert result.exit_code == 0, result.output
+    assert "plain: timed greedy decoding done in" in result.output and "sampling" not in result.output
+    assert "plain decoding only: no selector was measured" in result.output
+
+
 def test_greedy_tau_cap():
     from vegas.bench import greedy_tau_cap
 

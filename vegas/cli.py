@@ -106,7 +106,8 @@ def main(verbose: bool) -> None:
 @click.option("--prompts", default=None, type=click.Path(exists=True),
               help="Text file or directory to cut prompts from (default: installed click source).")
 @click.option("--repeats", default=1, show_default=True, type=int,
-              help="Timed runs per method, interleaved across methods; rows report the median tok/s.")
+              help="Timed runs per method, interleaved across methods; rows report the median tok/s, and a "
+                   "selector is recommended over plain decoding only when faster by more than the spread.")
 @click.option("--json", "json_path", default=None, type=click.Path(), help="Write results as JSON here.")
 @click.option("--plot", "plot_path", default=None, type=click.Path(),
               help="Write the table as a chart here (PNG: τ and speedup per selector).")
@@ -251,8 +252,9 @@ def _tune_options(fn):
 @click.option("--time-budget", default=None, type=float,
               help="Seconds: stop before a point that would not finish in time, then write plots and a "
                    "recommendation [default: none; --quick 570].")
-@click.option("--repeats", default=1, show_default=True, type=int,
-              help="Timed runs per point; the point keeps the run of median tokens/s (a noisy machine wants 3).")
+@click.option("--repeats", default=None, type=int,
+              help="Timed runs per point (seeds --seed, +1, ...): the point keeps the run of median tokens/s and the "
+                   "spread of its runs; a point is chosen over another only beyond the spread [default: 3].")
 @click.option("--out", default="vegas-tune", show_default=True, type=click.Path(file_okay=False),
               help="Directory for points.json, recommendation.json and the PNG plots; a rerun resumes from it.")
 @click.option("--fresh", is_flag=True, help="Discard the points already in --out instead of resuming.")

@@ -168,9 +168,9 @@ def raise_if_bad_options(opts: TuneOptions) -> None:
 def knee(points: list[dict], tolerance: float) -> dict | None:
     """The knee of a τ-against-sparsity curve (the points of one selector at one γ).
 
-    Rule: the point with the smallest ``sparsity_ratio`` whose (median) ``acceptance_length`` τ
-    is below the best point's τ by at most ``tolerance * best τ``, or by at most the spread of
-    the two (``acceptance_length_spread``, 0 when absent). None when ``points`` is empty.
+    Rule: the point with the smallest ``sparsity_ratio`` whose ``acceptance_length`` τ (of its
+    median run) is below the best point's τ by at most ``tolerance * best τ``, or by at most the
+    spread of the two (``acceptance_length_spread``, 0 when absent). None when ``points`` is empty.
     """
     if not points:
         return None
