@@ -32,7 +32,8 @@ def test_bad_max_new_tokens(pipe):
         ({"num_draft_tokens": 0}, "num_draft_tokens must be an integer >= 1"),
         ({"sparsity_ratio": 0}, r"sparsity_ratio must be a number in \(0, 1\]"),
         ({"sparsity_ratio": 2}, r"sparsity_ratio must be a number in \(0, 1\]"),
-        ({"kv_budget": -5}, "kv_budget must be an integer >= 0"),
+        ({"kv_budget": -5}, "kv_budget must be an integer >= 1"),
+        ({"kv_budget": 0}, "kv_budget must be an integer >= 1"),
         ({"selector": "nope"}, "selector must be one of"),
         ({"backend": "nope"}, "backend must be one of"),
         ({"gamma": 3}, r"unknown config field\(s\) \['gamma'\]"),
@@ -63,9 +64,11 @@ def test_single_token_prompts_work(pipe, selector, prompts):
     assert [o.token_ids for o in out] == [o.token_ids for o in ref]
 
 
-def test_zero_budget_works(pipe):
-    zero = Pipeline(selector="aggregated", kv_budget=0, recent_window=0)
-    assert zero.generate(["def f(x):"], max_new_tokens=3)[0].stats.num_generated == 3
+def test_the_none_selector_is_plain_decoding(pipe):
+    out = Pipeline(selector="none").generate(["def f(x):"], max_new_tokens=3)[0]
+    assert out.token_ids == pipe.generate(["def f(x):"], max_new_tokens=3, selector=None)[0].token_ids
+    assert out.stats.num_drafted == 0 and out.stats.kv_budget == 0
+    assert pipe.generate(["def f(x):"], max_new_tokens=3, selector="none")[0].token_ids == out.token_ids
 
 
 @pytest.mark.parametrize(
@@ -85,7 +88,7 @@ def test_bad_prompt_types_and_token_ids(pipe, prompts, match):
 
 
 def test_max_new_tokens_larger_than_context_names_it(pipe):
-    with pytest.raises(VegasConfigError, match="max_new_tokens=1000000 plus num_draft_tokens"):
+    with pytest.raises(VegasConfigError, match="max_new_tokens 1000000 leaves no room for a prompt"):
         pipe.generate(["x = 1"], max_new_tokens=10**6)
 
 

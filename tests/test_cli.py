@@ -24,6 +24,17 @@ def test_bench_small_writes_json(tmp_path):
         assert 1.0 <= row["greedy_acceptance_length"] <= 3.0
     assert "collect2" in result.output
     assert "cannot exceed 3.00" in " ".join(result.output.split())
+    assert "τ ≤ γ+1 = 5" in result.output and "selection (% decode)" in result.output
+    verdict = next(line for line in result.output.splitlines() if "recommended: " in line)
+    assert "plain decoding (--selector none)" in verdict or "× plain decoding" in verdict
+
+
+def test_bench_of_plain_decoding_only_at_temperature_0():
+    result = CliRunner().invoke(main, ["bench", "--selectors", "none", "--context", "64", "--new-tokens", "2",
+                                       "--check-tokens", "2", "--batch-size", "1", "--temperature", "0"])
+    assert result.exit_code == 0, result.output
+    assert "plain: timed greedy decoding done in" in result.output and "sampling" not in result.output
+    assert "plain decoding only: no selector was measured" in result.output
 
 
 def test_greedy_tau_cap():
@@ -36,9 +47,54 @@ def test_greedy_tau_cap():
 
 def test_bench_rejects_bad_options():
     result = CliRunner().invoke(main, ["bench", "--selectors", "nope", "--context", "64"])
-    assert result.exit_code == 2 and "selector must be one of" in result.output
+    assert result.exit_code == 2 and "Invalid value for '--selectors': must be one of none, " in result.output
     result = CliRunner().invoke(main, ["bench", "--sparsity-ratio", "1.5", "--context", "64"])
-    assert result.exit_code == 2 and "sparsity_ratio" in result.output
+    assert result.exit_code == 2 and "Invalid value for '--sparsity-ratio'" in result.output
+
+
+def test_cli_errors_name_the_flag_the_user_typed():
+    cases = [
+        (["generate", "x", "-g", "0"], "Invalid value for '--num-draft-tokens' / '-g': must be an integer >= 1"),
+        (["generate", "x", "--kv-budget", "0"], "Invalid value for '--kv-budget': must be an integer >= 1"),
+        (["serve", "vegas/model", "--kv-budget", "0"], "Invalid value for '--kv-budget': must be an integer >= 1"),
+        (["bench", "--kv-budget", "0"], "Invalid value for '--kv-budget': must be an integer >= 1"),
+        (["generate", "x", "--chat"], "Invalid value for '--chat': needs a tokenizer with a chat template"),
+        (["generate", "x", "--selector", "nope"], "Invalid value for '--selector': must be one of none, "),
+        (["generate", "x", "--temperature", "-1"], "Invalid value for '--temperature'"),
+        (["generate", "x", "--max-new-tokens", "40000"], "Invalid value for '--max-new-tokens': 40000 leaves no room"),
+    ]
+    for args, message in cases:
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
+
+
+def test_generate_leaves_special_tokens_out_of_the_text(pipe, monkeypatch):
+    from vegas.backends import hf
+    from vegas.outputs import RequestStats
+
+    eos = sorted(pipe.backend.eos_token_ids)[0]
+    ids = pipe.tokenizer("x = 1", add_special_tokens=False).input_ids + [eos]
+    monkeypatch.setattr(hf, "plain_decode", lambda *args, **kwargs: ([ids], [RequestStats()]))
+    out = pipe.generate(["y"], max_new_tokens=len(ids))[0]
+    assert out.token_ids == ids and out.text == "x = 1"
+    assert pipe.tokenizer.decode([eos]) not in out.text
+
+
+def test_generate_logs_in_one_format_and_shows_the_budget_used(tmp_path):
+    """A subprocess: one process, one log line (INFO, with -v) about the budget above the context;
+    the stats line shows the budget used."""
+    import re
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-c", "from vegas.cli import main; main()", "-v", "generate", "def f(x):", "--max-new-tokens", "4",
+            "--temperature", "0", "--sparsity-ratio", "0.01"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=True)
+    said = [line for line in done.stderr.splitlines() if line.startswith("vegas: ")]
+    assert len(said) == 1 and said[0].startswith("vegas: KV budget 256 >= context 4 tokens"), done.stderr
+    used = int(re.search(r"KV budget (\d+) tokens, decode", done.stderr).group(1))
+    assert 4 <= used <= 4 + 5  # the context at the last selection, not the 256-token minimum
+    assert "(≤ γ+1 = 5: the bonus token counts)" in done.stderr
 
 
 def test_generate_prints_text_and_stats(tmp_path):
@@ -51,10 +107,10 @@ def test_generate_prints_text_and_stats(tmp_path):
 
 def test_bench_names_bad_options(tmp_path):
     cases = [
-        (["--batch-size", "0"], "batch_size (--batch-size)"),
-        (["--check-tokens", "0"], "check_tokens (--check-tokens)"),
-        (["--context", "40000"], "context (--context) must be in"),
-        (["--selectors", ","], "must name at least one selector"),
+        (["--batch-size", "0"], "Invalid value for '--batch-size': must be an integer >= 1"),
+        (["--check-tokens", "0"], "Invalid value for '--check-tokens'"),
+        (["--context", "40000"], "Invalid value for '--context': must be in"),
+        (["--selectors", ","], "Invalid value for '--selectors': must name at least one selector"),
         (["--json", str(tmp_path)], "must be a file path in an existing directory"),
     ]
     for args, match in cases:
@@ -87,7 +143,8 @@ def test_bench_checks_sampling_options_and_json_path_before_the_run(tmp_path, mo
         raise AssertionError("the model was loaded before the options were checked")
 
     monkeypatch.setattr(vegas.bench, "Pipeline", no_model)
-    for args, match in ((["--temperature", "-0.5"], "temperature must be"), (["--top-p", "0"], "top_p must be")):
+    for args, match in ((["--temperature", "-0.5"], "Invalid value for '--temperature': must be"),
+                        (["--top-p", "0"], "Invalid value for '--top-p': must be")):
         result = CliRunner().invoke(main, ["bench", "--selectors", "collect2", *args])
         assert result.exit_code == 2 and match in result.output, result.output
     target = Path("/proc/vegas-bench-results.json")  # an existing directory nobody can write to

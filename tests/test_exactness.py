@@ -1,6 +1,19 @@
-"""Greedy Vegas decoding equals plain greedy decoding, token for token (float32, real code)."""
+"""Greedy Vegas decoding equals plain greedy decoding: token for token in float32; in bfloat16
+up to near-ties of the plain run's own logits (real code prompts, CPU).
+
+Why bf16 is not token-exact: verification runs γ + 1 queries per forward, a plain decode step
+one, and the CPU takes other kernels for them (which ones depends on the CPU: AVX2, AVX512,
+AVX512-BF16, AMX), so bf16 rounding differs and a tie of the plain run can go the other way.
+The bf16 test therefore accepts a first difference only where the plain run's logit of the token
+Vegas emitted is within one bf16 step of its best logit (a tie), and warns that it did so; any
+other difference, e.g. from a broken rollback or a rejected draft accepted, fails.
+"""
+
+import math
+import warnings
 
 import pytest
+import torch
 
 from vegas import VegasConfig
 from vegas.sampling import SamplingParams
@@ -69,22 +82,94 @@ def test_budget_above_context_logs_once(pipe, code_prompts, caplog, monkeypatch)
     from vegas.backends import hf
 
     monkeypatch.setattr(hf, "FULL_BUDGET_LOGGED", False)
-    with caplog.at_level("WARNING", logger="vegas.backends.hf"):
+    with caplog.at_level("INFO", logger="vegas.backends.hf"):
         run(pipe, code_prompts, "collect2", kv_budget=10_000)
         run(pipe, code_prompts, "collect2", kv_budget=10_000)  # a second call says nothing more
     said = [r.message for r in caplog.records if "attends to every position" in r.message]
     assert len(said) == 1 and "KV budget 10000 >= context" in said[0]
+    assert [r.levelname for r in caplog.records if "attends to every position" in r.message] == ["INFO"]
 
 
-def test_bfloat16_greedy_matches_bfloat16_plain(code_prompts):
-    """Same backend and dtype: bf16 Vegas vs bf16 plain (first 12 tokens, CPU)."""
-    from vegas import Pipeline
+def bf16_step(x: float) -> float:
+    """The spacing of bfloat16 numbers at magnitude ``|x|`` (8 significant bits)."""
+    return torch.finfo(torch.bfloat16).eps * 2.0 ** math.floor(math.log2(abs(x))) if x else 0.0
+
+
+def first_differences_at_ties(vegas_ids, plain_ids, plain_logits) -> list[str]:
+    """Check that every sequence of ``vegas_ids`` equals ``plain_ids`` or first differs at a tie.
+
+    Args:
+        plain_logits: per sequence, ``torch.FloatTensor (num_tokens, vocab)``: the logits the
+            plain run chose each of its tokens from.
+
+    Returns:
+        one line per sequence that differs (each at a tie).
+
+    Raises:
+        AssertionError: a sequence whose first difference is not a tie: the plain run's logit of
+            the token Vegas emitted is more than one bf16 step (at the best logit's magnitude)
+            below the best one; or one sequence a strict prefix of the other.
+    """
+    ties = []
+    for b, (ours, ref) in enumerate(zip(vegas_ids, plain_ids, strict=True)):
+        if ours == ref:
+            continue
+        i = next((i for i, (x, y) in enumerate(zip(ours, ref)) if x != y), None)
+        assert i is not None, f"sequence {b}: {len(ours)} tokens against plain's {len(ref)}, with no token differing"
+        logits = plain_logits[b][i]
+        best, theirs = float(logits.max()), float(logits[ours[i]])
+        step = bf16_step(best)
+        assert best - theirs <= step, (
+            f"sequence {b} first differs at token {i}: Vegas {ours[i]} (plain logit {theirs:.4f}), plain "
+            f"{ref[i]} ({best:.4f}); gap {best - theirs:.4f} > one bf16 step ({step:g}): not a tie"
+        )
+        ties.append(f"sequence {b} token {i}: {ours[i]} vs {ref[i]}, logit gap {best - theirs:.4f} <= {step:g}")
+    return ties
+
+
+def test_tie_rule_passes_ties_and_fails_other_differences():
+    logits = torch.zeros(2, 8)
+    logits[0, 3], logits[0, 5] = 12.0, 12.0 - bf16_step(12.0)  # one step apart: a tie
+    logits[1, 3], logits[1, 5] = 12.0, 12.0 - 2 * bf16_step(12.0)
+    assert bf16_step(12.0) == 2 ** -4 and bf16_step(-0.75) == 2 ** -8
+    assert first_differences_at_ties([[1, 2]], [[1, 2]], [logits]) == []
+    assert len(first_differences_at_ties([[3, 5]], [[3, 3]], [logits[[0, 0]]])) == 1
+    with pytest.raises(AssertionError, match="not a tie"):
+        first_differences_at_ties([[3, 5]], [[3, 3]], [logits[[0, 1]]])
+    with pytest.raises(AssertionError, match="no token differing"):
+        first_differences_at_ties([[3]], [[3, 3]], [logits])
+
+
+def test_bfloat16_greedy_matches_bfloat16_plain_up_to_ties(code_prompts, monkeypatch):
+    """bf16 Vegas vs bf16 plain, same backend (CPU): equal, or first different at a tie of the
+    plain run's own logits (see the module docstring); a tie taken is reported as a warning."""
+    from vegas import Pipeline, loop
 
     bf16 = Pipeline(selector=None, dtype="bfloat16", device="cpu")
     prompts = [p[:400] for p in code_prompts]
-    ref = bf16.generate(prompts, max_new_tokens=12)
-    out = bf16.generate(prompts, max_new_tokens=12, selector="collect2")
-    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+    steps = []  # the logits [B, V] of each plain decode step
+
+    make_sampler = loop.make_sampler
+
+    def recording_sampler(params, generator):
+        sample = make_sampler(params, generator)
+
+        def record(logits):
+            steps.append(logits.clone())
+            return sample(logits)
+
+        return record
+
+    with monkeypatch.context() as m:
+        m.setattr(loop, "make_sampler", recording_sampler)
+        ref = run(bf16, prompts, None)
+    assert len(steps) == NEW_TOKENS and all(s.shape[0] == len(prompts) for s in steps), "no sequence may end early"
+    plain_logits = torch.stack(steps, dim=1)  # [B, NEW_TOKENS, V]
+    out = run(bf16, prompts, "collect2", **SMALL)
+    assert 0 < sum(o.stats.num_accepted for o in out) < sum(o.stats.num_drafted for o in out)
+    ties = first_differences_at_ties([o.token_ids for o in out], [r.token_ids for r in ref], plain_logits)
+    for line in ties:
+        warnings.warn(f"bf16 greedy followed the other side of a tie of the plain run: {line}", stacklevel=1)
 
 
 def test_quest_acceptance_does_not_depend_on_batch_neighbours(pipe, click_ids):

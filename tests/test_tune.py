@@ -10,7 +10,7 @@ from rich.console import Console
 from vegas.cli import main
 from vegas.config import VegasConfigError
 from vegas.progress import LoggedProgress
-from vegas.tune import TuneOptions, describe, fine_grid, knee, recommend, run_tune
+from vegas.tune import TuneOptions, best_by_throughput, describe, fine_grid, knee, recommend, run_tune
 
 PNG = b"\x89PNG\r\n\x1a\n"
 PLOTS = ("tau_vs_budget.png", "throughput_vs_gamma.png", "throughput_vs_sparsity.png")
@@ -52,6 +52,53 @@ def test_recommend_follows_the_three_steps_on_synthetic_points():
     assert "VegasConfig(sparsity_ratio=0.03333, min_kv_budget=0)" in text
     assert "VEGAS_VLLM_CONFIG=" in text and '"num_speculative_tokens": 4' in text
     assert "vegas serve MODEL --config" in text
+    assert rec["recommended"] == "collect2"
+
+
+def _spread(point, tps_spread, tau_spread=0.0):
+    return {**point, "tokens_per_second_spread": tps_spread, "acceptance_length_spread": tau_spread}
+
+
+def test_points_are_chosen_over_others_only_beyond_the_spread():
+    knee_pt, fast = _spread(_point(3, 0.05, 3.0, 12.0), 0.5), _spread(_point(3, 0.075, 3.0, 12.4), 0.3)
+    assert best_by_throughput([knee_pt, fast], knee_pt) is knee_pt  # 0.4 tok/s apart, within a spread of 0.5
+    assert best_by_throughput([knee_pt, fast]) is fast  # no preferred point: the fastest
+    faster = _spread(fast, 0.3) | {"tokens_per_second": 12.6}
+    assert best_by_throughput([knee_pt, faster], knee_pt) is faster  # 0.6 apart: beyond the spread
+    curve = [_spread(_point(1, s, tau, 1.0), 0.0, spread) for s, tau, spread in [(0.01, 3.0, 0.0), (0.05, 3.7, 0.4),
+                                                                                 (0.2, 4.0, 0.1)]]
+    assert knee(curve, 0.05)["sparsity_ratio"] == 0.05  # 0.3 below the best: beyond 5 %, within the spread
+
+
+def test_plain_decoding_is_recommended_where_no_selector_is_clearly_faster():
+    opts = TuneOptions(sparsities=[0.05], gammas=[4], fine_steps=0).resolved()
+    plain = {"step": 2, "selector": None, "num_draft_tokens": 1, "sparsity_ratio": None, "kv_budget": None,
+             "acceptance_length": 1.0, "tokens_per_second": 100.0, "tokens_per_second_spread": 3.0}
+    points = [_point(1, 0.05, 2.5, 1.0), plain, _spread(_point(2, 0.05, 2.5, 72.0), 2.0)]
+    rec = recommend(points, opts)
+    assert rec["recommended"] == "none" and rec["best"]["selector"] == "collect2"
+    text = "\n".join(describe(rec))
+    assert "plain decoding is as fast or faster on this machine" in text and "0.72× plain" in text
+    assert "recommended: plain decoding (selector 'none')" in text and "VegasConfig(" not in text
+    rec = recommend(points[:2] + [_spread(_point(2, 0.05, 2.5, 102.0), 2.0)], opts)
+    assert rec["recommended"] == "none"  # 2 % faster, within the spread of 3 tok/s
+    rec = recommend(points[:2] + [_spread(_point(2, 0.05, 2.5, 104.0), 2.0)], opts)
+    assert rec["recommended"] == "collect2"
+
+
+def test_bench_verdict_says_when_plain_decoding_is_faster():
+    from vegas.bench import verdict
+
+    plain = {"tokens_per_second": 100.0, "tokens_per_second_runs": [98.0, 100.0, 103.0], "tokens_per_second_spread": 5.0}
+    slow = {"tokens_per_second": 72.0, "speedup": 0.72, "tokens_per_second_spread": 1.0}
+    fast = {"tokens_per_second": 110.0, "speedup": 1.1, "tokens_per_second_spread": 1.0}
+    text = verdict({"plain": plain, "selectors": {"collect2": slow}})
+    assert text.startswith("plain decoding is as fast or faster on this machine") and "0.72× plain" in text
+    assert text.endswith("recommended: plain decoding (--selector none)")
+    assert verdict({"plain": plain, "selectors": {"collect2": slow, "quest": fast}}).startswith(
+        "recommended: quest, 1.10× plain decoding (medians of 3 runs)")
+    assert verdict({"plain": plain, "selectors": {"quest": fast | {"tokens_per_second": 104.0}}}).startswith(
+        "plain decoding is as fast")
 
 
 @pytest.fixture
@@ -69,6 +116,7 @@ def counted(pipe, monkeypatch):
 
 
 def _tiny(out, **kw):
+    kw = {"repeats": 1, **kw}
     return TuneOptions(context=128, new_tokens=4, batch_size=1, sparsities=[0.05, 0.5], gammas=[2], fine_steps=1,
                        device="cpu", out=str(out), **kw)
 
@@ -98,11 +146,14 @@ def test_tiny_sweep_writes_points_plots_recommendation_and_resumes(counted, tmp_
 
     result = CliRunner().invoke(main, [  # the command resumes the same points too
         "tune", "--context", "128", "--new-tokens", "4", "--batch-size", "1", "--sparsities", "0.05,0.5",
-        "--gammas", "2", "--fine-steps", "1", "--device", "cpu", "--out", str(tmp_path),
+        "--gammas", "2", "--fine-steps", "1", "--device", "cpu", "--repeats", "1", "--out", str(tmp_path),
     ])
     assert result.exit_code == 0, result.output
     assert "8 points (8 reused from an earlier run)" in result.output and " done in " not in result.output
-    assert "VegasConfig(num_draft_tokens=2" in result.output and "--speculative-config" in result.output
+    if rec["recommended"] == "none":  # plain decoding was as fast on this machine
+        assert "recommended: plain decoding (selector 'none')" in result.output
+    else:
+        assert "VegasConfig(num_draft_tokens=2" in result.output and "--speculative-config" in result.output
 
     with pytest.raises(VegasConfigError, match=r"other settings \(new_tokens: 4 -> 5\).*--fresh"):
         run_tune(TuneOptions(**{**vars(_tiny(tmp_path)), "new_tokens": 5}), Console(file=io.StringIO()), pipe=pipe)
@@ -129,7 +180,7 @@ def test_repeats_time_each_point_several_times(counted, tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--selectors", ","], "--selectors"),
-    (["--selectors", "nope"], "registered: "),
+    (["--selectors", "nope"], "Invalid value for '--selectors': unknown selector(s) 'nope'; known: none, "),
     (["--sparsities", "0.1,1.5"], "(0, 1]"),
     (["--sparsities", "0"], "--sparsities"),
     (["--sparsities", "x"], "comma-separated floats"),
@@ -165,7 +216,7 @@ def test_bench_plot_writes_a_png(tmp_path):
     assert result.exit_code == 0, result.output
     blob = out.read_bytes()
     assert blob.startswith(PNG) and len(blob) > 1000
-    assert "collect2: sampling, run 1/1 done in" in result.output  # the log line per run
+    assert "collect2: timed sampled decoding done in" in result.output  # the log line per run
     result = CliRunner().invoke(main, ["bench", "--plot", str(tmp_path), "--selectors", "collect2"])
     assert result.exit_code == 2 and "--plot" in result.output
 
@@ -173,6 +224,6 @@ def test_bench_plot_writes_a_png(tmp_path):
 def test_quick_preset_is_small_and_bounded_and_explicit_options_win():
     quick = TuneOptions(quick=True).resolved()
     assert (quick.context, quick.new_tokens, quick.batch_size, quick.time_budget) == (1024, 32, 1, 570.0)
-    assert len(quick.sparsities) == 4 and quick.gammas == [2, 4, 6] and quick.fine_steps == 1
+    assert len(quick.sparsities) == 4 and quick.gammas == [2, 4, 6] and quick.fine_steps == 1 and quick.repeats == 3
     assert TuneOptions(quick=True, context=512, time_budget=60).resolved().time_budget == 60
     assert TuneOptions().resolved().time_budget is None and TuneOptions().resolved().context == 4096

@@ -19,12 +19,12 @@ from rich.table import Table
 from .backends.base import RequestOutput
 from .config import VegasConfigError, VegasPluginError, kv_budget_for
 from .pipeline import Pipeline
-from .plugins import create_selector, selector_names
+from .plugins import PLAIN, create_selector, selector_names
 from .progress import LoggedProgress
 from .prompts import cut_contexts, package_source, read_text_source
 from .sampling import SamplingParams
 
-__all__ = ["BenchOptions", "run_bench", "summarize"]
+__all__ = ["BenchOptions", "clearly_faster", "median_row", "run_bench", "summarize", "verdict"]
 
 
 @dataclass
@@ -34,13 +34,14 @@ class BenchOptions:
     model: str | None = None
     rope_scaling: dict | None = None
     backend: str = "hf"
-    selectors: list[str] | None = None  # None: every registered selector (plugins included)
+    selectors: list[str] | None = None  # None: every registered selector (plugins included); plain always runs
     context: int = 4096
     new_tokens: int = 64
     batch_size: int = 2
     num_draft_tokens: int = 4
     sparsity_ratio: float = 0.05
     kv_budget: int | None = None
+    min_kv_budget: int = 256
     temperature: float = 0.8
     top_p: float = 0.95
     check_tokens: int = 16
@@ -84,13 +85,12 @@ def _raise_if_bad_options(opts: BenchOptions, pipe: Pipeline) -> None:
     for name in ("batch_size", "new_tokens", "check_tokens", "repeats"):
         value = getattr(opts, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise VegasConfigError(f"{name} (--{name.replace('_', '-')}) must be an integer >= 1, got {value!r}")
+            raise VegasConfigError.bad(name, f"must be an integer >= 1, got {value!r}")
     room = pipe.backend.max_context - max(opts.new_tokens, opts.check_tokens) - opts.num_draft_tokens - 1
     if not 2 <= opts.context <= room:
-        raise VegasConfigError(
-            f"context (--context) must be in [2, {room}] tokens: the model context is "
-            f"{pipe.backend.max_context} and new tokens plus γ + 1 verification slots need the rest; "
-            f"got {opts.context}"
+        raise VegasConfigError.bad(
+            "context", f"must be in [2, {room}] tokens: the model context is {pipe.backend.max_context} and new "
+            f"tokens plus γ + 1 verification slots need the rest; got {opts.context}"
         )
 
 
@@ -107,7 +107,8 @@ def run_bench(opts: BenchOptions, console: Console | None = None) -> dict:
     console = console or Console(stderr=True)
     SamplingParams(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)  # before any work
     # each selector's own τ and speed: no fallback to plain steps (vegas.draft_policy) mixed in
-    config = {"num_draft_tokens": opts.num_draft_tokens, "sparsity_ratio": opts.sparsity_ratio, "fallback": False}
+    config = {"num_draft_tokens": opts.num_draft_tokens, "sparsity_ratio": opts.sparsity_ratio,
+              "min_kv_budget": opts.min_kv_budget, "fallback": False}
     if opts.kv_budget is not None:
         config["kv_budget"] = opts.kv_budget
     pipe = Pipeline(
@@ -132,6 +133,7 @@ def run_bench(opts: BenchOptions, console: Console | None = None) -> dict:
         except VegasPluginError as exc:
             skip(name, exc)
             opts.selectors.remove(name)
+    opts.selectors = [name for name in opts.selectors if name != PLAIN]  # plain decoding: the reference row
     prompts = _prompts(pipe, opts)
     sampled = dict(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)
     results: dict = {
@@ -157,9 +159,11 @@ def run_bench(opts: BenchOptions, console: Console | None = None) -> dict:
                 skip(name, exc)
             progress.advance(task)
         timed: dict[str | None, list[dict]] = {None: [], **{name: [] for name in greedy}}
+        kind = "greedy" if SamplingParams(**sampled).greedy else "sampled"
         for r in range(opts.repeats):  # interleaved: a load that drifts meets every method alike
             for name in list(timed):
-                progress.update(task, description=f"{name or 'plain'}: sampling, run {r + 1}/{opts.repeats}")
+                run = f", run {r + 1}/{opts.repeats}" if opts.repeats > 1 else ""
+                progress.update(task, description=f"{name or 'plain'}: timed {kind} decoding{run}")
                 try:
                     out = pipe.generate(prompts, max_new_tokens=opts.new_tokens, selector=name, **sampled)
                 except VegasPluginError as exc:
@@ -169,9 +173,9 @@ def run_bench(opts: BenchOptions, console: Console | None = None) -> dict:
                 timed[name].append(summarize(out))
                 row = timed[name][-1]
                 progress.advance(task, note=f"{row['tokens_per_second']:.1f} tok/s, τ {row['acceptance_length']:.2f}")
-        results["plain"] = _median_row(timed.pop(None))
+        results["plain"] = median_row(timed.pop(None))
         for name, rows in timed.items():
-            row = _median_row(rows)
+            row = median_row(rows)
             row["greedy_acceptance_length"] = summarize(greedy[name])["acceptance_length"]
             row["lossless"] = all(g.token_ids == r.token_ids for g, r in zip(greedy[name], reference))
             row["speedup"] = row["tokens_per_second"] / results["plain"]["tokens_per_second"]
@@ -179,13 +183,40 @@ def run_bench(opts: BenchOptions, console: Console | None = None) -> dict:
     return results
 
 
-def _median_row(rows: list[dict]) -> dict:
-    """The run with the median tok/s (the lower middle one of an even count), plus every
-    run's tok/s under ``tokens_per_second_runs``."""
+def median_row(rows: list[dict]) -> dict:
+    """The run with the median tok/s (the lower middle one of an even count), plus every run's
+    tok/s and τ (``tokens_per_second_runs``, ``acceptance_length_runs``) and their spreads
+    (``tokens_per_second_spread``, ``acceptance_length_spread``: largest minus smallest; 0 for
+    one run)."""
     order = sorted(rows, key=lambda row: row["tokens_per_second"])
     row = dict(order[(len(order) - 1) // 2])
-    row["tokens_per_second_runs"] = [r["tokens_per_second"] for r in rows]
+    for key in ("tokens_per_second", "acceptance_length"):
+        runs = [r[key] for r in rows]
+        row[f"{key}_runs"], row[f"{key}_spread"] = runs, max(runs) - min(runs)
     return row
+
+
+def clearly_faster(a: dict, b: dict) -> bool:
+    """Whether point ``a`` decodes faster than point ``b`` beyond the noise: its median tok/s
+    exceeds ``b``'s by more than the spread of either's repeats (rows of :func:`median_row`)."""
+    spread = max(a.get("tokens_per_second_spread", 0.0), b.get("tokens_per_second_spread", 0.0))
+    return a["tokens_per_second"] - b["tokens_per_second"] > spread
+
+
+def verdict(results: dict) -> str:
+    """One line: the method to use on this machine. A selector only when it is
+    :func:`clearly_faster` than plain decoding, else plain decoding (``--selector none``)."""
+    plain, rows = results["plain"], results["selectors"]
+    if not rows:
+        return "plain decoding only: no selector was measured"
+    best = max(rows, key=lambda name: rows[name]["tokens_per_second"])
+    row = rows[best]
+    runs = len(plain["tokens_per_second_runs"])
+    noise = f"medians of {runs} runs" if runs > 1 else "single runs; --repeats 3 measures their spread"
+    if clearly_faster(row, plain):
+        return f"recommended: {best}, {row['speedup']:.2f}× plain decoding ({noise})"
+    return (f"plain decoding is as fast or faster on this machine: the best selector, {best}, runs at "
+            f"{row['speedup']:.2f}× plain ({noise}); recommended: plain decoding (--selector none)")
 
 
 def greedy_tau_cap(check_tokens: int, num_draft_tokens: int) -> float:
@@ -203,12 +234,13 @@ def render(results: dict) -> Table:
         f"γ={gamma}, KV budget {results['kv_budget']} "
         f"(sparsity {o['sparsity_ratio']}, min {results['config']['min_kv_budget']}), T={o['temperature']}, "
         f"{o['new_tokens']} new tokens; exactness: {check} greedy tokens",
-        caption=f"τ greedy* comes from the {check}-token exactness run, so it cannot exceed "
-        f"{greedy_tau_cap(check, gamma):.2f}; raise --check-tokens for a finer greedy τ",
+        caption=f"τ: tokens per iteration, the bonus token included (τ ≤ γ+1 = {gamma + 1}); τ greedy* comes "
+        f"from the {check}-token exactness run, so it cannot exceed {greedy_tau_cap(check, gamma):.2f} (raise "
+        "--check-tokens for a finer one); selection: share of decode time spent selecting KV entries",
     )
     table.add_column("method", no_wrap=True)
-    timed = "τ greedy" if o["temperature"] == 0 else "τ sampled"  # the timed run's acceptance length
-    for col in (timed, "τ greedy*", "tok/s", "speedup", "selection", "lossless"):
+    timed = "τ greedy" if SamplingParams(temperature=o["temperature"]).greedy else "τ sampled"  # the timed runs'
+    for col in (timed, "τ greedy*", "tok/s", "speedup", "selection (% decode)", "lossless"):
         table.add_column(col, justify="right", no_wrap=True)
     plain = results["plain"]
     table.add_row("plain", "1.00", "1.00", f"{plain['tokens_per_second']:.1f}", "1.00×", "-", "ref")

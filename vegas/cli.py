@@ -40,7 +40,9 @@ _MODEL_OPTIONS = [
 _DRAFT_OPTIONS = [  # vegas tune sweeps these: it takes only the others
     click.option("--num-draft-tokens", "-g", default=4, show_default=True, type=int, help="γ, draft tokens per iteration."),
     click.option("--sparsity-ratio", default=0.05, show_default=True, type=float, help="KV budget / context, in (0, 1]."),
-    click.option("--kv-budget", default=None, type=int, help="KV budget in tokens (overrides --sparsity-ratio)."),
+    click.option("--kv-budget", default=None, type=int, help="KV budget in tokens, >= 1 (overrides --sparsity-ratio)."),
+    click.option("--min-kv-budget", default=256, show_default=True, type=int,
+                 help="Floor of the KV budget that --sparsity-ratio gives (tokens)."),
 ]
 _SAMPLING_OPTIONS = [
     click.option("--temperature", default=0.8, show_default=True, type=float, help="0 = greedy."),
@@ -60,18 +62,42 @@ def _config_options(fn, options=None):
     return fn
 
 
+def _click_error(exc: VegasConfigError) -> click.ClickException:
+    """``exc`` as click's usage error (exit code 2), naming the flag of the field at fault
+    (``selector`` is ``--selectors`` on bench and tune) where the command has one."""
+    ctx = click.get_current_context()
+    for param in ctx.command.params:
+        if exc.field is not None and param.name in (exc.field, exc.field + "s"):
+            return click.BadParameter(exc.problem, ctx=ctx, param=param)
+    return click.UsageError(str(exc), ctx=ctx)
+
+
+class _LogFormat(logging.Formatter):
+    """``vegas: message``, ``vegas: warning: message`` at WARNING and above; another library's
+    record starts with its logger's name instead."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        source = "vegas" if record.name.split(".")[0] == "vegas" else record.name
+        level = f"{record.levelname.lower()}: " if record.levelno >= logging.WARNING else ""
+        return f"{source}: {level}{super().format(record)}"
+
+
 @click.group()
 @click.version_option(package_name="vegas")
 @click.option("-v", "--verbose", is_flag=True, help="Log at INFO level.")
 def main(verbose: bool) -> None:
     """vegas: lossless self-speculative decoding with verification-guided sparse attention."""
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING)
+    handler = logging.StreamHandler()
+    handler.setFormatter(_LogFormat())
+    logging.basicConfig(handlers=[handler])  # other libraries: warnings and errors
+    logging.getLogger("vegas").setLevel(logging.INFO if verbose else logging.WARNING)
 
 
 @main.command()
 @_config_options
 @click.option("--selectors", default="all", show_default=True,
-              help="Comma-separated selector names; 'all' = every registered selector, plugins included.")
+              help="Comma-separated selector names; 'all' = every registered selector, plugins included; "
+                   "plain decoding ('none') is always measured, as the reference.")
 @click.option("--context", default=4096, show_default=True, type=int, help="Prompt length in tokens.")
 @click.option("--new-tokens", default=64, show_default=True, type=int, help="Tokens generated per prompt.")
 @click.option("--batch-size", default=2, show_default=True, type=int, help="Prompts decoded together.")
@@ -80,19 +106,20 @@ def main(verbose: bool) -> None:
 @click.option("--prompts", default=None, type=click.Path(exists=True),
               help="Text file or directory to cut prompts from (default: installed click source).")
 @click.option("--repeats", default=1, show_default=True, type=int,
-              help="Timed runs per method, interleaved across methods; rows report the median tok/s.")
+              help="Timed runs per method, interleaved across methods; rows report the median tok/s, and a "
+                   "selector is recommended over plain decoding only when faster by more than the spread.")
 @click.option("--json", "json_path", default=None, type=click.Path(), help="Write results as JSON here.")
 @click.option("--plot", "plot_path", default=None, type=click.Path(),
               help="Write the table as a chart here (PNG: τ and speedup per selector).")
 def bench(json_path, plot_path, selectors, **kwargs) -> None:
     """Plain decoding vs each selector on the same long prompts: τ, tok/s, speedup, exactness."""
-    from .bench import BenchOptions, render, run_bench, write_json
+    from .bench import BenchOptions, render, run_bench, verdict, write_json
 
     console = Console(width=None if sys.stdout.isatty() else 120)  # the table's 7 columns fit
     try:
         names = None if selectors == "all" else [s.strip() for s in selectors.split(",") if s.strip()]
         if names == []:
-            raise VegasConfigError("selectors (--selectors) must name at least one selector, or 'all'")
+            raise VegasConfigError.bad("selectors", "must name at least one selector, or 'all'")
         for flag, path in (("--json", json_path), ("--plot", plot_path)):
             if path and (Path(path).is_dir() or not Path(path).resolve().parent.is_dir()):
                 raise VegasConfigError(f"{flag} {path!r} must be a file path in an existing directory")
@@ -102,8 +129,9 @@ def bench(json_path, plot_path, selectors, **kwargs) -> None:
         opts = BenchOptions(selectors=names, **kwargs)
         results = run_bench(opts, Console(stderr=True))
     except VegasConfigError as exc:
-        raise click.UsageError(str(exc)) from exc
+        raise _click_error(exc) from exc
     console.print(render(results))
+    click.echo(verdict(results))
     if json_path:
         write_json(results, json_path)
         console.print(f"results written to {json_path}")
@@ -149,8 +177,8 @@ def generate(prompt, selector, max_new_tokens, chat, model, rope_scaling, backen
     try:
         if config["kv_budget"] is None:
             config.pop("kv_budget")
-        pipe = Pipeline(model, selector=None if selector == "none" else selector, backend=backend,
-                        dtype=dtype, device=device, rope_scaling=rope_scaling, **config)
+        pipe = Pipeline(model, selector=selector, backend=backend, dtype=dtype, device=device,
+                        rope_scaling=rope_scaling, **config)
         if prompt.startswith("@@"):
             text = prompt[1:]
         elif prompt.startswith("@"):
@@ -163,12 +191,16 @@ def generate(prompt, selector, max_new_tokens, chat, model, rope_scaling, backen
         out = pipe.generate(text, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                             chat=chat)[0]
     except VegasConfigError as exc:
-        raise click.UsageError(str(exc)) from exc
+        raise _click_error(exc) from exc
     click.echo(out.text)
     s = out.stats
+    drafting = "plain decoding" if pipe.selector is None else (
+        f"τ={s.acceptance_length:.2f} (≤ γ+1 = {pipe.config.num_draft_tokens + 1}: the bonus token counts), "
+        f"accepted {s.num_accepted}/{s.num_drafted}, KV budget {s.kv_budget} tokens"
+    )
     click.echo(
-        f"\n[{s.num_generated} tokens, τ={s.acceptance_length:.2f}, accepted {s.num_accepted}/{s.num_drafted}, "
-        f"decode {s.decode_seconds:.2f} s, selection {s.selection_seconds:.3f} s]",
+        f"\n[{s.num_generated} tokens, {drafting}, decode {s.decode_seconds:.2f} s, "
+        f"selection {s.selection_seconds:.3f} s]",
         err=True,
     )
 
@@ -194,7 +226,8 @@ def _tune_options(fn):
 @main.command()
 @_tune_options
 @click.option("--selectors", default="collect2", show_default=True,
-              help="Comma-separated selector names to tune ('all' = every registered one); each gets its curves.")
+              help="Comma-separated selector names to tune ('all' = every registered one); each gets its curves. "
+                   "Plain decoding ('none') is always measured, and recommended where it is faster.")
 @click.option("--quick", is_flag=True,
               help="Small sweep (context 1024, 32 new tokens, batch 1, 4 sparsities, γ 2,4,6, 3 fine points, "
                    "time budget 570 s) for a first look on a CPU.")
@@ -219,8 +252,9 @@ def _tune_options(fn):
 @click.option("--time-budget", default=None, type=float,
               help="Seconds: stop before a point that would not finish in time, then write plots and a "
                    "recommendation [default: none; --quick 570].")
-@click.option("--repeats", default=1, show_default=True, type=int,
-              help="Timed runs per point; the point keeps the run of median tokens/s (a noisy machine wants 3).")
+@click.option("--repeats", default=None, type=int,
+              help="Timed runs per point (seeds --seed, +1, ...): the point keeps the run of median tokens/s and the "
+                   "spread of its runs; a point is chosen over another only beyond the spread [default: 3].")
 @click.option("--out", default="vegas-tune", show_default=True, type=click.Path(file_okay=False),
               help="Directory for points.json, recommendation.json and the PNG plots; a rerun resumes from it.")
 @click.option("--fresh", is_flag=True, help="Discard the points already in --out instead of resuming.")
@@ -239,7 +273,7 @@ def tune(selectors, **kwargs) -> None:
             names = [s.strip() for s in selectors.split(",") if s.strip()]
         results = run_tune(TuneOptions(selectors=names, **kwargs), Console(stderr=True))
     except VegasConfigError as exc:
-        raise click.UsageError(str(exc)) from exc
+        raise _click_error(exc) from exc
     for line in describe(results):
         click.echo(line)
     click.echo(f"{results['points']} points ({results['reused_points']} reused from an earlier run), "
@@ -260,8 +294,7 @@ class OneLineError(click.ClickException):
 @click.option("--num-draft-tokens", "-g", default=None, type=click.IntRange(min=1),
               help="γ, draft tokens per iteration (vLLM's num_speculative_tokens) [default: --config's, else 4].")
 @click.option("--sparsity-ratio", default=None, type=float, help="KV budget / context, in (0, 1] [default: 0.05].")
-@click.option("--kv-budget", default=None, type=click.IntRange(min=1),
-              help="KV budget in tokens (overrides --sparsity-ratio).")
+@click.option("--kv-budget", default=None, type=int, help="KV budget in tokens, >= 1 (overrides --sparsity-ratio).")
 @click.option("--config", "config_json", default=None,
               help="Vegas settings as one JSON object or a JSON file: {\"selector\": ..., <VegasConfig fields>, "
                    "\"vllm\": {...}}; the options above override it.")
@@ -292,7 +325,8 @@ def serve(model, selector, num_draft_tokens, sparsity_ratio, kv_budget, config_j
         if not dry_run:
             raise_if_vllm_missing()
     except VegasConfigError as exc:
-        raise OneLineError(str(exc)) from exc
+        # a setting with a flag names the flag; anything else (a model that cannot be resolved) in one line
+        raise (_click_error(exc) if exc.field is not None else OneLineError(str(exc))) from exc
     for line in plan.describe():
         click.echo(line, err=not dry_run)
     if dry_run:

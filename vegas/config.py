@@ -41,7 +41,24 @@ Budget = TypeVar("Budget")  # int, or a torch.LongTensor of any shape
 
 
 class VegasConfigError(ValueError):
-    """A parameter of a Vegas run is outside its allowed values."""
+    """A parameter of a Vegas run is outside its allowed values.
+
+    Args:
+        message: the whole message (names the parameter, says how to fix it).
+        field: the parameter at fault when there is one (a :class:`VegasConfig` field or an
+            argument name), so that a front end can name it its own way (the CLI: its flag).
+        problem: the message without the parameter's name (default: ``message``).
+    """
+
+    def __init__(self, message: str, *, field: str | None = None, problem: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+        self.problem = problem or message
+
+    @classmethod
+    def bad(cls, field: str, problem: str) -> VegasConfigError:
+        """``"<field> <problem>"``, with ``field`` and ``problem`` kept for front ends."""
+        return cls(f"{field} {problem}", field=field, problem=problem)
 
 
 class VegasPluginError(VegasConfigError):
@@ -51,18 +68,18 @@ class VegasPluginError(VegasConfigError):
 
 def _raise_if_not_int(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise VegasConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        raise VegasConfigError.bad(name, f"must be an integer >= {minimum}, got {value!r}")
 
 
 def _raise_if_not_number(name: str, value: object, *, positive: bool) -> None:
     ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
     if not ok or value < 0 or (positive and value == 0):
-        raise VegasConfigError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
+        raise VegasConfigError.bad(name, f"must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
 
 
 def _raise_if_not_one_of(name: str, value: object, allowed: tuple) -> None:
     if value not in allowed:
-        raise VegasConfigError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+        raise VegasConfigError.bad(name, f"must be one of {', '.join(map(repr, allowed))}, got {value!r}")
 
 
 def parse_json_object(raw: str, source: str) -> dict[str, Any]:
@@ -119,7 +136,7 @@ class VllmOptions:
         _raise_if_not_one_of("vllm.tp_selection", self.tp_selection, TP_SELECTIONS)
         _raise_if_not_one_of("vllm.verify_cuda_graphs", self.verify_cuda_graphs, VERIFY_CUDA_GRAPH_MODES)
         if not isinstance(self.draft_cuda_graphs, bool):
-            raise VegasConfigError(f"vllm.draft_cuda_graphs must be true or false, got {self.draft_cuda_graphs!r}")
+            raise VegasConfigError.bad("vllm.draft_cuda_graphs", f"must be true or false, got {self.draft_cuda_graphs!r}")
         _raise_if_not_int("vllm.draft_graph_max_rows", self.draft_graph_max_rows, 1)
 
 
@@ -132,7 +149,7 @@ class VegasConfig:
         sparsity_ratio: KV budget as a share of each sequence's context, in (0, 1].
             Used when ``kv_budget`` is None. Default 0.05 (the reference implementation's).
         kv_budget: KV budget k in tokens (KV entries per layer a draft query attends to,
-            besides the positions appended since the last selection); integer >= 0.
+            besides the positions appended since the last selection); integer >= 1, or None.
             Overrides ``sparsity_ratio``. A budget at or above the context is allowed:
             drafting then attends to everything.
         min_kv_budget: lower bound of the budget derived from ``sparsity_ratio`` (tokens).
@@ -203,23 +220,19 @@ class VegasConfig:
         _raise_if_not_int("num_draft_tokens", self.num_draft_tokens, 1)
         ratio = self.sparsity_ratio
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not (0 < ratio <= 1):
-            raise VegasConfigError(f"sparsity_ratio must be a number in (0, 1], got {ratio!r}")
-        if self.kv_budget is not None:
-            _raise_if_not_int("kv_budget", self.kv_budget, 0)
+            raise VegasConfigError.bad("sparsity_ratio", f"must be a number in (0, 1], got {ratio!r}")
+        if self.kv_budget is not None:  # 0 would leave drafting nothing but its own new tokens
+            _raise_if_not_int("kv_budget", self.kv_budget, 1)
         _raise_if_not_int("min_kv_budget", self.min_kv_budget, 0)
         _raise_if_not_int("num_sinks", self.num_sinks, 0)
         if self.window is not None:
             _raise_if_not_int("window", self.window, 0)
         _raise_if_not_int("page_size", self.page_size, 1)
         _raise_if_not_int("recent_window", self.recent_window, 0)
-        if self.granularity not in ("layer", "kv_head"):
-            raise VegasConfigError(
-                f"granularity must be 'layer' or 'kv_head', got {self.granularity!r}"
-            )
-        if self.score_mode not in ("logit", "weight"):
-            raise VegasConfigError(f"score_mode must be 'logit' or 'weight', got {self.score_mode!r}")
+        _raise_if_not_one_of("granularity", self.granularity, ("layer", "kv_head"))
+        _raise_if_not_one_of("score_mode", self.score_mode, ("logit", "weight"))
         if not isinstance(self.fallback, bool):
-            raise VegasConfigError(f"fallback must be true or false, got {self.fallback!r}")
+            raise VegasConfigError.bad("fallback", f"must be true or false, got {self.fallback!r}")
         _raise_if_not_number("fallback_draft_cost", self.fallback_draft_cost, positive=True)
         _raise_if_not_number("fallback_verify_cost", self.fallback_verify_cost, positive=True)
         _raise_if_not_number("fallback_min_gain", self.fallback_min_gain, positive=True)

@@ -158,6 +158,9 @@ class Verifier(ABC):
 
     #: seconds spent so far in score collection, top-k and index building (selection overhead)
     selection_seconds: float = 0.0
+    #: KV entries per layer of each row's current selection (the budget clamped to the
+    #: context), ``torch.LongTensor (batch_size,)``; None before a selection (plain decoding)
+    kv_budgets: torch.Tensor | None = None
 
     @abstractmethod
     def prefill(self, prompts: list[list[int]]) -> None:

@@ -35,8 +35,10 @@ class _Outputs:
         self.max_new_tokens = max_new_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
 
-    def emit(self, row: int, tokens: list[int], num_drafted: int, num_accepted: int, plain: bool = False) -> None:
-        """Append ``tokens`` to the sequence at batch row ``row`` (``plain``: a Vegas plain step)."""
+    def emit(self, row: int, tokens: list[int], num_drafted: int, num_accepted: int, plain: bool = False,
+             kv_budget: int = 0) -> None:
+        """Append ``tokens`` to the sequence at batch row ``row`` (``plain``: a Vegas plain step;
+        ``kv_budget``: of the selection that followed)."""
         b = self.active[row]
         if self.done[b]:
             return
@@ -45,6 +47,7 @@ class _Outputs:
         stats.plain_steps += plain
         stats.num_drafted += num_drafted
         stats.num_accepted += num_accepted
+        stats.kv_budget = kv_budget
         for token in tokens:
             self.tokens[b].append(token)
             if token in self.eos_token_ids or len(self.tokens[b]) == self.max_new_tokens:
@@ -137,8 +140,9 @@ def speculative_decode(
         verifier.commit(num_accepted, next_tokens)
         selector.observe(num_accepted, num_draft_tokens)
         drafts, accepted, nexts = draft_tokens.tolist(), num_accepted.tolist(), next_tokens.tolist()
+        budgets = _kv_budgets(verifier, len(accepted))
         for row, n in enumerate(accepted):
-            out.emit(row, drafts[row][:n] + [nexts[row]], num_draft_tokens, n)
+            out.emit(row, drafts[row][:n] + [nexts[row]], num_draft_tokens, n, kv_budget=budgets[row])
         policy.observe_draft(1 + sum(accepted) / len(accepted))
         out.retire(verifier, selector)
     end = clock()
@@ -179,5 +183,11 @@ def _plain_step(verifier: Verifier, sample, out: _Outputs, vegas: bool = True) -
     logits = verifier.verify(torch.empty(batch_size, 0, dtype=torch.long))  # [B, 1, V]
     next_tokens, _ = sample(logits[:, -1])
     verifier.commit(torch.zeros(batch_size, dtype=torch.long), next_tokens)
+    budgets = _kv_budgets(verifier, batch_size)
     for row, token in enumerate(next_tokens.tolist()):
-        out.emit(row, [token], 0, 0, plain=vegas)
+        out.emit(row, [token], 0, 0, plain=vegas, kv_budget=budgets[row])
+
+
+def _kv_budgets(verifier: Verifier, batch_size: int) -> list[int]:
+    """Each row's KV budget of the verifier's current selection (0 without one)."""
+    return [0] * batch_size if verifier.kv_budgets is None else verifier.kv_budgets.tolist()

@@ -33,6 +33,8 @@ class RequestStats:
         prefill_seconds: wall time of the batch's prefill (seconds).
         selection_seconds: time in score collection, top-k and index building during the
             decode phase (seconds; the selection made at prefill counts with the prefill).
+        kv_budget: KV entries per layer the last drafting phase attended to besides its own
+            new tokens: the budget clamped to the context (tokens; 0 for plain decoding).
     """
 
     num_generated: int = 0
@@ -43,11 +45,12 @@ class RequestStats:
     decode_seconds: float = 0.0
     prefill_seconds: float = 0.0
     selection_seconds: float = 0.0
+    kv_budget: int = 0
 
     @property
     def acceptance_length(self) -> float:
-        """τ: tokens emitted per iteration (accepted drafts + the bonus/correction token; a
-        plain step counts as an iteration emitting one token).
+        """τ: tokens emitted per iteration (accepted drafts + the bonus/correction token, so
+        τ <= γ + 1; a plain step counts as an iteration emitting one token).
 
         Counts emitted tokens, so an iteration cut short by ``max_new_tokens`` or EOS counts
         what it emitted; ``num_accepted`` counts every draft the verification accepted.

@@ -9,7 +9,7 @@ from typing import Sequence
 from .backends.base import Backend, RequestOutput
 from .config import VegasConfig, VegasConfigError
 from .models import DEFAULT_MODEL, resolve_model
-from .plugins import blame, create_selector, get_backend_class, is_builtin, owner
+from .plugins import PLAIN, blame, create_selector, get_backend_class, is_builtin, owner
 from .sampling import SamplingParams
 
 __all__ = ["Pipeline", "DEFAULT_MODEL"]
@@ -28,7 +28,8 @@ class Pipeline:
             user cache), a transformers model directory, or a hub id in the local HF cache;
             default the embedded vegas-tiny-code. See :func:`vegas.models.resolve_model`.
         selector: registered selector name (built-ins: ``collect2``, ``aggregated``,
-            ``sliding_window``, ``quest``, ``last_token``), or None for plain decoding.
+            ``sliding_window``, ``quest``, ``last_token``), or ``"none"`` (or None) for plain
+            decoding.
         backend: registered backend name (``hf``, ``vllm``).
         dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
         device: ``"cpu"``/``"cuda"``; None picks CUDA when available.
@@ -74,7 +75,7 @@ class Pipeline:
         self.config = VegasConfig(**config)
         if selector is not None:
             create_selector(selector, self.config)  # fail fast on an unknown name or type
-        self.selector = selector
+        self.selector = None if selector == PLAIN else selector
         backend_cls = get_backend_class(backend)
         model = resolve_model(model)  # names and .gguf files -> a checkpoint directory
         # rope_scaling only when set: backends from plugins may not take it
@@ -122,10 +123,9 @@ class Pipeline:
             raise VegasConfigError("prompts must hold at least one prompt, got an empty list")
         vocab = self.backend.vocab_size
         if chat and not getattr(self.tokenizer, "chat_template", None):
-            raise VegasConfigError(
-                "chat=True needs a tokenizer with a chat template, and this model's has none; "
-                "use chat=False (plain text prompts) or a chat model such as 'smollm2-135m'"
-            )
+            problem = ("needs a tokenizer with a chat template, and this model's has none: leave it off (plain "
+                       "text prompts) or use a chat model such as 'smollm2-135m'")
+            raise VegasConfigError(f"chat=True {problem}", field="chat", problem=problem)
         ids = []
         for i, p in enumerate(prompts):
             if isinstance(p, str) and chat:
@@ -176,7 +176,8 @@ class Pipeline:
                 with speculative rejection sampling (the target distribution is kept).
             top_p: nucleus sampling mass in (0, 1].
             seed: seed of the sampling generator.
-            selector: override the pipeline's selector for this call (None = plain).
+            selector: override the pipeline's selector for this call (``"none"`` or None:
+                plain decoding).
             chat: wrap each text prompt as a user message in the tokenizer's chat template,
                 ending with the assistant's generation prompt.
 
@@ -195,25 +196,21 @@ class Pipeline:
         # built once per call (selectors keep per-request state) and handed to the backend
         selector_obj = None if selector is None else create_selector(selector, self.config)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise VegasConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+            raise VegasConfigError.bad("max_new_tokens", f"must be an integer >= 1, got {max_new_tokens!r}")
         sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
         if not isinstance(chat, bool):
-            raise VegasConfigError(f"chat must be True or False, got {chat!r}")
+            raise VegasConfigError.bad("chat", f"must be True or False, got {chat!r}")
         ids = self.encode(prompts, chat=chat)
-        limit = self.backend.max_context - max_new_tokens - self.config.num_draft_tokens - 1
+        slots = self.config.num_draft_tokens + 1
+        limit = self.backend.max_context - max_new_tokens - slots
+        room = (f"the model context of {self.backend.max_context} tokens, less {max_new_tokens} new tokens and "
+                f"γ + 1 = {slots} verification slots")
         if limit < 1:
-            raise VegasConfigError(
-                f"max_new_tokens={max_new_tokens} plus num_draft_tokens + 1 = "
-                f"{self.config.num_draft_tokens + 1} verification slots leave no room for a prompt in "
-                f"the model context of {self.backend.max_context} tokens"
-            )
+            raise VegasConfigError.bad("max_new_tokens", f"{max_new_tokens} leaves no room for a prompt in {room}")
         for i, p in enumerate(ids):
             if len(p) > limit:
-                raise VegasConfigError(
-                    f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} and "
-                    f"num_draft_tokens={self.config.num_draft_tokens} it must be at most {limit} "
-                    f"tokens (model context {self.backend.max_context})"
-                )
+                problem = f"has {len(p)} tokens; at most {limit} fit in {room}"
+                raise VegasConfigError(f"prompt {i} {problem}", field="prompt", problem=problem)
         return self.backend.generate(
             ids, max_new_tokens=max_new_tokens, sampling=sampling, selector=selector_obj, config=self.config
         )

@@ -41,6 +41,9 @@ ENTRY_POINT_GROUP = "vegas"
 #: their module names before any call to the hooks (in this order: earlier names win)
 BUILTIN_PLUGINS = ("vegas.strategies", "vegas.backends.hf", "vegas.backends.vllm", "vegas.vllm_plugin.selectors")
 
+#: the selector name of plain decoding (no drafting), taken wherever a selector is named
+PLAIN = "none"
+
 _manager: pluggy.PluginManager | None = None
 _registry: dict[str, dict[Any, Any]] | None = None
 #: (kind, name) -> the plugin that registered it (a module of BUILTIN_PLUGINS for the built-ins)
@@ -119,6 +122,8 @@ def _bad_entry(kind: str, name: object, obj: object) -> str | None:
     if not isinstance(name, str) or not name:
         return f"names must be non-empty strings, got {name!r}"
     if kind == "selectors":
+        if name == PLAIN:
+            return f"selector name {PLAIN!r} is plain decoding, it cannot be registered"
         if not (isinstance(obj, type) and issubclass(obj, Selector)):
             return f"selector {name!r} must be a vegas.interfaces.Selector subclass, got {obj!r}"
     elif not callable(obj):
@@ -217,8 +222,9 @@ def vllm_fast_path(selector: Selector) -> type | None:
     return registry()["fast_paths"].get(type(selector))
 
 
-def selector_names() -> list[str]:
-    return sorted(registry()["selectors"])
+def selector_names(plain: bool = False) -> list[str]:
+    """The registered selectors' names, sorted; with ``plain``, :data:`PLAIN` first."""
+    return [PLAIN] * plain + sorted(registry()["selectors"])
 
 
 def backend_names() -> list[str]:
@@ -233,16 +239,19 @@ def _autoload_hint() -> str:
     return ""
 
 
-def create_selector(name: str, config: VegasConfig):
-    """Build the selector registered as ``name``.
+def create_selector(name: str, config: VegasConfig) -> Selector | None:
+    """Build the selector registered as ``name``; None for :data:`PLAIN` (plain decoding).
 
     Raises:
         VegasConfigError: no selector of that name (the message lists the known ones).
         VegasPluginError: the selector's constructor raised.
     """
+    if name == PLAIN:
+        return None
     selectors = registry()["selectors"]
     if not isinstance(name, str) or name not in selectors:
-        raise VegasConfigError(f"selector must be one of {sorted(selectors)}, got {name!r}{_autoload_hint()}")
+        raise VegasConfigError.bad("selector", f"must be one of {', '.join(selector_names(plain=True))} "
+                                               f"({PLAIN!r}: plain decoding), got {name!r}{_autoload_hint()}")
     with blame("selectors", name, "failed to build"):
         return selectors[name](config)
 
@@ -256,7 +265,7 @@ def get_backend_class(name: str):
     """
     backends = registry()["backends"]
     if not isinstance(name, str) or name not in backends:
-        raise VegasConfigError(f"backend must be one of {sorted(backends)}, got {name!r}{_autoload_hint()}")
+        raise VegasConfigError.bad("backend", f"must be one of {', '.join(sorted(backends))}, got {name!r}{_autoload_hint()}")
     cls = backends[name]
     if not (isinstance(cls, type) and issubclass(cls, Backend)):
         with blame("backends", name, "failed to load"):

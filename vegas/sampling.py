@@ -48,11 +48,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise VegasConfigError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+            raise VegasConfigError.bad("temperature", f"must be a finite number >= 0 (0 = greedy), got {t!r}")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not (0 < self.top_p <= 1):
-            raise VegasConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise VegasConfigError.bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64:
-            raise VegasConfigError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
+            raise VegasConfigError.bad("seed", f"must be an integer in [-2**63, 2**64), got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:

@@ -226,10 +226,13 @@ def plan_serve(
         values = parse_json_object(_read_config(config), "--config") if config else {}
         name = selector or values.pop("selector", None) or "collect2"
         values.pop("selector", None)
-        cfg = VegasConfig.from_dict(values, "--config")
+        try:
+            cfg = VegasConfig.from_dict(values, "--config")
+        except VegasConfigError as exc:  # a field of --config's JSON, not the option of that name
+            raise VegasConfigError(str(exc) if exc.field is None else f"--config: {exc}") from exc
         gamma = cfg.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
         if not isinstance(gamma, int) or gamma < 1:
-            raise VegasConfigError(f"-g/--num-draft-tokens (γ) must be an integer >= 1, got {gamma!r}")
+            raise VegasConfigError.bad("num_draft_tokens", f"(γ) must be an integer >= 1, got {gamma!r}")
         values = cfg.to_dict()
         if sparsity_ratio is not None:
             values["sparsity_ratio"] = sparsity_ratio

@@ -3,20 +3,26 @@
 Three steps, each run on the same prompts (cut from held-out source, as ``vegas bench``) with
 sampled decoding (T = 0.8, top-p 0.95 by default):
 
+Every point is measured ``repeats`` times (default 3, seeds ``seed``, ``seed + 1``, ...) and
+keeps the run of median tokens/s, with the spread (largest minus smallest) of its runs' τ and
+tokens/s. A point is chosen over another only when their medians differ by more than the
+larger of their spreads (:func:`vegas.bench.clearly_faster`).
+
 1. **Sparsity knee.** At a fixed γ (``num_draft_tokens``, default 4), the acceptance length τ
-   (tokens per iteration) over a grid of sparsity ratios (KV budget / context). The knee is
-   the *smallest* sparsity whose τ is within ``tolerance`` (default 5 %) of the best τ of the
-   grid: ``τ(s) >= (1 - tolerance) * max τ`` (:func:`knee`). Beyond it a larger budget buys
-   little acceptance and costs drafting time.
+   (tokens per iteration, the bonus token included) over a grid of sparsity ratios (KV budget /
+   context). The knee is the *smallest* sparsity whose τ is within ``tolerance`` (default 5 %)
+   of the best τ of the grid, or within the spread of the two (:func:`knee`). Beyond it a
+   larger budget buys little acceptance and costs drafting time.
 2. **γ sweep.** At the knee sparsity, throughput (generated tokens / decode seconds) for each
-   γ of a grid, and plain decoding in the same step for the speedup; the best γ has the
-   highest tokens/s.
+   γ of a grid, and plain decoding in the same step for the speedup; step 1's γ stays unless
+   another γ is clearly faster.
 3. **Fine sparsity.** At that γ, the knee sparsity times ``fine_factor ** k`` for
-   ``k = -fine_steps .. fine_steps``; the chosen point has the highest tokens/s.
+   ``k = -fine_steps .. fine_steps``; the knee stays unless another sparsity is clearly faster.
 
 Every selector in ``selectors`` goes through every step (step 1 of all of them first, so a
-short time budget still gives the τ curves); the recommendation is the selector whose chosen
-point decodes fastest.
+short time budget still gives the τ curves); the best selector is the one whose chosen point
+decodes fastest, and it is recommended only when it is clearly faster than plain decoding;
+otherwise the recommendation is plain decoding (selector ``none``), and it says so.
 
 Every measured point is appended to ``OUT/points.json`` as soon as it is measured. A rerun
 with the same measurement settings (model, backend, prompts, context, new tokens, batch,
@@ -48,10 +54,10 @@ from pathlib import Path
 
 from rich.console import Console
 
-from .bench import _median_row, summarize
+from .bench import clearly_faster, median_row, summarize
 from .config import VegasConfig, VegasConfigError, kv_budget_for
 from .pipeline import Pipeline
-from .plugins import selector_names
+from .plugins import PLAIN, selector_names
 from .progress import LoggedProgress
 from .prompts import cut_contexts, package_source, read_text_source
 from .tune_points import points_of, round_sparsity
@@ -67,13 +73,14 @@ FORMAT_VERSION = 1
 FULL = {
     "context": 4096, "new_tokens": 64, "batch_size": 2,
     "sparsities": [0.01, 0.018, 0.033, 0.06, 0.11, 0.2],  # log-spaced 0.01 .. 0.2
-    "gammas": [1, 2, 3, 4, 6, 8], "fine_steps": 2, "time_budget": None,
+    "gammas": [1, 2, 3, 4, 6, 8], "fine_steps": 2, "time_budget": None, "repeats": 3,
 }
 QUICK = {
     "context": 1024, "new_tokens": 32, "batch_size": 1,
     "sparsities": [0.01, 0.025, 0.06, 0.15],
     "gammas": [2, 4, 6], "fine_steps": 1,
     "time_budget": 570.0,  # seconds: --quick ends within 10 minutes whatever the load (rerun resumes)
+    "repeats": 3,
 }
 
 #: options whose change alters what a point measures: a rerun must match them to resume
@@ -113,7 +120,7 @@ class TuneOptions:
     dtype: str = "float32"
     device: str | None = None
     seed: int = 0
-    repeats: int = 1  # timed runs per point; the point reports the run of median tokens/s
+    repeats: int | None = None  # timed runs per point (seeds seed, seed + 1, ...): median and spread
     out: str = "vegas-tune"
     time_budget: float | None = None
     quick: bool = False
@@ -132,53 +139,57 @@ def raise_if_bad_options(opts: TuneOptions) -> None:
         VegasConfigError: the message names the option (``--flag``) and its allowed values.
     """
     if not opts.selectors:
-        raise VegasConfigError("selectors (--selectors) must name at least one selector, or 'all'")
-    known = selector_names()
+        raise VegasConfigError.bad("selectors", "must name at least one selector, or 'all'")
+    known = selector_names(plain=True)
     unknown = [s for s in opts.selectors if s not in known]
     if unknown:
-        raise VegasConfigError(
-            f"selectors (--selectors): unknown selector(s) {', '.join(map(repr, unknown))}; "
-            f"registered: {', '.join(known)}"
-        )
+        raise VegasConfigError.bad("selectors", f"unknown selector(s) {', '.join(map(repr, unknown))}; "
+                                                f"known: {', '.join(known)}")
     if not opts.sparsities or any(
         isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 < s <= 1 for s in opts.sparsities
     ):
-        raise VegasConfigError(f"sparsities (--sparsities) must be numbers in (0, 1], got {opts.sparsities!r}")
+        raise VegasConfigError.bad("sparsities", f"must be numbers in (0, 1], got {opts.sparsities!r}")
     if not opts.gammas or any(isinstance(g, bool) or not isinstance(g, int) or g < 1 for g in opts.gammas):
-        raise VegasConfigError(f"gammas (--gammas) must be integers >= 1, got {opts.gammas!r}")
-    for name, flag, minimum in (
-        ("num_draft_tokens", "--num-draft-tokens/-g", 1), ("context", "--context", 2),
-        ("new_tokens", "--new-tokens", 1), ("batch_size", "--batch-size", 1),
-        ("fine_steps", "--fine-steps", 0), ("min_kv_budget", "--min-kv-budget", 0), ("repeats", "--repeats", 1),
-    ):
+        raise VegasConfigError.bad("gammas", f"must be integers >= 1, got {opts.gammas!r}")
+    for name, minimum in (("num_draft_tokens", 1), ("context", 2), ("new_tokens", 1), ("batch_size", 1),
+                          ("fine_steps", 0), ("min_kv_budget", 0), ("repeats", 1)):
         value = getattr(opts, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise VegasConfigError(f"{name} ({flag}) must be an integer >= {minimum}, got {value!r}")
+            raise VegasConfigError.bad(name, f"must be an integer >= {minimum}, got {value!r}")
     if not 0 <= opts.tolerance < 1:
-        raise VegasConfigError(f"tolerance (--tolerance) must be a fraction in [0, 1), got {opts.tolerance!r}")
+        raise VegasConfigError.bad("tolerance", f"must be a fraction in [0, 1), got {opts.tolerance!r}")
     if not opts.fine_factor > 1:
-        raise VegasConfigError(f"fine_factor (--fine-factor) must be a number > 1, got {opts.fine_factor!r}")
+        raise VegasConfigError.bad("fine_factor", f"must be a number > 1, got {opts.fine_factor!r}")
     if opts.time_budget is not None and not opts.time_budget > 0:
-        raise VegasConfigError(f"time_budget (--time-budget) must be a number of seconds > 0, got {opts.time_budget!r}")
+        raise VegasConfigError.bad("time_budget", f"must be a number of seconds > 0, got {opts.time_budget!r}")
     SamplingParams(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)
 
 
 def knee(points: list[dict], tolerance: float) -> dict | None:
     """The knee of a τ-against-sparsity curve (the points of one selector at one γ).
 
-    Rule: the point with the smallest ``sparsity_ratio`` whose ``acceptance_length`` τ is at
-    least ``(1 - tolerance) * max τ`` of ``points``. None when ``points`` is empty.
+    Rule: the point with the smallest ``sparsity_ratio`` whose ``acceptance_length`` τ (of its
+    median run) is below the best point's τ by at most ``tolerance * best τ``, or by at most the
+    spread of the two (``acceptance_length_spread``, 0 when absent). None when ``points`` is empty.
     """
     if not points:
         return None
-    best = max(p["acceptance_length"] for p in points)
-    good = [p for p in points if p["acceptance_length"] >= (1 - tolerance) * best]
-    return min(good, key=lambda p: p["sparsity_ratio"])
+    best = max(points, key=lambda p: p["acceptance_length"])
+
+    def near(p: dict) -> bool:
+        spread = max(p.get("acceptance_length_spread", 0.0), best.get("acceptance_length_spread", 0.0))
+        return best["acceptance_length"] - p["acceptance_length"] <= max(tolerance * best["acceptance_length"], spread)
+
+    return min((p for p in points if near(p)), key=lambda p: p["sparsity_ratio"])
 
 
-def best_by_throughput(points: list[dict]) -> dict | None:
-    """The point with the highest ``tokens_per_second`` (None when there is none)."""
-    return max(points, key=lambda p: p["tokens_per_second"]) if points else None
+def best_by_throughput(points: list[dict], preferred: dict | None = None) -> dict | None:
+    """The point with the highest (median) ``tokens_per_second``, but ``preferred`` unless that
+    one is clearly faster (:func:`vegas.bench.clearly_faster`). None when there is no point."""
+    fastest = max(points, key=lambda p: p["tokens_per_second"]) if points else None
+    if preferred is None or fastest is None or clearly_faster(fastest, preferred):
+        return fastest
+    return preferred
 
 
 def fine_grid(center: float, factor: float, steps: int) -> list[float]:
@@ -271,6 +282,7 @@ def run_tune(opts: TuneOptions, console: Console | None = None, pipe: Pipeline |
     console = console or Console(stderr=True)
     opts = opts.resolved()
     raise_if_bad_options(opts)
+    opts.selectors = [s for s in opts.selectors if s != PLAIN]  # plain decoding is measured in steps 2 and 3
     out = Path(opts.out)
     if out.exists() and not out.is_dir():
         raise VegasConfigError(f"out (--out) {str(out)!r} exists and is not a directory")
@@ -289,6 +301,7 @@ def run_tune(opts: TuneOptions, console: Console | None = None, pipe: Pipeline |
     sampled = dict(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)
     base = VegasConfig(min_kv_budget=opts.min_kv_budget, fallback=False)  # the selector's own τ, no plain steps
     n_sel, fine = len(opts.selectors), 2 * opts.fine_steps + 1
+    warm_up = [None] + opts.selectors[:1]
     total = n_sel * len(opts.sparsities) + 2 + n_sel * len(opts.gammas) + n_sel * fine
     state = {"warm": False, "last": 0.0, "reused": 0}
 
@@ -304,21 +317,22 @@ def run_tune(opts: TuneOptions, console: Console | None = None, pipe: Pipeline |
             raise _OutOfTime(label)
         if not state["warm"]:  # first calls pay one-off costs; keep them out of the timings
             progress.update(task, description="warm-up")
-            for name in (None, opts.selectors[0]):
+            for name in warm_up:
                 pipe.generate([prompts[0][: min(64, opts.context)]], max_new_tokens=2, selector=name)
             state["warm"] = True
         progress.update(task, description=f"step {step}: {label}")
         cfg = replace(base, num_draft_tokens=gamma, sparsity_ratio=sparsity or base.sparsity_ratio)
         pipe.config = cfg
         t0 = time.monotonic()
-        runs = [summarize(pipe.generate(prompts, max_new_tokens=opts.new_tokens, selector=selector, **sampled))
-                for _ in range(opts.repeats)]
+        runs = [summarize(pipe.generate(prompts, max_new_tokens=opts.new_tokens, selector=selector,
+                                        **{**sampled, "seed": opts.seed + r}))
+                for r in range(opts.repeats)]
         state["last"] = time.monotonic() - t0
         point = {
             "step": step, "selector": selector, "num_draft_tokens": gamma,
             "sparsity_ratio": round_sparsity(sparsity) if selector else None,
             "kv_budget": kv_budget_for(cfg, opts.context) if selector else None,
-            **_median_row(runs), "wall_seconds": state["last"], "measured_at": time.time(),
+            **median_row(runs), "wall_seconds": state["last"], "measured_at": time.time(),
         }
         store.add(point)
         progress.advance(task, note=f"τ {point['acceptance_length']:.2f}, {point['tokens_per_second']:.2f} tok/s")
@@ -368,19 +382,23 @@ def _knee_of(points: list[dict], selector: str, opts: TuneOptions) -> dict | Non
 
 
 def _best_gamma(points: list[dict], selector: str, sparsity: float, opts: TuneOptions) -> int:
-    """Step 2's γ: the fastest of ``opts.gammas`` at the knee (step 1's γ while none is measured)."""
-    best = best_by_throughput([p for p in points_of(points, 2, selector, sparsity=sparsity)
-                               if p["num_draft_tokens"] in opts.gammas])
+    """Step 2's γ at the knee: step 1's γ (the smallest of ``opts.gammas`` if it is not one)
+    unless another is clearly faster; step 1's γ while none is measured."""
+    curve = [p for p in points_of(points, 2, selector, sparsity=sparsity) if p["num_draft_tokens"] in opts.gammas]
+    preferred = opts.num_draft_tokens if opts.num_draft_tokens in opts.gammas else min(opts.gammas)
+    best = best_by_throughput(curve, next((p for p in curve if p["num_draft_tokens"] == preferred), None))
     return best["num_draft_tokens"] if best else opts.num_draft_tokens
 
 
 def recommend(points: list[dict], opts: TuneOptions) -> dict:
     """The chosen point per selector and overall, from whatever ``points`` holds.
 
-    Per selector: the knee sparsity (step 1), the fastest γ at it (step 2), the fastest
-    sparsity of the fine grid at that γ (step 3); a step without points keeps the previous
-    step's choice (γ of step 1, the knee). The speedup divides by plain decoding of the chosen
-    point's step. Overall: the selector whose chosen point has the highest tokens/s.
+    Per selector: the knee sparsity (step 1), the γ at it (step 2), the sparsity of the fine
+    grid at that γ (step 3), each kept unless another point is clearly faster; a step without
+    points keeps the previous step's choice (γ of step 1, the knee). The speedup divides by
+    plain decoding of the chosen point's step. ``best``: the selector whose chosen point has
+    the highest tokens/s; ``recommended``: its name when it is clearly faster than plain
+    decoding, else ``"none"`` (plain decoding).
     """
     plain = {step: next(iter(points_of(points, step, None)), None) for step in (2, 3)}
     per: dict[str, dict] = {}
@@ -391,7 +409,9 @@ def recommend(points: list[dict], opts: TuneOptions) -> dict:
         gamma = _best_gamma(points, sel, k["sparsity_ratio"], opts)
         grid = fine_grid(k["sparsity_ratio"], opts.fine_factor, opts.fine_steps)
         fine = [p for p in points_of(points, 3, sel, gamma) if p["sparsity_ratio"] in grid]
-        chosen = best_by_throughput(fine) or best_by_throughput(points_of(points, 2, sel, gamma, k["sparsity_ratio"])) or k
+        at_knee = next((p for p in fine if p["sparsity_ratio"] == k["sparsity_ratio"]), None)
+        step2 = points_of(points, 2, sel, gamma, k["sparsity_ratio"])
+        chosen = best_by_throughput(fine, at_knee) or best_by_throughput(step2) or k
         ref = plain.get(chosen["step"])
         cfg = VegasConfig(num_draft_tokens=chosen["num_draft_tokens"], sparsity_ratio=chosen["sparsity_ratio"],
                           min_kv_budget=opts.min_kv_budget)
@@ -405,17 +425,21 @@ def recommend(points: list[dict], opts: TuneOptions) -> dict:
             "acceptance_length": chosen["acceptance_length"],
             "tokens_per_second": chosen["tokens_per_second"],
             "speedup": chosen["tokens_per_second"] / ref["tokens_per_second"] if ref else None,
+            "faster_than_plain": bool(ref) and clearly_faster(chosen, ref),
             "config": asdict(cfg),
             "vllm": vllm_settings(sel, cfg),
         }
     best = max(per, key=lambda s: per[s]["tokens_per_second"], default=None)
     return {
         "best": {"selector": best, **per[best]} if best else None,
+        "recommended": best if best and per[best]["faster_than_plain"] else PLAIN,
         "selectors": per,
         "plain_tokens_per_second": {str(step): p["tokens_per_second"] for step, p in plain.items() if p},
         "rule": f"knee: smallest sparsity with τ >= (1 - {opts.tolerance:g}) × best τ at γ={opts.num_draft_tokens}; "
-                "then the fastest γ at the knee; then the fastest sparsity of knee × "
-                f"{opts.fine_factor:g}^k, |k| <= {opts.fine_steps}, at that γ",
+                "or within the spread of the two; then the γ at the knee, and the sparsity of knee × "
+                f"{opts.fine_factor:g}^k, |k| <= {opts.fine_steps}, at that γ: γ={opts.num_draft_tokens} and the knee "
+                "unless another point's median tokens/s is higher by more than the spread of the two; plain "
+                "decoding unless the best selector is faster by more than the spread",
         "context": opts.context,
         "points": len(points),
     }
@@ -428,28 +452,34 @@ def config_args(config: dict) -> str:
 
 
 def describe(recommendation: dict) -> list[str]:
-    """Lines that tell a person what to use (printed by ``vegas tune``)."""
+    """Lines that tell a person what to use (printed by ``vegas tune``): the best selector's
+    point, and either its settings or, where it is not clearly faster, plain decoding."""
     best = recommendation["best"]
     if best is None:
         return ["no point was measured: nothing to recommend (raise --time-budget)"]
-    speed = f", {best['speedup']:.2f}× plain" if best["speedup"] else ""
-    args = config_args(best["config"])
-    lines = [
-        f"recommended: selector {best['selector']}, γ={best['num_draft_tokens']}, sparsity "
-        f"{best['sparsity_ratio']:g} (KV budget {best['kv_budget']} of {recommendation['context']} tokens): "
-        f"τ {best['acceptance_length']:.2f}, {best['tokens_per_second']:.2f} tok/s{speed}",
-        f"  VegasConfig({args})",
-        f"  Pipeline(selector={best['selector']!r}, {args})",
-    ]
-    v = best["vllm"]
-    spec = json.dumps(v["speculative_config"])
-    if v["VEGAS_VLLM_CONFIG"] is None:
-        lines.append(f"  vLLM: selector {best['selector']!r} is not available on the vllm backend")
+    speed = f", {best['speedup']:.2f}× plain" if best["speedup"] else ", plain decoding not measured"
+    point = (f"selector {best['selector']}, γ={best['num_draft_tokens']}, sparsity {best['sparsity_ratio']:g} "
+             f"(KV budget {best['kv_budget']} of {recommendation['context']} tokens): τ {best['acceptance_length']:.2f}, "
+             f"{best['tokens_per_second']:.2f} tok/s{speed}")
+    if recommendation["recommended"] == PLAIN:
+        lines = [
+            f"plain decoding is as fast or faster on this machine: the best point, {point}, is not faster than plain "
+            "decoding by more than the spread of their runs",
+            f"recommended: plain decoding (selector {PLAIN!r}): Pipeline(selector={PLAIN!r}), vegas generate ... "
+            f"--selector {PLAIN}, vegas serve MODEL --selector {PLAIN}",
+        ]
     else:
-        lines.append(f"  vLLM server: vegas serve MODEL --config '{json.dumps(v['VEGAS_VLLM_CONFIG'])}' "
-                     f"-g {best['num_draft_tokens']}   (docs/serving.md)")
-        lines.append(f"  or by hand: VEGAS_VLLM_CONFIG='{json.dumps(v['VEGAS_VLLM_CONFIG'])}' vllm serve MODEL "
-                     f"--attention-backend FLASH_ATTN --speculative-config '{spec}'")
+        args = config_args(best["config"])
+        v = best["vllm"]
+        lines = [
+            f"recommended: {point}",
+            f"  VegasConfig({args})",
+            f"  Pipeline(selector={best['selector']!r}, {args})",
+            f"  vLLM server: vegas serve MODEL --config '{json.dumps(v['VEGAS_VLLM_CONFIG'])}' "
+            f"-g {best['num_draft_tokens']}   (docs/serving.md)",
+            f"  or by hand: VEGAS_VLLM_CONFIG='{json.dumps(v['VEGAS_VLLM_CONFIG'])}' vllm serve MODEL "
+            f"--attention-backend FLASH_ATTN --speculative-config '{json.dumps(v['speculative_config'])}'",
+        ]
     if not recommendation.get("complete", True):
         lines.append(f"  incomplete: {recommendation['stopped']}; rerun the same command to resume")
     return lines

@@ -39,7 +39,7 @@ from .hf_attention import ATTENTION_NAME, AttentionContext, clock, vegas_attenti
 
 log = logging.getLogger(__name__)
 
-#: whether the "KV budget >= context" message was logged (it is said once per process)
+#: whether the "KV budget >= context" message was logged (said once per process, at INFO)
 FULL_BUDGET_LOGGED = False
 
 AttentionInterface.register(ATTENTION_NAME, vegas_attention)
@@ -148,13 +148,14 @@ class HFSession(Drafter, Verifier):
         full = (wanted >= counts).nonzero()
         if not FULL_BUDGET_LOGGED and full.numel():
             i = int(full[0, 0])
-            log.warning(
+            log.info(
                 "KV budget %d >= context %d tokens (sequence %d%s): drafting attends to every position "
                 "there, no sparsity (logged once per process)",
                 int(wanted[i]), int(counts[i]), i, f" and {full.shape[0] - 1} more" if full.shape[0] > 1 else "",
             )
             FULL_BUDGET_LOGGED = True
         budget = torch.minimum(wanted, counts)
+        self.kv_budgets = budget
         self.selections = []
         for layer in range(self.num_layers):
             valid, layer_budget = self.valid, budget
@@ -241,6 +242,8 @@ class HFSession(Drafter, Verifier):
         self.cache.batch_select_indices(rows)
         self.valid, self.slot_pos = self.valid[rows], self.slot_pos[rows]
         self.num_committed, self.last_tokens = self.num_committed[rows], self.last_tokens[rows]
+        if self.kv_budgets is not None:
+            self.kv_budgets = self.kv_budgets[rows]
         self.selections = [
             None if sel is None else Selection(sel.indices[rows], sel.mask[rows]) for sel in self.selections
         ]
@@ -386,7 +389,7 @@ class HFBackend(Backend):
                 num_draft_tokens=config.num_draft_tokens, policy=DraftPolicy.from_config(config), **common,
             )
         return [
-            RequestOutput(token_ids=t, text=self._tokenizer.decode(t), stats=s)
+            RequestOutput(token_ids=t, text=self._tokenizer.decode(t, skip_special_tokens=True), stats=s)
             for t, s in zip(tokens, stats)
         ]
 

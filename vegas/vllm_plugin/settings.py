@@ -32,7 +32,7 @@ from dataclasses import replace
 
 from ..config import VegasConfig, VegasConfigError, parse_json_object
 from ..interfaces import Selector
-from ..plugins import create_selector, vllm_fast_path
+from ..plugins import PLAIN, create_selector, vllm_fast_path
 from ..strategies import Collect2Selector
 from .selectors.base import SelectionPath
 from .selectors.generic import GenericPath
@@ -146,6 +146,8 @@ def build_selector(name: str, config: VegasConfig, gamma: int) -> Selector:
         VegasConfigError: an unknown selector name, or settings the vLLM backend refuses.
         VegasPluginError: the selector's constructor raised.
     """
+    if name == PLAIN:
+        raise VegasConfigError(f"selector {PLAIN!r} is plain decoding: run vLLM without Vegas's speculative_config")
     config = replace(config, num_draft_tokens=gamma)
     handed = _handed
     if handed is not None and handed.name == name and handed.config == config:
