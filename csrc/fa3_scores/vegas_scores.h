@@ -53,14 +53,16 @@ struct VegasScores {
     static constexpr uint32_t kBarrierId = static_cast<uint32_t>(FwdNamedBarriers::QueryRotated);
     static_assert(kBufs == 1 || kBufs == 2);
 
+    // few registers: the decode kernel runs at the 255-register cap (the shared-memory address and
+    // the thread index are passed to write() by the caller, which holds them anyway)
     float* gmem = nullptr;  // scores[slot, bidb, :] of this tile; nullptr: this thread writes nothing
-    float* smem = nullptr;
-    int thread_idx = 0;
     int ctx = 0;
     float scale = 0.f;
-    uint32_t row_mask = 0;  // bit m: row m of this thread's accumulator fragment is a scored row
-    bool warp_active = false;  // some lane of this warp holds a scored row
-    uint32_t warp_mask = 0;  // bit w: warp w of the warpgroup holds a scored row (same in every thread)
+    // bits 0..15: row m of this thread's accumulator fragment is a scored row; bit 16: some lane of
+    // this warp holds one; bits 20..23: warp w of the warpgroup holds one (same in every thread)
+    uint32_t bits = 0;
+    static constexpr uint32_t kWarpActive = 1u << 16;
+    static constexpr int kWarpMaskShift = 20;
 
     template <typename Params>
     CUTLASS_DEVICE
@@ -69,8 +71,7 @@ struct VegasScores {
         if constexpr (Enabled) {
             // uniform per warpgroup: the first MMA warpgroup of the m_block-0 tile, when asked for
             if (params.ptr_vegas_scores == nullptr || m_block != 0 || thread_idx_ >= cutlass::NumThreadsPerWarpGroup) { return; }
-            thread_idx = thread_idx_;
-            smem = smem_;
+            int const thread_idx = thread_idx_;
             int r0 = params.ptr_vegas_score_rows[2 * bidb];
             int r1 = params.ptr_vegas_score_rows[2 * bidb + 1];
             if (r0 >= seqlen_q) { r0 = -1; }
@@ -82,32 +83,34 @@ struct VegasScores {
             Tensor cS = cute::make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});
             Tensor tScS = thread_mma.partition_C(cS);
             Tensor tScS_rowcol = make_tensor(tScS.data(), flash::convert_layout_acc_rowcol(tScS.layout()));
-            static_assert(CUTE_STATIC_V(size<0>(tScS_rowcol)) <= 32);
+            static_assert(CUTE_STATIC_V(size<0>(tScS_rowcol)) <= 16);
             #pragma unroll
             for (int m = 0; m < size<0>(tScS_rowcol); ++m) {
                 int const row = get<0>(tScS_rowcol(m, _0{}));  // m_block == 0
                 int const token = !PackGQA ? row : params.qhead_per_khead_divmod.divide(row);
-                if (token == r0 || token == r1) { row_mask |= 1u << m; }
+                if (token == r0 || token == r1) { bits |= 1u << m; }
             }
-            warp_active = __any_sync(0xffffffff, row_mask != 0);
+            bool const warp_active = __any_sync(0xffffffff, bits != 0);
+            if (warp_active) { bits |= kWarpActive; }
             // which warps hold scored rows: a flag per warp after the column buffers, one barrier
             // (the previous tile's reads of the flags are behind its finish() barrier)
-            float* flags = smem + kBufs * kWarps * kBlockN;
+            float* flags = smem_ + kBufs * kWarps * kBlockN;
             int const warp = thread_idx / cutlass::NumThreadsPerWarp;
             if (thread_idx % cutlass::NumThreadsPerWarp == 0) { flags[warp] = warp_active ? 1.f : 0.f; }
             cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, kBarrierId);
             #pragma unroll
-            for (int w = 0; w < kWarps; ++w) { if (flags[w] != 0.f) { warp_mask |= 1u << w; } }
+            for (int w = 0; w < kWarps; ++w) { if (flags[w] != 0.f) { bits |= 1u << (kWarpMaskShift + w); } }
         }
     }
 
     CUTLASS_DEVICE
     bool active() const { return Enabled && gmem != nullptr; }
 
-    // After the QK GEMM of key block n_block (tSrS complete, before softcap/mask/softmax).
+    // After the QK GEMM of key block n_block (tSrS complete, before softcap/mask/softmax); smem and
+    // thread_idx as given to the constructor.
     template <typename Engine, typename Layout>
     CUTLASS_DEVICE
-    void write(Tensor<Engine, Layout> const& tSrS, int const n_block) const {
+    void write(Tensor<Engine, Layout> const& tSrS, int const n_block, float* smem, int const thread_idx) const {
         if constexpr (Enabled) {
             if (gmem == nullptr) { return; }
             Tensor tSrS_rowcol = make_tensor(tSrS.data(), flash::convert_layout_acc_rowcol(tSrS.layout()));
@@ -122,12 +125,13 @@ struct VegasScores {
             int const warp = thread_idx / cutlass::NumThreadsPerWarp;
             // after the butterfly, lane holds index 4*b2 + 2*b3 + b4 of each chunk of 8 (b_i: lane bit i)
             int const lane_idx = ((lane >> 2) & 1) * 4 + ((lane >> 3) & 1) * 2 + ((lane >> 4) & 1);
+            uint32_t const warp_mask = bits >> kWarpMaskShift;
             bool const single = (warp_mask & (warp_mask - 1)) == 0;  // one warp holds every scored row
             float* buf = smem + (kBufs == 1 ? 0 : (n_block & 1) * (kWarps * kBlockN)) + warp * kBlockN;
             if constexpr (kBufs == 1) {  // the previous block's sums must have been read
                 if (!single) { cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, kBarrierId); }
             }
-            if (warp_active) {
+            if (bits & kWarpActive) {
                 #pragma unroll
                 for (int c = 0; c < kChunks; ++c) {
                     float v[8];
@@ -138,7 +142,7 @@ struct VegasScores {
                             #pragma unroll
                             for (int m = 0; m < kRows; ++m) {
                                 // select, not multiply: rows beyond the chunk may hold anything
-                                if (row_mask & (1u << m)) { v[i] += tSrS_rowcol(m, c * 8 + i); }
+                                if (bits & (1u << m)) { v[i] += tSrS_rowcol(m, c * 8 + i); }
                             }
                         }
                     }
