@@ -485,9 +485,9 @@ def test_tp_selection_must_be_known():
 @pytest.mark.parametrize(
     "raw,match",
     [
-        ('{"kv_budget": -5}', "kv_budget must be an integer >= 0"),
+        ('{"kv_budget": -5}', "kv_budget must be an integer >= 1"),
         ('{"window": -3, "selector": "sliding_window"}', "window must be an integer >= 0"),
-        ('{"kv_budget": "100"}', "kv_budget must be an integer >= 0"),
+        ('{"kv_budget": "100"}', "kv_budget must be an integer >= 1"),
         ('{"min_kv_budget": 1.5}', "min_kv_budget must be an integer >= 0"),
         ('{"sparsity_ratio": 0}', r"sparsity_ratio must be a number in \(0, 1\]"),
         ('{"sparsity_ratio": "0.1"}', r"sparsity_ratio must be a number in \(0, 1\]"),

@@ -168,22 +168,23 @@ class SelectionState:
         if not self.layers_ready or self.path is None:  # the proposer has not set us up yet
             return
         row = layer_idx - self.first_layer
-        if self.fa3 is not None and self.fa3.active:  # a layer the FA3 score path does not cover
-            self.fa3.fallback_layer(self, row, query, kv_cache, attn_metadata, scale)
-            if row == self.num_layers - 1:
-                self._finish_fa3(query, attn_metadata)
-            return
-        if row == 0:
+        fa3 = self.fa3 is not None and self.fa3.active  # a layer the FA3 score path does not cover
+        if row == 0 and not fa3:
             with self.timed(query):
                 self.softcap = float(softcap or 0.0)
                 self._begin_forward(query, kv_cache, attn_metadata)
         if self.plan is None:
             return
-        if float(softcap or 0.0) != self.softcap:
+        if float(softcap or 0.0) != self.softcap:  # both paths score every layer with the first layer's cap
             raise VegasConfigError(
                 f"vegas: layer {layer_idx} has logit soft-cap {softcap}, the first layer {self.softcap}; "
                 "the score kernel takes one soft-cap for all layers"
             )
+        if fa3:
+            self.fa3.fallback_layer(self, row, query, kv_cache, attn_metadata, scale)
+            if row == self.num_layers - 1:
+                self._finish_fa3(query, attn_metadata)
+            return
         self.path.layer(self, row, query, kv_cache, attn_metadata, scale)
 
     def _begin_forward(self, query, kv_cache, attn_metadata, fa3_heads: int = 0) -> None:
