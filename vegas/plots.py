@@ -168,7 +168,8 @@ def _tau_errorbar(ax, curve: list[dict], x: list, **style) -> None:
 
 def _budget_panels(points: list[dict], kind: str, gamma: int, title: str, path: Path) -> bool:
     """τ against sparsity, one panel per context, one line per selector (oracle dashed)."""
-    chosen = _ablate_points(points, prompt_kind=kind, variant="default", num_draft_tokens=gamma)
+    chosen = [p for p in _ablate_points(points, prompt_kind=kind, variant="default", num_draft_tokens=gamma)
+              if p["study"] in ("budget", "retrieval")]
     contexts = sorted({p["context"] for p in chosen})
     if not contexts:
         return False
@@ -297,13 +298,10 @@ def write_ablate_tables(points: list[dict], path: Path) -> None:
     """Markdown tables of every ``vegas ablate`` point: τ mean [95 % CI] per selector ×
     sparsity for each prompt kind, context and γ; the variants; the overlap series."""
     lines = []
-    groups = sorted({(p["prompt_kind"], p["context"], p["num_draft_tokens"]) for p in points
-                     if p["variant"] == "default" and p["selector"] != "overlap_probe"})
-    for kind, ctx, gamma in groups:
-        here = _ablate_points(points, prompt_kind=kind, context=ctx, num_draft_tokens=gamma, variant="default")
+    studied = [p for p in points if p["study"] in ("budget", "retrieval")]
+    for kind, ctx, gamma in sorted({(p["prompt_kind"], p["context"], p["num_draft_tokens"]) for p in studied}):
+        here = _ablate_points(studied, prompt_kind=kind, context=ctx, num_draft_tokens=gamma)
         budgets = sorted({p["sparsity_ratio"] for p in here})
-        if len(budgets) < 2 and kind == "heldout" and len({p["selector"] for p in here}) <= 3:
-            continue  # a γ of the ablation: in its own table below
         rope = here[0].get("rope_scaling")
         lines += [f"### τ, {kind} prompts, context {ctx}" + (f" (YaRN ×{rope['factor']:g})" if rope else "")
                   + f", γ={gamma}: mean [95 % CI] over {here[0]['tau']['n']} prompts", "",
@@ -314,7 +312,9 @@ def write_ablate_tables(points: list[dict], path: Path) -> None:
                      for s in budgets]
             lines.append(f"| {sel} | " + " | ".join(cells) + " |")
         if kind == "retrieval":
-            lines += ["", "tokens copied exactly before the first difference (mean over prompts):", ""]
+            lines += ["", "tokens copied exactly before the first difference from the passage (mean over prompts; "
+                      f"passage ~{here[0].get('distance_tokens', 0):.0f} tokens back):", "",
+                      "| selector | " + " | ".join(f"{s:g}" for s in budgets) + " |", "|---" * (len(budgets) + 1) + "|"]
             for sel in sorted({p["selector"] for p in here}):
                 cells = [next((f"{p['copied_tokens']['mean']:.1f}" for p in here
                                if p["selector"] == sel and p["sparsity_ratio"] == s and "copied_tokens" in p), "–")
@@ -324,7 +324,8 @@ def write_ablate_tables(points: list[dict], path: Path) -> None:
     variants = [p for p in points if p["variant"] != "default"]
     if variants:
         ctx, s = variants[0]["context"], variants[0]["sparsity_ratio"]
-        here = _ablate_points(points, prompt_kind="heldout", context=ctx, sparsity_ratio=s)
+        here = [p for p in _ablate_points(points, prompt_kind="heldout", context=ctx, sparsity_ratio=s)
+                if p["selector"] in ("aggregated", "collect2", "last_token")]
         gamma = variants[0]["num_draft_tokens"]
         names = ["default"] + sorted({p["variant"] for p in variants})
         sels = sorted({p["selector"] for p in variants})
