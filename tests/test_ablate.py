@@ -123,6 +123,7 @@ def test_spread_rope_and_plan():
     assert rope_for(4000, 73, 8192) is None
     assert rope_for(16000, 73, 8192) == {"rope_type": "yarn", "factor": 2.0}
     assert rope_for(32000, 73, 8192) == {"rope_type": "yarn", "factor": 4.0}
+    assert rope_for(16000, 73, 8192, 4) == {"rope_type": "yarn", "factor": 4.0}
     opts = AblateOptions(contexts=[512, 1024], budgets=[0.02, 0.1], gammas=[2, 4])
     specs = plan(opts, ["collect2", "oracle"])
     keys = [tuple(v for k, v in s.items() if k != "study") for s in specs]
@@ -132,19 +133,6 @@ def test_spread_rope_and_plan():
     assert {s["context"] for s in specs if s["study"] == "ablation"} == {512}
     with pytest.raises(VegasConfigError, match="--studies"):
         run_ablate(AblateOptions(studies=["nope"]), Console(file=io.StringIO()))
-
-
-@pytest.fixture
-def counted(pipe, monkeypatch):
-    calls = []
-    original = pipe.generate
-
-    def generate(*args, **kwargs):
-        calls.append(kwargs.get("selector"))
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(pipe, "generate", generate)
-    return pipe, calls
 
 
 def _tiny(tmp_path, source, **kw):

@@ -54,20 +54,6 @@ def test_recommend_follows_the_three_steps_on_synthetic_points():
     assert "vegas serve MODEL --config" in text
 
 
-@pytest.fixture
-def counted(pipe, monkeypatch):
-    """The session pipeline, counting ``generate`` calls."""
-    calls = []
-    original = pipe.generate
-
-    def generate(*args, **kwargs):
-        calls.append(kwargs.get("selector"))
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(pipe, "generate", generate)
-    return pipe, calls
-
-
 def _tiny(out, **kw):
     return TuneOptions(context=128, new_tokens=4, batch_size=1, sparsities=[0.05, 0.5], gammas=[2], fine_steps=1,
                        device="cpu", out=str(out), **kw)

@@ -12,7 +12,8 @@ Studies (``studies``):
 * ``budget``: τ over the sparsities ``budgets`` for every selector (``selectors``; default:
   every registered one plus ``oracle``, :class:`~vegas.strategies.OracleSelector`, the exact
   top-k of each draft query) at each of ``contexts``. A context beyond the model's gets YaRN
-  (``rope_scaling``) with the smallest power-of-two factor that fits (:func:`rope_for`).
+  (``rope_scaling``) with ``yarn_factor``, by default the smallest power of two that fits
+  (:func:`rope_for`).
 * ``ablation``: at the first context and ``ablation_sparsity``, ``aggregated``, ``collect2``
   and ``last_token`` with each of the config variants :data:`VARIANTS` (softmax-weight
   ranking, one set per KV head, no recent window), and each γ of ``gammas``.
@@ -73,7 +74,7 @@ QUICK = {"contexts": [1024], "budgets": [0.02, 0.1], "gammas": [2, 4], "num_prom
          "new_tokens": 32}
 #: options whose change alters what a point measures: a rerun must match them to resume
 MEASUREMENT_SETTINGS = ("model", "prompts", "new_tokens", "batch_size", "num_prompts", "temperature", "top_p",
-                        "seed", "dtype", "device", "max_distance")
+                        "seed", "dtype", "device", "max_distance", "yarn_factor")
 
 
 @dataclass
@@ -97,6 +98,7 @@ class AblateOptions:
     batch_size: int = 8
     new_tokens: int = 64
     max_distance: int = 8
+    yarn_factor: float | None = None  # None: the smallest power of two that fits (rope_for)
     temperature: float = 0.8
     top_p: float = 0.95
     seed: int = 0
@@ -131,6 +133,8 @@ def raise_if_bad_options(opts: AblateOptions) -> None:
         value = getattr(opts, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise VegasConfigError(f"{name} (--{name.replace('_', '-')}) must be an integer >= 1, got {value!r}")
+    if opts.yarn_factor is not None and not (isinstance(opts.yarn_factor, (int, float)) and opts.yarn_factor > 1):
+        raise VegasConfigError(f"yarn_factor (--yarn-factor) must be a number > 1, got {opts.yarn_factor!r}")
     if opts.time_budget is not None and not opts.time_budget > 0:
         raise VegasConfigError(f"time_budget (--time-budget) must be seconds > 0, got {opts.time_budget!r}")
     SamplingParams(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)
@@ -145,12 +149,13 @@ def spread(values: list[float], seed: int = 0, resamples: int = 2000) -> dict:
             "min": min(values), "max": max(values), "n": len(values)}
 
 
-def rope_for(context: int, room: int, max_context: int) -> dict | None:
-    """YaRN with the smallest power-of-two factor whose context fits ``context + room``
-    tokens (None when the model's ``max_context`` does)."""
+def rope_for(context: int, room: int, max_context: int, factor: float | None = None) -> dict | None:
+    """YaRN for a context beyond the model's: ``factor``, or by default the smallest power of two
+    whose context fits ``context + room`` tokens (None when the model's ``max_context`` does)."""
     if context + room <= max_context:
         return None
-    return {"rope_type": "yarn", "factor": float(2 ** math.ceil(math.log2((context + room) / max_context)))}
+    factor = factor or 2 ** math.ceil(math.log2((context + room) / max_context))
+    return {"rope_type": "yarn", "factor": float(factor)}
 
 
 def plan(opts: AblateOptions, selectors: list[str]) -> list[dict]:
@@ -330,7 +335,7 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
         native = pipe or pipes.get("native")
         if native is None:
             native = pipes["native"] = Pipeline(opts.model, selector=None, dtype=opts.dtype, device=opts.device)
-        rope = rope_for(context, room, native.backend.max_context)
+        rope = rope_for(context, room, native.backend.max_context, opts.yarn_factor)
         if rope is None:
             return native, None
         key = str(rope)

@@ -271,6 +271,8 @@ def _ablate_options(fn):
 @click.option("--batch-size", default=None, type=int, help="Prompts decoded together [default: 8; --quick 4].")
 @click.option("--new-tokens", default=None, type=int, help="Tokens generated per prompt [default: 64; --quick 32].")
 @click.option("--max-distance", default=None, type=int, help="Largest query distance of the overlap study [default: 8].")
+@click.option("--yarn-factor", default=None, type=float,
+              help="YaRN factor for contexts beyond the model's [default: the smallest power of two that fits].")
 @click.option("--prompts", default=None, type=click.Path(exists=True),
               help="Text file, directory or .jsonl(.xz) document set to cut prompts from (default: the "
                    "checkout's benchmarks/data/heldout_code_dev.jsonl.xz, else installed click source).")

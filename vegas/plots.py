@@ -159,10 +159,15 @@ def _ablate_points(points: list[dict], **fields) -> list[dict]:
     return [p for p in points if all(p.get(k) == v for k, v in fields.items())]
 
 
+def _tau_ci(points: list[dict]) -> tuple[list[float], list[list[float]]]:
+    """τ means of ``points`` and their 95 % bootstrap intervals as matplotlib ``yerr``."""
+    y = [p["tau"]["mean"] for p in points]
+    return y, [[m - p["tau"]["ci95"][0] for m, p in zip(y, points)], [p["tau"]["ci95"][1] - m for m, p in zip(y, points)]]
+
+
 def _tau_errorbar(ax, curve: list[dict], x: list, **style) -> None:
     """τ means of ``curve`` at ``x`` with their 95 % bootstrap intervals as error bars."""
-    y = [p["tau"]["mean"] for p in curve]
-    err = [[m - p["tau"]["ci95"][0] for m, p in zip(y, curve)], [p["tau"]["ci95"][1] - m for m, p in zip(y, curve)]]
+    y, err = _tau_ci(curve)
     ax.errorbar(x, y, yerr=err, marker="o", capsize=3, **style)
 
 
@@ -236,8 +241,7 @@ def plot_ablate(points: list[dict], opts, out: Path) -> list[str]:
                 if found:
                     xs.append(j + (i - (len(names) - 1) / 2) * width)
                     ps.append(found[0])
-            y = [p["tau"]["mean"] for p in ps]
-            err = [[m - p["tau"]["ci95"][0] for m, p in zip(y, ps)], [p["tau"]["ci95"][1] - m for m, p in zip(y, ps)]]
+            y, err = _tau_ci(ps)
             ax_v.bar(xs, y, width, yerr=err, capsize=2, label=name)
         ax_v.set_xticks(range(len(sels)), sels)
         ax_v.set_ylabel("τ (tokens / iteration), mean and 95 % CI")
