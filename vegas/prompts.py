@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections import Counter
 import lzma
 from pathlib import Path
 
@@ -133,7 +134,9 @@ def retrieval_prompts(
 
     Each window body (``context - cue`` tokens, :func:`cut_contexts`) has its passage at an
     anchor token (e.g. ``def``: a function defined thousands of tokens earlier) in its first
-    half, at least ``(context - cue) / 2`` tokens back; the first half's start if none.
+    half, at least ``(context - cue) / 2`` tokens back, whose first ``cue`` tokens occur nowhere
+    else in the body (so the passage to copy is unambiguous: not one of many ``def
+    __init__(self``); the first such position of the first half if no anchor qualifies.
 
     Args:
         anchor_ids: token ids a passage may start at.
@@ -149,8 +152,9 @@ def retrieval_prompts(
     for i, body in enumerate(bodies):
         half = len(body) // 2
         lo = max(1, half * i // max(count, 1) // 2)  # spread the passages over the first half
-        anchors = [a for a in range(lo, half - cue - answer) if body[a] in anchor_ids] or [lo]
-        a = anchors[0]
+        counts = Counter(tuple(body[j : j + cue]) for j in range(len(body) - cue + 1))
+        unique = [a for a in range(lo, max(lo + 1, half - cue - answer)) if counts[tuple(body[a : a + cue])] == 1]
+        a = next((a for a in unique if body[a] in anchor_ids), unique[0] if unique else lo)
         out.append({
             "prompt": body + body[a : a + cue],
             "expected": body[a + cue : a + cue + answer],
