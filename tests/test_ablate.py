@@ -115,6 +115,10 @@ def test_retrieval_prompts_end_with_the_start_of_a_far_passage():
         body, cue = r["prompt"][:-8], r["prompt"][-8:]
         start = body.index(cue[0])
         assert body[start : start + 8] == cue and r["expected"] == body[start + 8 : start + 24]
+    # an anchor whose passage repeats in the window (a second "def __init__(self") is skipped
+    repeated = [7] + list(range(100, 300)) + list(range(100, 112)) + list(range(5000, 5179))  # 392 tokens
+    (r,) = retrieval_prompts(repeated, 400, 1, {100, 150}, cue=8, answer=16)
+    assert r["prompt"][-8:] == list(range(150, 158))
 
 
 def test_spread_rope_and_plan():
