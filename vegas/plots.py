@@ -320,7 +320,7 @@ def write_ablate_tables(points: list[dict], path: Path) -> None:
                       f"passage ~{here[0].get('distance_tokens', 0):.0f} tokens back):", "",
                       "| selector | " + " | ".join(f"{s:g}" for s in budgets) + " |", "|---" * (len(budgets) + 1) + "|"]
             for sel in sorted({p["selector"] for p in here}):
-                cells = [next((f"{p['copied_tokens']['mean']:.1f}" for p in here
+                cells = [next((f"{p['copied_tokens']['mean']:.2f}" for p in here
                                if p["selector"] == sel and p["sparsity_ratio"] == s and "copied_tokens" in p), "–")
                          for s in budgets]
                 lines.append(f"| {sel} | " + " | ".join(cells) + " |")
