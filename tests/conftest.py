@@ -19,6 +19,20 @@ def pipe() -> Pipeline:
     return Pipeline(selector=None, dtype="float32", device="cpu")
 
 
+@pytest.fixture
+def counted(pipe, monkeypatch):
+    """The session pipeline, counting ``generate`` calls."""
+    calls = []
+    original = pipe.generate
+
+    def generate(*args, **kwargs):
+        calls.append(kwargs.get("selector"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(pipe, "generate", generate)
+    return pipe, calls
+
+
 @pytest.fixture(scope="session")
 def click_ids(pipe) -> list[int]:
     """Token ids of the installed click source (held out of the model's training)."""

@@ -101,20 +101,6 @@ def test_bench_verdict_says_when_plain_decoding_is_faster():
         "plain decoding is as fast")
 
 
-@pytest.fixture
-def counted(pipe, monkeypatch):
-    """The session pipeline, counting ``generate`` calls."""
-    calls = []
-    original = pipe.generate
-
-    def generate(*args, **kwargs):
-        calls.append(kwargs.get("selector"))
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(pipe, "generate", generate)
-    return pipe, calls
-
-
 def _tiny(out, **kw):
     kw = {"repeats": 1, **kw}
     return TuneOptions(context=128, new_tokens=4, batch_size=1, sparsities=[0.05, 0.5], gammas=[2], fine_steps=1,

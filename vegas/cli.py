@@ -1,4 +1,4 @@
-"""Command line: ``vegas bench`` (the main job), ``vegas generate``, ``vegas tune`` and ``vegas serve``."""
+"""Command line: ``vegas bench`` (the main job), ``vegas generate``, ``vegas tune``, ``vegas ablate`` and ``vegas serve``."""
 
 from __future__ import annotations
 
@@ -278,6 +278,62 @@ def tune(selectors, **kwargs) -> None:
         click.echo(line)
     click.echo(f"{results['points']} points ({results['reused_points']} reused from an earlier run), "
                f"recommendation and plots ({', '.join(results['plots'])}) in {kwargs['out']}")
+
+
+def _ablate_options(fn):
+    return _config_options(fn, [_MODEL_OPTIONS[0]] + _SAMPLING_OPTIONS)
+
+
+@main.command()
+@_ablate_options
+@click.option("--studies", default=",".join(("budget", "ablation", "overlap", "retrieval")), show_default=True,
+              help="Comma-separated studies: budget, ablation, overlap, retrieval.")
+@click.option("--selectors", default="all", show_default=True,
+              help="Comma-separated selectors for the budget and retrieval studies; 'all' = every registered "
+                   "selector plus oracle (exact top-k of each draft query).")
+@click.option("--contexts", default=None, callback=_number_list(int),
+              help="Prompt lengths in tokens; beyond the model's context YaRN is applied "
+                   "[default: 4096,8000,16000,32000; --quick 1024].")
+@click.option("--budgets", default=None, callback=_number_list(float),
+              help="Sparsities (KV budget / context) [default: 0.01,0.02,0.05,0.1,0.2; --quick 0.02,0.1].")
+@click.option("--num-draft-tokens", "-g", default=None, type=int, help="γ of the budget and retrieval studies [default: 4].")
+@click.option("--gammas", default=None, callback=_number_list(int),
+              help="γ values of the ablation; the overlap study runs at the largest [default: 2,4,6,8; --quick 2,4].")
+@click.option("--ablation-sparsity", default=None, type=float,
+              help="Sparsity of the ablation and overlap studies (at the first context) [default: 0.02].")
+@click.option("--num-prompts", default=None, type=int, help="Prompts per point [default: 32; --quick 4].")
+@click.option("--batch-size", default=None, type=int, help="Prompts decoded together [default: 8; --quick 4].")
+@click.option("--new-tokens", default=None, type=int, help="Tokens generated per prompt [default: 64; --quick 32].")
+@click.option("--max-distance", default=None, type=int, help="Largest query distance of the overlap study [default: 8].")
+@click.option("--yarn-factor", default=None, type=float,
+              help="YaRN factor for contexts beyond the model's [default: the smallest power of two that fits].")
+@click.option("--prompts", default=None, type=click.Path(exists=True),
+              help="Text file, directory or .jsonl(.xz) document set to cut prompts from (default: the "
+                   "checkout's benchmarks/data/heldout_code_dev.jsonl.xz, else installed click source).")
+@click.option("--out", default="vegas-ablate", show_default=True, type=click.Path(file_okay=False),
+              help="Directory for points.json, tables.md and the PNG plots; a rerun resumes from it.")
+@click.option("--time-budget", default=None, type=float,
+              help="Seconds: stop before a point that would not finish in time, then plot (rerun to resume).")
+@click.option("--fresh", is_flag=True, help="Discard the points already in --out instead of resuming.")
+@click.option("--quick", is_flag=True, help="Every study, small (context 1024, 4 prompts, 2 budgets): a CPU look.")
+def ablate(studies, selectors, quick, **kwargs) -> None:
+    """The studies behind the method's claims on the HF backend: τ by KV budget and context
+    (oracle included), ablations, top-k overlap of nearby queries, retrieval prompts; writes
+    points.json as it goes, tables.md and PNG plots to --out."""
+    from .ablate import QUICK, AblateOptions, run_ablate
+
+    given = {k: v for k, v in kwargs.items() if v is not None}
+    try:
+        names = None if selectors.strip() == "all" else [s.strip() for s in selectors.split(",") if s.strip()]
+        opts = AblateOptions(studies=[s.strip() for s in studies.split(",") if s.strip()], selectors=names,
+                             **({**QUICK, **given} if quick else given))
+        results = run_ablate(opts, Console(stderr=True))
+    except VegasConfigError as exc:
+        raise _click_error(exc) from exc
+    click.echo(f"{results['points']} points ({results['measured']} measured now, {results['reused']} reused); "
+               f"{results['tables']} and plots ({', '.join(results['plots'])}) in {kwargs['out']}")
+    if not results["complete"]:
+        click.echo(f"incomplete: {results['stopped']}; rerun the same command to resume")
 
 
 class OneLineError(click.ClickException):

@@ -51,7 +51,8 @@ class SelectionInput:
         scores: ``torch.FloatTensor`` of shape ``(batch_size, groups, num_slots)``, float32:
             attention logits (or softmax weights, per ``score_mode``) of the rows named by
             ``Selector.score_rows`` summed over those rows and the query heads of each
-            group; None for selectors that name no rows.
+            group; ``(batch_size, groups, m, num_slots)`` (the ``m`` rows apart) for a
+            selector with ``per_row_scores``; None for selectors that name no rows.
         valid: ``torch.BoolTensor`` of shape ``(batch_size, num_slots)``: committed cache
             slots of each sequence (padding and rolled-back slots are False).
         budget: ``torch.LongTensor`` of shape ``(batch_size,)``: KV budget k per sequence
@@ -90,6 +91,9 @@ class Selector(ABC):
     query_aware: ClassVar[bool] = False
     #: True when ``select`` reads ``SelectionInput.keys``.
     needs_keys: ClassVar[bool] = False
+    #: True when ``select`` wants the ``score_rows`` apart (analysis, e.g.
+    #: :class:`vegas.overlap.OverlapProbe`); HF backend only.
+    per_row_scores: ClassVar[bool] = False
 
     def __init__(self, config: VegasConfig) -> None:
         self.config = config

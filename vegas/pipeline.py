@@ -6,7 +6,7 @@ import numbers
 from contextlib import nullcontext
 from typing import Sequence
 
-from .backends.base import Backend, RequestOutput
+from .backends.base import Backend, RequestOutput, as_selector
 from .config import VegasConfig, VegasConfigError
 from .models import DEFAULT_MODEL, resolve_model
 from .plugins import PLAIN, blame, create_selector, get_backend_class, is_builtin, owner
@@ -176,8 +176,10 @@ class Pipeline:
                 with speculative rejection sampling (the target distribution is kept).
             top_p: nucleus sampling mass in (0, 1].
             seed: seed of the sampling generator.
-            selector: override the pipeline's selector for this call (``"none"`` or None:
-                plain decoding).
+            selector: override the pipeline's selector for this call: a registered name, a
+                :class:`~vegas.interfaces.Selector` built with this pipeline's ``config`` (e.g.
+                :class:`~vegas.strategies.OracleSelector`, used once), or ``"none"`` / None
+                (plain decoding).
             chat: wrap each text prompt as a user message in the tokenizer's chat template,
                 ending with the assistant's generation prompt.
 
@@ -194,7 +196,7 @@ class Pipeline:
         """
         selector = self.selector if selector is ... else selector
         # built once per call (selectors keep per-request state) and handed to the backend
-        selector_obj = None if selector is None else create_selector(selector, self.config)
+        selector_obj = as_selector(selector, self.config)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise VegasConfigError.bad("max_new_tokens", f"must be an integer >= 1, got {max_new_tokens!r}")
         sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)

@@ -1,4 +1,4 @@
-"""PNG charts of ``vegas tune`` and ``vegas bench`` results (matplotlib, no display needed).
+"""PNG charts of ``vegas tune``, ``vegas bench`` and ``vegas ablate`` results (matplotlib, no display needed).
 
 Figures are built with :class:`matplotlib.figure.Figure` directly (no pyplot): no GUI backend,
 no global state.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["plot_tune", "plot_bench"]
+__all__ = ["plot_tune", "plot_bench", "plot_ablate", "write_ablate_tables"]
 
 THROUGHPUT = "throughput (generated tokens / decode second)"
 
@@ -153,3 +153,210 @@ def plot_bench(results: dict, path: str | Path) -> None:
     fig.suptitle(f"vegas bench: {o['backend']}, context {o['context']}, batch {o['batch_size']}, "
                  f"γ={o['num_draft_tokens']}, KV budget {results['kv_budget']}, T={o['temperature']}")
     fig.savefig(path, dpi=100)
+
+
+def _ablate_points(points: list[dict], **fields) -> list[dict]:
+    return [p for p in points if all(p.get(k) == v for k, v in fields.items())]
+
+
+def _tau_ci(points: list[dict]) -> tuple[list[float], list[list[float]]]:
+    """τ means of ``points`` and their 95 % bootstrap intervals as matplotlib ``yerr``."""
+    y = [p["tau"]["mean"] for p in points]
+    return y, [[m - p["tau"]["ci95"][0] for m, p in zip(y, points)], [p["tau"]["ci95"][1] - m for m, p in zip(y, points)]]
+
+
+def _tau_errorbar(ax, curve: list[dict], x: list, **style) -> None:
+    """τ means of ``curve`` at ``x`` with their 95 % bootstrap intervals as error bars."""
+    y, err = _tau_ci(curve)
+    ax.errorbar(x, y, yerr=err, marker="o", capsize=3, **style)
+
+
+def _budget_panels(points: list[dict], kind: str, gamma: int, title: str, path: Path) -> bool:
+    """τ against sparsity, one panel per context, one line per selector (oracle dashed)."""
+    chosen = [p for p in _ablate_points(points, prompt_kind=kind, variant="default", num_draft_tokens=gamma)
+              if p["study"] in ("budget", "retrieval")]
+    contexts = sorted({p["context"] for p in chosen})
+    if not contexts:
+        return False
+    fig, axes = _figure(ncols=len(contexts), width=5.0)
+    for ax, ctx in zip(axes, contexts):
+        here = [p for p in chosen if p["context"] == ctx]
+        for sel in sorted({p["selector"] for p in here}):
+            curve = sorted((p for p in here if p["selector"] == sel), key=lambda p: p["sparsity_ratio"])
+            style = {"color": "black", "linestyle": "--"} if sel == "oracle" else {}
+            _tau_errorbar(ax, curve, [p["sparsity_ratio"] for p in curve], label=sel, **style)
+        rope = here[0].get("rope_scaling")
+        extra = f", YaRN ×{rope['factor']:g}" if rope else ""
+        if kind == "retrieval":
+            extra += f", passage ~{here[0].get('distance_tokens', 0):.0f} tokens back"
+        ax.set_title(f"context {ctx}{extra}", fontsize="medium")
+        ax.set_xscale("log")
+        _plain_ticks(ax.xaxis)
+        ax.set_xlabel("sparsity (KV budget / context)")
+        ax.set_ylabel("τ (tokens / iteration), mean and 95 % CI")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.suptitle(title)
+    fig.savefig(path, dpi=100)
+    return True
+
+
+def plot_ablate(points: list[dict], opts, out: Path) -> list[str]:
+    """Write the ``vegas ablate`` plots into ``out`` and return their file names (a study
+    without points draws nothing).
+
+    * ``tau_by_budget.png``: τ (mean over prompts, 95 % bootstrap CI) against sparsity per
+      selector, one panel per context, at γ = ``opts.num_draft_tokens``.
+    * ``ablations.png``: τ per config variant of each ablated selector (bars), and τ
+      against γ, at the ablation context and sparsity.
+    * ``overlap.png``: Jaccard of top-k sets against query distance d (within a verified
+      chunk, across iterations; min–max over prompts shaded), and of each proxy's set with
+      the next chunk's queries against draft step.
+    * ``retrieval.png``: as ``tau_by_budget.png`` on copy-task prompts.
+    """
+    written = []
+    gamma = opts.num_draft_tokens
+    temp = f"T={opts.temperature:g}" if opts.temperature else "greedy"
+    if _budget_panels(points, "heldout", gamma, f"τ by KV budget, held-out code, γ={gamma}, {temp}",
+                      out / "tau_by_budget.png"):
+        written.append("tau_by_budget.png")
+    if _budget_panels(points, "retrieval", gamma, f"τ by KV budget, copy-task (retrieval) prompts, γ={gamma}, {temp}",
+                      out / "retrieval.png"):
+        written.append("retrieval.png")
+
+    from .tune_points import round_sparsity
+
+    ctx, s = opts.contexts[0], round_sparsity(opts.ablation_sparsity)
+    here = _ablate_points(points, prompt_kind="heldout", context=ctx, sparsity_ratio=s)
+    variants = [p for p in here if p["num_draft_tokens"] == gamma and p["selector"] in ("aggregated", "collect2", "last_token")]
+    if variants:
+        fig, (ax_v, ax_g) = _figure(ncols=2, width=5.6)
+        sels = [sel for sel in ("aggregated", "collect2", "last_token") if any(p["selector"] == sel for p in variants)]
+        names = sorted({p["variant"] for p in variants}, key=lambda v: (v != "default", v))
+        width = 0.8 / len(names)
+        for i, name in enumerate(names):
+            xs, ps = [], []
+            for j, sel in enumerate(sels):
+                found = [p for p in variants if p["selector"] == sel and p["variant"] == name]
+                if found:
+                    xs.append(j + (i - (len(names) - 1) / 2) * width)
+                    ps.append(found[0])
+            y, err = _tau_ci(ps)
+            ax_v.bar(xs, y, width, yerr=err, capsize=2, label=name)
+        ax_v.set_xticks(range(len(sels)), sels)
+        ax_v.set_ylabel("τ (tokens / iteration), mean and 95 % CI")
+        ax_v.set_title(f"config variants, γ={gamma}", fontsize="medium")
+        ax_v.legend(fontsize="small")
+        ax_v.grid(True, axis="y", alpha=0.3)
+        for sel in sels:
+            curve = sorted((p for p in here if p["selector"] == sel and p["variant"] == "default"),
+                           key=lambda p: p["num_draft_tokens"])
+            if curve:
+                _tau_errorbar(ax_g, curve, [p["num_draft_tokens"] for p in curve], label=sel)
+        ax_g.set_xlabel("γ (draft tokens per iteration)")
+        ax_g.set_ylabel("τ (tokens / iteration)")
+        ax_g.set_title("τ against γ", fontsize="medium")
+        ax_g.grid(True, alpha=0.3)
+        ax_g.legend(fontsize="small")
+        fig.suptitle(f"ablations: context {ctx}, sparsity {s:g} (KV budget {variants[0]['kv_budget']}), {temp}")
+        fig.savefig(out / "ablations.png", dpi=100)
+        written.append("ablations.png")
+
+    probe = [p for p in points if p["selector"] == "overlap_probe" and "jaccard" in p]
+    if probe:
+        p = probe[0]
+        fig, (ax_d, ax_p) = _figure(ncols=2, width=5.6)
+        for series, ax in (("within", ax_d), ("across", ax_d), ("proxy_last_token", ax_p),
+                           ("proxy_collect2", ax_p), ("proxy_aggregated", ax_p)):
+            col = p["jaccard"].get(series)
+            if not col:
+                continue
+            xs = [i + 1 for i, v in enumerate(col["mean"]) if v is not None]
+            ax.plot(xs, [col["mean"][x - 1] for x in xs], marker="o", label=series.replace("proxy_", ""))
+            ax.fill_between(xs, [col["min"][x - 1] for x in xs], [col["max"][x - 1] for x in xs], alpha=0.15)
+        ax_d.set_xlabel("query distance d (tokens)")
+        ax_d.set_ylabel("Jaccard of top-k sets (mean; min–max over prompts)")
+        ax_d.set_title("queries t and t + d: within a verified chunk, across iterations", fontsize="medium")
+        ax_p.set_xlabel("draft step of the next iteration (row of the next verified chunk + 1)")
+        ax_p.set_ylabel("Jaccard with the proxy's set")
+        ax_p.set_title("the set a selector drafts with vs. each next query's own", fontsize="medium")
+        for ax in (ax_d, ax_p):
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize="small")
+            ax.set_ylim(0, 1)
+        fig.suptitle(f"top-k overlap over the prompt slots: context {p['context']}, KV budget {p['kv_budget']}, "
+                     f"γ={p['num_draft_tokens']}, {temp}")
+        fig.savefig(out / "overlap.png", dpi=100)
+        written.append("overlap.png")
+    return written
+
+
+def _tau_cell(p: dict | None) -> str:
+    if p is None:
+        return "–"
+    t = p["tau"]
+    return f"{t['mean']:.2f} [{t['ci95'][0]:.2f}, {t['ci95'][1]:.2f}]"
+
+
+def write_ablate_tables(points: list[dict], path: Path) -> None:
+    """Markdown tables of every ``vegas ablate`` point: τ mean [95 % CI] per selector ×
+    sparsity for each prompt kind, context and γ; the variants; the overlap series."""
+    lines = []
+    studied = [p for p in points if p["study"] in ("budget", "retrieval")]
+    for kind, ctx, gamma in sorted({(p["prompt_kind"], p["context"], p["num_draft_tokens"]) for p in studied}):
+        here = _ablate_points(studied, prompt_kind=kind, context=ctx, num_draft_tokens=gamma)
+        budgets = sorted({p["sparsity_ratio"] for p in here})
+        rope = here[0].get("rope_scaling")
+        lines += [f"### τ, {kind} prompts, context {ctx}" + (f" (YaRN ×{rope['factor']:g})" if rope else "")
+                  + f", γ={gamma}: mean [95 % CI] over {here[0]['tau']['n']} prompts", "",
+                  "| selector | " + " | ".join(f"{s:g}" for s in budgets) + " |",
+                  "|---" * (len(budgets) + 1) + "|"]
+        for sel in sorted({p["selector"] for p in here}):
+            cells = [_tau_cell(next((p for p in here if p["selector"] == sel and p["sparsity_ratio"] == s), None))
+                     for s in budgets]
+            lines.append(f"| {sel} | " + " | ".join(cells) + " |")
+        if kind == "retrieval":
+            lines += ["", "tokens copied exactly before the first difference from the passage (mean over prompts; "
+                      f"passage ~{here[0].get('distance_tokens', 0):.0f} tokens back):", "",
+                      "| selector | " + " | ".join(f"{s:g}" for s in budgets) + " |", "|---" * (len(budgets) + 1) + "|"]
+            for sel in sorted({p["selector"] for p in here}):
+                cells = [next((f"{p['copied_tokens']['mean']:.2f}" for p in here
+                               if p["selector"] == sel and p["sparsity_ratio"] == s and "copied_tokens" in p), "–")
+                         for s in budgets]
+                lines.append(f"| {sel} | " + " | ".join(cells) + " |")
+        lines.append("")
+    variants = [p for p in points if p["variant"] != "default"]
+    if variants:
+        ctx, s = variants[0]["context"], variants[0]["sparsity_ratio"]
+        here = [p for p in _ablate_points(points, prompt_kind="heldout", context=ctx, sparsity_ratio=s)
+                if p["selector"] in ("aggregated", "collect2", "last_token")]
+        gamma = variants[0]["num_draft_tokens"]
+        names = ["default"] + sorted({p["variant"] for p in variants})
+        sels = sorted({p["selector"] for p in variants})
+        lines += [f"### ablations, context {ctx}, sparsity {s:g}, γ={gamma}: τ mean [95 % CI]", "",
+                  "| selector | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+        for sel in sels:
+            cells = [_tau_cell(next((p for p in here if p["selector"] == sel and p["variant"] == v
+                                     and p["num_draft_tokens"] == gamma), None)) for v in names]
+            lines.append(f"| {sel} | " + " | ".join(cells) + " |")
+        gammas = sorted({p["num_draft_tokens"] for p in here if p["variant"] == "default"})
+        lines += ["", f"### τ against γ, context {ctx}, sparsity {s:g}", "",
+                  "| selector | " + " | ".join(f"γ={g}" for g in gammas) + " |", "|---" * (len(gammas) + 1) + "|"]
+        for sel in sels:
+            cells = [_tau_cell(next((p for p in here if p["selector"] == sel and p["variant"] == "default"
+                                     and p["num_draft_tokens"] == g), None)) for g in gammas]
+            lines.append(f"| {sel} | " + " | ".join(cells) + " |")
+        lines.append("")
+    for p in points:
+        if "jaccard" not in p:
+            continue
+        series = list(p["jaccard"])
+        width = max(len(p["jaccard"][s]["mean"]) for s in series)
+        lines += [f"### top-k overlap (Jaccard, mean over prompts), context {p['context']}, KV budget "
+                  f"{p['kv_budget']}, γ={p['num_draft_tokens']}; d = query distance, or draft step for proxies", "",
+                  "| series | " + " | ".join(str(i + 1) for i in range(width)) + " |", "|---" * (width + 1) + "|"]
+        for s in series:
+            mean = p["jaccard"][s]["mean"]
+            lines.append(f"| {s} | " + " | ".join("–" if v is None else f"{v:.3f}" for v in mean) + " |")
+        lines.append("")
+    path.write_text("\n".join(lines) + "\n")

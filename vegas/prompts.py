@@ -4,17 +4,29 @@ The embedded model was trained on Python source without docutils, jinja2 and cli
 (design notes (docs/design-notes.md) §7). ``click`` is vegas's CLI library, so it is always installed: its
 modules, concatenated in a fixed order, form one long document from which contexts of
 the requested length are cut. Users pass their own file or directory instead; files are
-read as text, never executed.
+read as text, never executed. A ``.jsonl`` / ``.jsonl.xz`` file is a document set (one JSON
+object with a ``text`` field per line), such as the repository's held-out code
+(:func:`heldout_path`).
+
+:func:`retrieval_prompts` builds copy-task prompts whose continuation sits thousands of
+tokens back (``vegas ablate``'s retrieval study).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
+from collections import Counter
+import lzma
 from pathlib import Path
 
 from .config import VegasConfigError
 
-__all__ = ["package_source", "read_text_source", "cut_contexts"]
+__all__ = ["package_source", "read_text_source", "cut_contexts", "heldout_path", "retrieval_prompts"]
+
+#: held-out code documents of a repository checkout (click, docutils, jinja2; unseen by the
+#: embedded model), relative to the repository root
+HELDOUT = Path("benchmarks") / "data" / "heldout_code_dev.jsonl.xz"
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".json", ".jsonl", ".toml", ".cfg", ".yaml", ".yml")
 
@@ -41,6 +53,8 @@ def read_text_source(path: str | Path, *, what: str = "prompts path", max_bytes:
             holds more than ``max_bytes`` bytes.
     """
     path = Path(path)
+    if path.is_file() and path.name.endswith((".jsonl", ".jsonl.xz")):
+        return _read_documents(path)
     if path.is_file():
         files = [path]
     elif path.is_dir():
@@ -62,6 +76,23 @@ def read_text_source(path: str | Path, *, what: str = "prompts path", max_bytes:
     if files:
         return _concatenate(files, path)
     raise VegasConfigError(f"{what} {str(path)!r} is not a file or a directory with text files")
+
+
+def heldout_path() -> Path | None:
+    """The held-out code set of the checkout vegas runs from (an editable install), or None."""
+    path = Path(__file__).resolve().parent.parent / HELDOUT
+    return path if path.is_file() else None
+
+
+def _read_documents(path: Path) -> str:
+    """The ``text`` fields of a JSON-lines file (xz-compressed when it ends in ``.xz``),
+    joined by blank lines."""
+    opener = lzma.open if path.suffix == ".xz" else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            return "\n\n".join(json.loads(line)["text"] for line in f if line.strip())
+    except (ValueError, KeyError, TypeError, lzma.LZMAError) as exc:
+        raise VegasConfigError(f"{str(path)!r} is not JSON lines with a 'text' field per line ({exc})") from None
 
 
 def _is_binary(path: Path) -> bool:
@@ -93,3 +124,40 @@ def cut_contexts(token_ids: list[int], context: int, count: int) -> list[list[in
     span = len(token_ids) - context
     starts = [span * i // max(count - 1, 1) if count > 1 else span for i in range(count)]
     return [token_ids[s : s + context] for s in starts]
+
+
+def retrieval_prompts(
+    token_ids: list[int], context: int, count: int, anchor_ids: set[int], *, cue: int = 16, answer: int = 64
+) -> list[dict]:
+    """Copy-task prompts: ``count`` windows of held-out text whose last ``cue`` tokens repeat
+    the start of a passage far back, so the continuation copies the passage.
+
+    Each window body (``context - cue`` tokens, :func:`cut_contexts`) has its passage at an
+    anchor token (e.g. ``def``: a function defined thousands of tokens earlier) in its first
+    half, at least ``(context - cue) / 2`` tokens back, whose first ``cue`` tokens occur nowhere
+    else in the body (so the passage to copy is unambiguous: not one of many ``def
+    __init__(self``); the first such position of the first half if no anchor qualifies.
+
+    Args:
+        anchor_ids: token ids a passage may start at.
+        cue: tokens of the passage repeated at the end of the prompt.
+        answer: tokens of the passage after the cue kept as the expected continuation.
+
+    Returns:
+        per prompt ``{"prompt": ids (context), "expected": ids (<= answer), "distance": tokens
+        from the passage to the cue}``.
+    """
+    bodies = cut_contexts(token_ids, context - cue, count)
+    out = []
+    for i, body in enumerate(bodies):
+        half = len(body) // 2
+        lo = max(1, half * i // max(count, 1) // 2)  # spread the passages over the first half
+        counts = Counter(tuple(body[j : j + cue]) for j in range(len(body) - cue + 1))
+        unique = [a for a in range(lo, max(lo + 1, half - cue - answer)) if counts[tuple(body[a : a + cue])] == 1]
+        a = next((a for a in unique if body[a] in anchor_ids), unique[0] if unique else lo)
+        out.append({
+            "prompt": body + body[a : a + cue],
+            "expected": body[a + cue : a + cue + answer],
+            "distance": len(body) - a,
+        })
+    return out

@@ -22,6 +22,7 @@ def collect_scores(
     groups: int,
     score_mode: str = "logit",
     softcap: float | None = None,
+    per_row: bool = False,
 ) -> torch.Tensor:
     """Sum of attention scores of ``m`` query rows over those rows and the heads of each group.
 
@@ -39,9 +40,11 @@ def collect_scores(
         scaling: softmax scale, usually ``head_dim ** -0.5``.
         groups: 1 (one score per layer) or ``num_kv_heads`` (one per KV head).
         softcap: the layer's attention logit soft-cap, or None (0 alike) for none.
+        per_row: keep the rows apart (summed over the heads of each group only).
 
     Returns:
-        ``torch.FloatTensor (batch_size, groups, num_slots)``.
+        ``torch.FloatTensor (batch_size, groups, num_slots)``, or ``(batch_size, groups, m,
+        num_slots)`` with ``per_row``.
     """
     batch_size, num_heads, m, head_dim = query_rows.shape
     num_kv_heads, num_slots = keys.shape[1], keys.shape[2]
@@ -56,8 +59,8 @@ def collect_scores(
         s = torch.nan_to_num(s, nan=0.0)  # rows with no visible key
     else:
         s = logits.masked_fill(~mask, 0.0)
-    s = s.sum(dim=2).view(batch_size, groups, num_heads // groups, num_slots)
-    return s.sum(dim=2)
+    s = s.view(batch_size, groups, num_heads // groups, m, num_slots).sum(dim=2)  # [B, G, m, L]
+    return s if per_row else s.sum(dim=2)
 
 
 def topk_selection(scores: torch.Tensor, valid: torch.Tensor, budget: torch.Tensor) -> Selection:

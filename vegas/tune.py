@@ -47,7 +47,6 @@ every sparsity below 256 / context), and the recommended config carries that val
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -60,14 +59,13 @@ from .pipeline import Pipeline
 from .plugins import PLAIN, selector_names
 from .progress import LoggedProgress
 from .prompts import cut_contexts, package_source, read_text_source
-from .tune_points import points_of, round_sparsity
+from .tune_points import PointStore, points_of, round_sparsity
 from .sampling import SamplingParams
 
 __all__ = ["TuneOptions", "run_tune", "knee", "best_by_throughput", "vllm_settings", "QUICK", "FULL"]
 
 POINTS_FILE = "points.json"
 RECOMMENDATION_FILE = "recommendation.json"
-FORMAT_VERSION = 1
 
 #: defaults of a full run and of ``--quick`` (for options left unset)
 FULL = {
@@ -209,54 +207,6 @@ def vllm_settings(selector: str, config: VegasConfig) -> dict:
     return {"speculative_config": spec, "VEGAS_VLLM_CONFIG": json.loads(settings_json(selector, config))}
 
 
-class _Store:
-    """``points.json``: the measurement settings and every measured point, rewritten
-    atomically after each point."""
-
-    def __init__(self, out: Path, settings: dict, fresh: bool) -> None:
-        self.path = out / POINTS_FILE
-        self.settings = settings
-        self.points: list[dict] = []
-        if self.path.exists() and not fresh:
-            try:
-                data = json.loads(self.path.read_text())
-                old, points = data["settings"], data["points"]
-            except (ValueError, KeyError, TypeError) as exc:
-                raise VegasConfigError(
-                    f"{self.path} is not a vegas tune points file ({exc}); pass --fresh to overwrite it "
-                    "or choose another --out"
-                ) from None
-            changed = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
-            if changed:
-                diff = "; ".join(f"{k}: {old.get(k)!r} -> {settings.get(k)!r}" for k in changed)
-                raise VegasConfigError(
-                    f"{self.path} holds points measured with other settings ({diff}); rerun with the same "
-                    "settings to resume, pass --fresh to discard them, or choose another --out"
-                )
-            self.points = points
-
-    @staticmethod
-    def key(step: int, selector: str | None, gamma: int, sparsity: float | None) -> tuple:
-        return (step, selector, gamma if selector else None, round_sparsity(sparsity) if selector else None)
-
-    def find(self, step: int, selector: str | None, gamma: int, sparsity: float | None) -> dict | None:
-        key = self.key(step, selector, gamma, sparsity)
-        for p in self.points:
-            if self.key(p["step"], p["selector"], p["num_draft_tokens"], p["sparsity_ratio"]) == key:
-                return p
-        return None
-
-    def add(self, point: dict) -> None:
-        self.points.append(point)
-        self.save()
-
-    def save(self) -> None:
-        tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps({"version": FORMAT_VERSION, "settings": self.settings, "points": self.points},
-                                  indent=2))
-        os.replace(tmp, self.path)
-
-
 class _OutOfTime(Exception):
     pass
 
@@ -288,7 +238,7 @@ def run_tune(opts: TuneOptions, console: Console | None = None, pipe: Pipeline |
         raise VegasConfigError(f"out (--out) {str(out)!r} exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
     settings = {k: getattr(opts, k) for k in MEASUREMENT_SETTINGS}
-    store = _Store(out, settings, opts.fresh)
+    store = PointStore(out / POINTS_FILE, settings, opts.fresh, "vegas tune")
     if pipe is None:
         pipe = Pipeline(opts.model, selector=None, backend=opts.backend, dtype=opts.dtype, device=opts.device,
                         rope_scaling=opts.rope_scaling, min_kv_budget=opts.min_kv_budget, fallback=False)
@@ -307,7 +257,8 @@ def run_tune(opts: TuneOptions, console: Console | None = None, pipe: Pipeline |
 
     def measure(step: int, selector: str | None, gamma: int, sparsity: float | None) -> dict:
         """The point, from ``points.json`` or measured now (and stored)."""
-        found = store.find(step, selector, gamma, sparsity)
+        found = store.find(step=step, selector=selector, num_draft_tokens=gamma if selector else 1,
+                           sparsity_ratio=round_sparsity(sparsity) if selector else None)
         label = "plain decoding" if selector is None else f"{selector} γ={gamma} sparsity={round_sparsity(sparsity):g}"
         if found is not None:
             progress.skip(task)

@@ -1,9 +1,18 @@
-"""The measured points of ``vegas tune`` (``points.json`` rows): how sparsities are rounded and
-how points are picked out, shared by :mod:`vegas.tune` and :mod:`vegas.plots`."""
+"""Measured points of ``vegas tune`` and ``vegas ablate``: the resumable ``points.json`` store,
+how sparsities are rounded and how points are picked out (shared by :mod:`vegas.tune`,
+:mod:`vegas.ablate` and :mod:`vegas.plots`)."""
 
 from __future__ import annotations
 
-__all__ = ["points_of", "round_sparsity"]
+import json
+import os
+from pathlib import Path
+
+from .config import VegasConfigError
+
+__all__ = ["PointStore", "points_of", "round_sparsity"]
+
+FORMAT_VERSION = 1
 
 
 def round_sparsity(s: float) -> float:
@@ -18,3 +27,55 @@ def points_of(points: list[dict], step: int, selector: str | None, gamma: int | 
     return [p for p in points if p["step"] == step and p["selector"] == selector
             and (gamma is None or p["num_draft_tokens"] == gamma)
             and (sparsity is None or p["sparsity_ratio"] == round_sparsity(sparsity))]
+
+
+class PointStore:
+    """``points.json``: the measurement settings and every measured point (dicts), rewritten
+    atomically after each point, so that a rerun with the same settings resumes.
+
+    Args:
+        path: the JSON file.
+        settings: the options whose change alters what a point measures.
+        fresh: discard the points already in ``path``.
+        command: names the command in error messages (e.g. ``"vegas tune"``).
+
+    Raises:
+        VegasConfigError: ``path`` is not a points file, or holds points measured with other
+            settings (the message lists them and says how to resume or start over).
+    """
+
+    def __init__(self, path: Path, settings: dict, fresh: bool, command: str) -> None:
+        self.path = path
+        self.settings = settings
+        self.points: list[dict] = []
+        if self.path.exists() and not fresh:
+            try:
+                data = json.loads(self.path.read_text())
+                old, points = data["settings"], data["points"]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise VegasConfigError(
+                    f"{self.path} is not a {command} points file ({exc}); pass --fresh to overwrite it "
+                    "or choose another --out"
+                ) from None
+            changed = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
+            if changed:
+                diff = "; ".join(f"{k}: {old.get(k)!r} -> {settings.get(k)!r}" for k in changed)
+                raise VegasConfigError(
+                    f"{self.path} holds points measured with other settings ({diff}); rerun with the same "
+                    "settings to resume, pass --fresh to discard them, or choose another --out"
+                )
+            self.points = points
+
+    def find(self, **key) -> dict | None:
+        """The first point whose fields equal ``key`` (values as stored), or None."""
+        return next((p for p in self.points if all(p.get(k) == v for k, v in key.items())), None)
+
+    def add(self, point: dict) -> None:
+        self.points.append(point)
+        self.save()
+
+    def save(self) -> None:
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps({"version": FORMAT_VERSION, "settings": self.settings, "points": self.points},
+                                  indent=2))
+        os.replace(tmp, self.path)

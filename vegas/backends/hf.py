@@ -185,6 +185,7 @@ class HFSession(Drafter, Verifier):
             score_rows=rows or None,
             score_mode=self.config.score_mode,
             groups=self._groups(),
+            per_row=bool(self.selector and self.selector.per_row_scores),
             sync=self.sync,
         )
 

@@ -72,8 +72,9 @@ class AttentionContext:
             after this forward's append.
         key_valid: ``(batch_size, num_slots)`` bool; padding and rolled-back slots are False.
         score_rows: query rows (of this forward's ``q_len``) whose scores to collect.
-        score_mode, groups: see :func:`vegas.selection.collect_scores`.
-        scores: filled per full-attention layer, ``(batch_size, groups, num_slots)`` float32.
+        score_mode, groups, per_row: see :func:`vegas.selection.collect_scores`.
+        scores: filled per full-attention layer, ``(batch_size, groups, num_slots)`` float32
+            (``(batch_size, groups, m, num_slots)`` with ``per_row``).
         layer_windows: filled per layer: its sliding window (tokens), or None (full attention).
         selections: per layer, the drafting index sets (draft mode).
         selection_len: cache length at selection time; later slots are always attended.
@@ -90,6 +91,7 @@ class AttentionContext:
     score_rows: list[int] | None = None
     score_mode: str = "logit"
     groups: int = 1
+    per_row: bool = False
     scores: dict[int, torch.Tensor] = field(default_factory=dict)
     layer_windows: dict[int, int | None] = field(default_factory=dict)
     selections: list[Selection | None] | None = None
@@ -254,7 +256,8 @@ def vegas_attention(
             first, allowed = ctx.mask(sliding_window)
             allowed = allowed[:, ctx.score_rows] & ctx.query_valid[:, ctx.score_rows, None]
             rows = query[:, :, ctx.score_rows]  # [B, H, m, D]
-            scores = collect_scores(rows, key[:, :, first:], allowed, scaling, ctx.groups, ctx.score_mode, softcap)
+            scores = collect_scores(rows, key[:, :, first:], allowed, scaling, ctx.groups, ctx.score_mode, softcap,
+                                    ctx.per_row)
             ctx.scores[layer] = torch.nn.functional.pad(scores, (first, 0))  # slots before the window: 0
             ctx.selection_seconds += ctx._tick() - start
     return out.transpose(1, 2).contiguous(), None

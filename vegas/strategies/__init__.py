@@ -1,10 +1,12 @@
 """Built-in selectors, one module each; this module is a built-in plugin
-(:data:`vegas.plugins.BUILTIN_PLUGINS`) that registers them."""
+(:data:`vegas.plugins.BUILTIN_PLUGINS`) that registers them. :class:`OracleSelector` (analysis
+only) is exported but not registered."""
 
 from ..hookspecs import hookimpl
 from .aggregated import AggregatedSelector
 from .collect2 import Collect2Selector
 from .last_token import LastTokenSelector
+from .oracle import OracleSelector
 from .quest import QuestSelector
 from .sliding_window import SlidingWindowSelector
 
@@ -29,6 +31,7 @@ __all__ = [
     "AggregatedSelector",
     "Collect2Selector",
     "LastTokenSelector",
+    "OracleSelector",
     "QuestSelector",
     "SlidingWindowSelector",
     "BUILTIN_SELECTORS",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import recent_window_for
+from ..config import VegasConfig, recent_window_for
 from ..interfaces import Selection, SelectionInput, Selector
 from ..selection import topk_selection
 from .sliding_window import sliding_window_keep
@@ -24,10 +24,15 @@ class AggregatedSelector(Selector):
 
     def select(self, inputs: SelectionInput) -> Selection:
         assert inputs.scores is not None, "the backend must collect score_rows"
-        scores = inputs.scores
-        if self.config.recent_window:
-            none = torch.zeros_like(inputs.budget)
-            window = recent_window_for(self.config, inputs.budget)
-            recent = sliding_window_keep(inputs.valid, none, window)  # [B, num_slots]
-            scores = scores.masked_fill(recent[:, None, :], float("inf"))
-        return topk_selection(scores, inputs.valid, inputs.budget)
+        return topk_with_recent(self.config, inputs.scores, inputs.valid, inputs.budget)
+
+
+def topk_with_recent(config: VegasConfig, scores: torch.Tensor, valid: torch.Tensor, budget: torch.Tensor) -> Selection:
+    """Top-k of ``scores`` ``(batch_size, groups, num_slots)`` within ``budget`` ``(batch_size,)``
+    tokens, the last :func:`~vegas.config.recent_window_for` valid slots kept first."""
+    if config.recent_window:
+        none = torch.zeros_like(budget)
+        window = recent_window_for(config, budget)
+        recent = sliding_window_keep(valid, none, window)  # [B, num_slots]
+        scores = scores.masked_fill(recent[:, None, :], float("inf"))
+    return topk_selection(scores, valid, budget)

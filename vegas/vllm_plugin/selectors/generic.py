@@ -75,6 +75,11 @@ class GenericPath(CollectingPath):
 
     @classmethod
     def raise_if_unsupported(cls, selector, config) -> None:
+        if selector.per_row_scores:
+            raise VegasConfigError(
+                f"selector {selector.name!r} asks for per-row scores (an analysis selector); the vllm "
+                "backend collects summed scores only: use backend='hf'"
+            )
         if selector.query_aware:
             raise VegasConfigError(
                 f"selector {selector.name!r} (plugin {owner('selectors', selector.name)!r}) is query-aware "

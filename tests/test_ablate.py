@@ -1,0 +1,203 @@
+"""``vegas ablate``: the oracle selector, the overlap maths, retrieval prompts, the points file
+(schema, resuming) and a tiny end-to-end run on the embedded model."""
+
+import io
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from rich.console import Console
+
+from vegas.ablate import AblateOptions, plan, rope_for, run_ablate, spread
+from vegas.cli import main
+from vegas.config import VegasConfig, VegasConfigError
+from vegas.interfaces import SelectionInput
+from vegas.overlap import OverlapProbe, jaccard, pairwise_jaccard, topk_sets
+from vegas.prompts import retrieval_prompts
+from vegas.selection import collect_scores
+from vegas.strategies import OracleSelector
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The embedded model's steps are overhead-bound: one thread is as fast, and avoids OpenMP
+    threads spinning against each other on a shared 2-core machine (10x slower there)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+PLOTS = ["tau_by_budget.png", "retrieval.png", "ablations.png", "overlap.png"]
+
+
+def test_oracle_selects_the_exact_top_k_of_the_draft_query():
+    torch.manual_seed(0)
+    keys = torch.randn(2, 2, 40, 8)  # [B, KVH, L, D]
+    query = torch.randn(2, 4, 1, 8)  # [B, H, 1, D]
+    valid = torch.ones(2, 40, dtype=torch.bool)
+    valid[1, :5] = False  # left padding
+    oracle = OracleSelector(VegasConfig(recent_window=0, kv_budget=6))
+    oracle.select(SelectionInput(0, None, valid, torch.tensor([6, 6]), keys))
+    sel = oracle.select_for_query(0, query, None)
+    logits = (query.view(2, 2, 2, 8) @ keys.transpose(-1, -2)).sum(dim=2).sum(dim=1)  # [B, L], heads summed
+    for b in range(2):
+        want = logits[b].masked_fill(~valid[b], float("-inf")).topk(6).indices.sort().values
+        assert sel.indices[b, 0].tolist() == want.tolist() and sel.mask[b].all()
+
+
+def test_oracle_drafts_at_least_as_well_as_collect2(pipe, click_ids):
+    """Greedy τ on real prompts at a tiny budget: the draft query's own top-k beats the verified
+    chunk's (a broken oracle, e.g. a bottom-k or stale keys, falls well below)."""
+    prompts = [click_ids[30000:30300], click_ids[70000:70300]]
+    saved = pipe.config
+    try:
+        pipe.config = VegasConfig(kv_budget=12, recent_window=0, num_draft_tokens=4, fallback=False)
+        tau = {}
+        for name, selector in (("collect2", "collect2"), ("oracle", OracleSelector(pipe.config))):
+            outs = pipe.generate(prompts, max_new_tokens=16, selector=selector)
+            tau[name] = sum(o.stats.num_generated for o in outs) / sum(o.stats.iterations for o in outs)
+        plain = pipe.generate(prompts, max_new_tokens=16, selector=None)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in plain]  # greedy stays lossless
+    finally:
+        pipe.config = saved
+    assert tau["oracle"] >= tau["collect2"], tau
+
+
+def test_jaccard_and_top_k_sets():
+    scores = torch.tensor([[[5.0, 4.0, 3.0, 2.0, 1.0], [1.0, 2.0, 3.0, 4.0, 5.0]]])  # [B=1, 2 rows, L=5]
+    allowed = torch.tensor([[True, True, True, True, False]])
+    sets = topk_sets(scores, allowed, torch.tensor([2]))
+    assert sets.tolist() == [[[True, True, False, False, False], [False, False, True, True, False]]]
+    assert jaccard(sets[:, 0], sets[:, 1]).item() == 0.0 and jaccard(sets[:, 0], sets[:, 0]).item() == 1.0
+    a = torch.tensor([[True, True, False]])
+    b = torch.tensor([[True, False, True], [True, True, False]])
+    assert pairwise_jaccard(a, b).tolist() == [[pytest.approx(1 / 3), 1.0]]
+
+
+def test_per_row_scores_sum_to_the_summed_scores():
+    torch.manual_seed(1)
+    q, k = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 10, 8)
+    allowed = torch.rand(2, 3, 10) > 0.3
+    for mode in ("logit", "weight"):
+        rows = collect_scores(q, k, allowed, 0.35, 2, mode, per_row=True)
+        assert rows.shape == (2, 2, 3, 10)
+        torch.testing.assert_close(rows.sum(dim=2), collect_scores(q, k, allowed, 0.35, 2, mode))
+
+
+def test_overlap_probe_on_identical_rows_sees_full_overlap():
+    """Rows whose scores agree choose one set: every Jaccard is 1 (and the probe drafts as collect2)."""
+    probe = OverlapProbe(VegasConfig(kv_budget=3, recent_window=0, num_draft_tokens=2), max_distance=3)
+    base = torch.arange(12, dtype=torch.float32)
+
+    def step(num_valid):
+        valid = torch.zeros(1, 12, dtype=torch.bool)
+        valid[0, :num_valid] = True
+        scores = base.expand(1, 1, 3, 12).clone()  # [B, G, m=3, L]
+        return probe.select(SelectionInput(0, scores, valid, torch.tensor([3])))
+
+    step(6)  # prefill: prompt slots are the first 6 - 3
+    sel = step(8)  # 2 kept
+    assert sel.indices.tolist() == [[[5, 6, 7]]]  # collect2's top-3 of the valid slots
+    step(11)
+    res = probe.results()
+    assert res["within"][0][:2] == [1.0, 1.0] and res["across"][0][0] == 1.0
+    assert res["proxy_collect2"][0][:3] == [1.0, 1.0, 1.0]
+
+
+def test_retrieval_prompts_end_with_the_start_of_a_far_passage():
+    ids = list(range(1000, 3000))
+    anchors = {1500, 2100}
+    rows = retrieval_prompts(ids, 400, 3, anchors, cue=8, answer=16)
+    for r in rows:
+        assert len(r["prompt"]) == 400 and r["distance"] >= (400 - 8) // 2
+        body, cue = r["prompt"][:-8], r["prompt"][-8:]
+        start = body.index(cue[0])
+        assert body[start : start + 8] == cue and r["expected"] == body[start + 8 : start + 24]
+    # an anchor whose passage repeats in the window (a second "def __init__(self") is skipped
+    repeated = [7] + list(range(100, 300)) + list(range(100, 112)) + list(range(5000, 5179))  # 392 tokens
+    (r,) = retrieval_prompts(repeated, 400, 1, {100, 150}, cue=8, answer=16)
+    assert r["prompt"][-8:] == list(range(150, 158))
+
+
+def test_spread_rope_and_plan():
+    s = spread([1.0, 2.0, 3.0, 4.0])
+    assert s["mean"] == 2.5 and s["min"] == 1.0 and s["max"] == 4.0 and 1.0 <= s["ci95"][0] <= 2.5 <= s["ci95"][1]
+    assert rope_for(4000, 73, 8192) is None
+    assert rope_for(16000, 73, 8192) == {"rope_type": "yarn", "factor": 2.0}
+    assert rope_for(32000, 73, 8192) == {"rope_type": "yarn", "factor": 4.0}
+    assert rope_for(16000, 73, 8192, 4) == {"rope_type": "yarn", "factor": 4.0}
+    opts = AblateOptions(contexts=[512, 1024], budgets=[0.02, 0.1], gammas=[2, 4])
+    specs = plan(opts, ["collect2", "oracle"])
+    keys = [tuple(v for k, v in s.items() if k != "study") for s in specs]
+    assert len(keys) == len(set(keys))  # the ablation's default at 0.02 is the budget point
+    assert sum(s["study"] == "budget" for s in specs) == 8 and sum(s["study"] == "retrieval" for s in specs) == 8
+    assert [s["num_draft_tokens"] for s in specs if s["study"] == "overlap"] == [4]
+    assert {s["context"] for s in specs if s["study"] == "ablation"} == {512}
+    with pytest.raises(VegasConfigError, match="--studies"):
+        run_ablate(AblateOptions(studies=["nope"]), Console(file=io.StringIO()))
+
+
+def _tiny(tmp_path, source, **kw):
+    return AblateOptions(**{
+        "selectors": ["collect2", "oracle"], "contexts": [128], "budgets": [0.1], "gammas": [2],
+        "num_draft_tokens": 2, "ablation_sparsity": 0.1, "num_prompts": 2, "batch_size": 2, "new_tokens": 4,
+        "max_distance": 3, "device": "cpu", "prompts": str(source), "out": str(tmp_path / "out"), **kw})
+
+
+def test_tiny_run_writes_schema_plots_tables_and_resumes(counted, tmp_path, click_ids):
+    pipe, calls = counted
+    source = tmp_path / "src.py"
+    source.write_text(pipe.tokenizer.decode(click_ids[:3000]))
+    res = run_ablate(_tiny(tmp_path, source), Console(file=io.StringIO()), pipe=pipe)
+    out = tmp_path / "out"
+    data = json.loads((out / "points.json").read_text())
+    assert data["version"] == 1 and data["settings"]["num_prompts"] == 2 and data["settings"]["temperature"] == 0.8
+    # budget: 2 selectors; ablation: collect2's 3 non-default variants (its default and γ=2 are the budget
+    # point); overlap: 1; retrieval: 2
+    assert res["measured"] == len(data["points"]) == 2 + 3 + 1 + 2
+    for p in data["points"]:
+        assert {"study", "prompt_kind", "selector", "context", "sparsity_ratio", "num_draft_tokens", "variant",
+                "kv_budget", "acceptance_length", "tau", "tau_per_prompt", "rope_scaling"} <= set(p)
+        assert len(p["tau_per_prompt"]) == 2 and p["tau"]["n"] == 2 and p["kv_budget"] == 13
+        assert 1.0 <= p["tau"]["ci95"][0] <= p["acceptance_length"] <= p["tau"]["ci95"][1] <= 3.0
+    probe = next(p for p in data["points"] if p["selector"] == "overlap_probe")
+    assert set(probe["jaccard"]) == {"within", "across", "proxy_last_token", "proxy_collect2", "proxy_aggregated"}
+    assert all(0 <= v <= 1 for v in probe["jaccard"]["within"]["mean"] if v is not None)
+    retrieval = [p for p in data["points"] if p["prompt_kind"] == "retrieval"]
+    assert all("copied_tokens" in p and p["distance_tokens"] >= 56 for p in retrieval)
+    assert res["plots"] == PLOTS
+    for name in PLOTS:
+        assert (out / name).read_bytes().startswith(PNG)
+    tables = (out / "tables.md").read_text()
+    assert "| oracle |" in tables and "### ablations" in tables and "| within |" in tables
+
+    measured = len(calls)
+    again = run_ablate(_tiny(tmp_path, source), Console(file=io.StringIO()), pipe=pipe)
+    assert len(calls) == measured and again["reused"] == len(data["points"]) and again["measured"] == 0
+    more = run_ablate(_tiny(tmp_path, source, budgets=[0.1, 0.2], studies=["budget"]), Console(file=io.StringIO()),
+                      pipe=pipe)
+    assert more["measured"] == 2 and more["reused"] == 2  # a grid extended: only the new points
+    with pytest.raises(VegasConfigError, match=r"other settings \(new_tokens: 4 -> 5\).*--fresh"):
+        run_ablate(_tiny(tmp_path, source, new_tokens=5), Console(file=io.StringIO()), pipe=pipe)
+
+
+def test_time_budget_stops_before_measuring_and_still_plots(counted, tmp_path, click_ids):
+    pipe, calls = counted
+    source = tmp_path / "src.py"
+    source.write_text(pipe.tokenizer.decode(click_ids[:3000]))
+    res = run_ablate(_tiny(tmp_path, source, time_budget=1e-6), Console(file=io.StringIO()), pipe=pipe)
+    assert calls == [] and res["complete"] is False and res["plots"] == []
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--studies", "budget,nope"], "--studies"),
+    (["--selectors", "nope"], "--selectors"),
+    (["--budgets", "0.1,2"], "--budgets"),
+    (["--gammas", "0"], "--gammas"),
+    (["--num-prompts", "0"], "--num-prompts"),
+])
+def test_cli_refuses_bad_options(args, message, tmp_path):
+    result = CliRunner().invoke(main, ["ablate", "--out", str(tmp_path / "o"), *args])
+    assert result.exit_code == 2 and message in result.output

@@ -1,0 +1,378 @@
+"""``vegas ablate``: the studies behind the method's claims, on one model and one prompt set.
+
+Every point runs ``num_prompts`` prompts through the HF backend (CPU or CUDA) and records the
+acceptance length τ (tokens emitted per iteration, accepted drafts + the bonus token) of each
+prompt, with its mean, a 95 % bootstrap interval of the mean and the min–max over prompts.
+Decoding samples (T = 0.8, top-p 0.95 by default; ``temperature=0`` measures greedy τ, which
+loops on small models). Plain-step fallback is off (each selector's own τ), and the KV budget
+is ``ceil(sparsity × context)`` (``min_kv_budget`` 0).
+
+Studies (``studies``):
+
+* ``budget``: τ over the sparsities ``budgets`` for every selector (``selectors``; default:
+  every registered one plus ``oracle``, :class:`~vegas.strategies.OracleSelector`, the exact
+  top-k of each draft query) at each of ``contexts``. A context beyond the model's gets YaRN
+  (``rope_scaling``) with ``yarn_factor``, by default the smallest power of two that fits
+  (:func:`rope_for`).
+* ``ablation``: at the first context and ``ablation_sparsity``, ``aggregated``, ``collect2``
+  and ``last_token`` with each of the config variants :data:`VARIANTS` (softmax-weight
+  ranking, one set per KV head, no recent window), and each γ of ``gammas``.
+* ``overlap``: at the first context, ``ablation_sparsity`` and γ = max(``gammas``),
+  :class:`~vegas.overlap.OverlapProbe` (drafts as ``collect2``): Jaccard of the top-k sets of
+  queries t and t + d within a verified chunk and across iterations, and of each proxy's set
+  with the next chunk's queries.
+* ``retrieval``: copy-task prompts (:func:`~vegas.prompts.retrieval_prompts`: the prompt ends
+  with the start of a function defined more than half a context back) at each of ``contexts``,
+  every selector and sparsity as in ``budget``; also the tokens copied exactly.
+
+A point is identified by (prompt kind, selector, context, sparsity, γ, variant), so studies
+share points (the ablation's default variant is a budget point when ``ablation_sparsity`` is
+one of ``budgets``). Points are appended to ``OUT/points.json`` as they are measured
+(:class:`~vegas.tune_points.PointStore`, as ``vegas tune``); a rerun with the same measurement
+settings skips them, so a study can be extended (more contexts, budgets) or run in pieces
+(``time_budget``). Plots and ``OUT/tables.md`` are drawn from whatever is measured
+(:func:`vegas.plots.plot_ablate`).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from rich.console import Console
+
+from .config import VegasConfig, VegasConfigError, kv_budget_for
+from .overlap import OverlapProbe
+from .pipeline import Pipeline
+from .plugins import create_selector, selector_names
+from .progress import LoggedProgress
+from .prompts import cut_contexts, heldout_path, package_source, read_text_source, retrieval_prompts
+from .sampling import SamplingParams
+from .strategies import OracleSelector
+from .tune_points import PointStore, round_sparsity
+
+__all__ = ["AblateOptions", "run_ablate", "plan", "spread", "rope_for", "STUDIES", "VARIANTS", "QUICK"]
+
+POINTS_FILE = "points.json"
+STUDIES = ("budget", "ablation", "overlap", "retrieval")
+ORACLE = "oracle"
+PROBE = "overlap_probe"
+#: the selectors of the ablation study (they share the verified-chunk scores)
+ABLATED = ("aggregated", "collect2", "last_token")
+#: config variants of the ablation study: name -> VegasConfig overrides
+VARIANTS = {
+    "default": {},
+    "score_mode=weight": {"score_mode": "weight"},
+    "granularity=kv_head": {"granularity": "kv_head"},
+    "recent_window=0": {"recent_window": 0},
+}
+#: ``--quick``: every study, small (a CPU look at the command; not results)
+QUICK = {"contexts": [1024], "budgets": [0.02, 0.1], "gammas": [2, 4], "num_prompts": 4, "batch_size": 4,
+         "new_tokens": 32}
+#: options whose change alters what a point measures: a rerun must match them to resume
+MEASUREMENT_SETTINGS = ("model", "prompts", "new_tokens", "batch_size", "num_prompts", "temperature", "top_p",
+                        "seed", "dtype", "device", "max_distance", "yarn_factor")
+
+
+@dataclass
+class AblateOptions:
+    """Options of ``vegas ablate`` (see ``vegas ablate --help``).
+
+    Units: ``contexts``, ``new_tokens`` in tokens; ``budgets`` and ``ablation_sparsity`` are
+    KV budget / context in (0, 1]; ``gammas``, ``num_draft_tokens`` draft tokens per
+    iteration; ``max_distance`` tokens; ``time_budget`` seconds.
+    """
+
+    model: str | None = None
+    studies: list[str] = field(default_factory=lambda: list(STUDIES))
+    selectors: list[str] | None = None  # None: every registered selector, plus oracle
+    contexts: list[int] = field(default_factory=lambda: [4096, 8000, 16000, 32000])
+    budgets: list[float] = field(default_factory=lambda: [0.01, 0.02, 0.05, 0.1, 0.2])
+    num_draft_tokens: int = 4
+    gammas: list[int] = field(default_factory=lambda: [2, 4, 6, 8])
+    ablation_sparsity: float = 0.02
+    num_prompts: int = 32
+    batch_size: int = 8
+    new_tokens: int = 64
+    max_distance: int = 8
+    yarn_factor: float | None = None  # None: the smallest power of two that fits (rope_for)
+    temperature: float = 0.8
+    top_p: float = 0.95
+    seed: int = 0
+    dtype: str = "float32"
+    device: str | None = None
+    prompts: str | None = None  # default: the checkout's held-out code, else installed click source
+    out: str = "vegas-ablate"
+    time_budget: float | None = None
+    fresh: bool = False
+
+
+def raise_if_bad_options(opts: AblateOptions) -> None:
+    """Check ``opts`` before any model is loaded.
+
+    Raises:
+        VegasConfigError: the message names the option (``--flag``) and its allowed values.
+    """
+    unknown = [s for s in opts.studies if s not in STUDIES]
+    if not opts.studies or unknown:
+        raise VegasConfigError(f"studies (--studies) must be among {', '.join(STUDIES)}, got {opts.studies!r}")
+    known = selector_names() + [ORACLE]
+    bad = [s for s in opts.selectors or [] if s not in known]
+    if opts.selectors is not None and (not opts.selectors or bad):
+        raise VegasConfigError(f"selectors (--selectors) must be among {', '.join(known)}, got {opts.selectors!r}")
+    for name, values, kind, low in (("contexts", opts.contexts, int, 2), ("gammas", opts.gammas, int, 1)):
+        if not values or any(isinstance(v, bool) or not isinstance(v, kind) or v < low for v in values):
+            raise VegasConfigError(f"{name} (--{name}) must be integers >= {low}, got {values!r}")
+    for name, value in (("budgets", opts.budgets), ("ablation_sparsity", [opts.ablation_sparsity])):
+        if not value or any(isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 < s <= 1 for s in value):
+            raise VegasConfigError(f"{name} (--{name.replace('_', '-')}) must be numbers in (0, 1], got {value!r}")
+    for name in ("num_draft_tokens", "num_prompts", "batch_size", "new_tokens", "max_distance"):
+        value = getattr(opts, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise VegasConfigError(f"{name} (--{name.replace('_', '-')}) must be an integer >= 1, got {value!r}")
+    if opts.yarn_factor is not None and not (isinstance(opts.yarn_factor, (int, float)) and opts.yarn_factor > 1):
+        raise VegasConfigError(f"yarn_factor (--yarn-factor) must be a number > 1, got {opts.yarn_factor!r}")
+    if opts.time_budget is not None and not opts.time_budget > 0:
+        raise VegasConfigError(f"time_budget (--time-budget) must be seconds > 0, got {opts.time_budget!r}")
+    SamplingParams(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)
+
+
+def spread(values: list[float], seed: int = 0, resamples: int = 2000) -> dict:
+    """Mean of ``values`` with a 95 % percentile-bootstrap interval and the min and max."""
+    mean = sum(values) / len(values)
+    rng = random.Random(seed)
+    means = sorted(sum(rng.choices(values, k=len(values))) / len(values) for _ in range(resamples))
+    return {"mean": mean, "ci95": [means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]],
+            "min": min(values), "max": max(values), "n": len(values)}
+
+
+def rope_for(context: int, room: int, max_context: int, factor: float | None = None) -> dict | None:
+    """YaRN for a context beyond the model's: ``factor``, or by default the smallest power of two
+    whose context fits ``context + room`` tokens (None when the model's ``max_context`` does)."""
+    if context + room <= max_context:
+        return None
+    factor = factor or 2 ** math.ceil(math.log2((context + room) / max_context))
+    return {"rope_type": "yarn", "factor": float(factor)}
+
+
+def plan(opts: AblateOptions, selectors: list[str]) -> list[dict]:
+    """Every point of ``opts.studies``, as ``{study, prompt_kind, selector, context,
+    sparsity_ratio, num_draft_tokens, variant}``, duplicates (shared points) dropped, in the
+    order measured: by context, then study."""
+    first, g, s_abl = opts.contexts[0], opts.num_draft_tokens, round_sparsity(opts.ablation_sparsity)
+    specs = []
+
+    def add(study, kind, sel, ctx, s, gamma=g, variant="default"):
+        specs.append({"study": study, "prompt_kind": kind, "selector": sel, "context": ctx,
+                      "sparsity_ratio": round_sparsity(s), "num_draft_tokens": gamma, "variant": variant})
+
+    for ctx in opts.contexts:
+        if "budget" in opts.studies:
+            for sel in selectors:
+                for s in opts.budgets:
+                    add("budget", "heldout", sel, ctx, s)
+        if "ablation" in opts.studies and ctx == first:
+            for sel in [s for s in ABLATED if s in selectors]:
+                for variant in VARIANTS:
+                    add("ablation", "heldout", sel, ctx, s_abl, variant=variant)
+                for gamma in opts.gammas:
+                    add("ablation", "heldout", sel, ctx, s_abl, gamma=gamma)
+        if "overlap" in opts.studies and ctx == first:
+            add("overlap", "heldout", PROBE, ctx, s_abl, gamma=max(opts.gammas))
+        if "retrieval" in opts.studies:
+            for sel in selectors:
+                for s in opts.budgets:
+                    add("retrieval", "retrieval", sel, ctx, s)
+    seen, out = set(), []
+    for spec in specs:
+        key = tuple(v for k, v in spec.items() if k != "study")
+        if key not in seen:
+            seen.add(key)
+            out.append(spec)
+    return out
+
+
+def point_key(spec: dict) -> dict:
+    """The fields that identify a point in ``points.json``."""
+    return {k: v for k, v in spec.items() if k != "study"}
+
+
+def _make_selector(name: str, config: VegasConfig, opts: AblateOptions):
+    if name == ORACLE:
+        return OracleSelector(config)
+    if name == PROBE:
+        return OverlapProbe(config, max_distance=opts.max_distance)
+    return create_selector(name, config)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class _Prompts:
+    """Held-out prompts per context (cut once per context and kind)."""
+
+    def __init__(self, text: str, opts: AblateOptions) -> None:
+        self.text, self.opts, self.ids, self.anchors, self.cache = text, opts, None, None, {}
+
+    def get(self, pipe: Pipeline, kind: str, context: int) -> list[dict]:
+        if (kind, context) not in self.cache:
+            tok = pipe.tokenizer
+            if self.ids is None:
+                self.ids = tok(self.text, add_special_tokens=False, verbose=False).input_ids
+            if kind == "heldout":
+                rows = [{"prompt": p} for p in cut_contexts(self.ids, context, self.opts.num_prompts)]
+            else:
+                if self.anchors is None:  # a function definition starts at a "def" token
+                    self.anchors = {t for t in set(self.ids) if tok.decode([t]).strip() == "def"}
+                rows = retrieval_prompts(self.ids, context, self.opts.num_prompts, self.anchors,
+                                         answer=self.opts.new_tokens)
+            self.cache[(kind, context)] = rows
+        return self.cache[(kind, context)]
+
+
+class _OutOfTime(Exception):
+    pass
+
+
+def measure(pipe: Pipeline, rows: list[dict], spec: dict, opts: AblateOptions) -> dict:
+    """One point: ``rows`` (prompts, and for retrieval their expected continuations) decoded in
+    batches of ``opts.batch_size`` with the spec's selector and config (see :func:`plan`).
+
+    Returns:
+        the point: the spec, ``kv_budget``, ``acceptance_length`` (mean τ over prompts),
+        ``tau`` (:func:`spread`), ``tau_per_prompt``; ``copied_tokens`` (:func:`spread` of the
+        tokens generated before the first that differs from the passage) for retrieval
+        prompts; ``jaccard`` (series -> per index d or draft step: mean, min, max over prompts)
+        for the overlap probe.
+    """
+    base = VegasConfig(min_kv_budget=0, fallback=False)
+    config = replace(base, num_draft_tokens=spec["num_draft_tokens"], sparsity_ratio=spec["sparsity_ratio"],
+                     **VARIANTS.get(spec["variant"], {}))
+    pipe.config = config
+    taus, copied, jaccard = [], [], {}
+    started = time.monotonic()
+    for i in range(0, len(rows), opts.batch_size):
+        batch = rows[i : i + opts.batch_size]
+        selector = _make_selector(spec["selector"], config, opts)
+        outs = pipe.generate([r["prompt"] for r in batch], max_new_tokens=opts.new_tokens, selector=selector,
+                             temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)
+        taus += [o.stats.acceptance_length for o in outs]
+        copied += [_common_prefix(o.token_ids, r["expected"]) for o, r in zip(outs, batch) if "expected" in r]
+        if isinstance(selector, OverlapProbe):
+            for series, per_prompt in selector.results().items():
+                jaccard.setdefault(series, []).extend(per_prompt)
+    point = {
+        **spec,
+        "kv_budget": kv_budget_for(config, spec["context"]),
+        "acceptance_length": sum(taus) / len(taus),
+        "tau": spread(taus, opts.seed),
+        "tau_per_prompt": taus,
+        "wall_seconds": time.monotonic() - started,
+        "measured_at": time.time(),
+    }
+    if copied:
+        point["copied_tokens"] = spread([float(c) for c in copied], opts.seed)
+        point["distance_tokens"] = sum(r["distance"] for r in rows) / len(rows)
+    if jaccard:
+        point["jaccard"] = {series: _columns(rows_) for series, rows_ in jaccard.items()}
+    return point
+
+
+def _columns(per_prompt: list[list[float | None]]) -> dict:
+    """Per index: mean, min and max over the prompts that have a value there."""
+    out = {"mean": [], "min": [], "max": []}
+    for column in zip(*per_prompt):
+        seen = [v for v in column if v is not None]
+        out["mean"].append(sum(seen) / len(seen) if seen else None)
+        out["min"].append(min(seen) if seen else None)
+        out["max"].append(max(seen) if seen else None)
+    return out
+
+
+def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeline | None = None) -> dict:
+    """Measure every planned point not yet in ``opts.out/points.json``, then draw the plots.
+
+    Args:
+        opts: the options.
+        console: where progress goes (stderr by default).
+        pipe: a loaded pipeline for contexts it fits without RoPE scaling (tests); by default
+            one is built per RoPE scaling.
+
+    Returns:
+        ``{"points": count, "measured": count, "reused": count, "complete": bool, "stopped":
+        reason or None, "plots": [file names], "tables": "tables.md"}``.
+
+    Raises:
+        VegasConfigError: a bad option (named), or ``points.json`` from other settings.
+    """
+    started = time.monotonic()
+    console = console or Console(stderr=True)
+    raise_if_bad_options(opts)
+    out = Path(opts.out)
+    if out.exists() and not out.is_dir():
+        raise VegasConfigError(f"out (--out) {str(out)!r} exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    source = opts.prompts or (str(heldout_path()) if heldout_path() else None)
+    settings = {**{k: getattr(opts, k) for k in MEASUREMENT_SETTINGS}, "prompts": source or "package:click"}
+    store = PointStore(out / POINTS_FILE, settings, opts.fresh, "vegas ablate")
+    selectors = opts.selectors or selector_names() + [ORACLE]
+    specs = plan(opts, selectors)
+    prompts = _Prompts(read_text_source(source) if source else package_source("click"), opts)
+    pipes: dict[str, Pipeline] = {}
+    state = {"measured": 0, "reused": 0, "last": 0.0}
+    room = opts.new_tokens + max(opts.gammas + [opts.num_draft_tokens]) + 1
+
+    def pipeline_for(context: int) -> tuple[Pipeline, dict | None]:
+        native = pipe or pipes.get("native")
+        if native is None:
+            native = pipes["native"] = Pipeline(opts.model, selector=None, dtype=opts.dtype, device=opts.device)
+        rope = rope_for(context, room, native.backend.max_context, opts.yarn_factor)
+        if rope is None:
+            return native, None
+        key = str(rope)
+        if key not in pipes:
+            for k in [k for k in pipes if k != "native"]:  # one scaled model at a time
+                del pipes[k]
+            pipes[key] = Pipeline(opts.model, selector=None, dtype=opts.dtype, device=opts.device, rope_scaling=rope)
+        return pipes[key], rope
+
+    stopped = None
+    with LoggedProgress(console=console, transient=True) as progress:
+        task = progress.add_task("vegas ablate", total=len(specs))
+        try:
+            for spec in specs:
+                if store.find(**point_key(spec)) is not None:
+                    state["reused"] += 1
+                    progress.advance(task)
+                    continue
+                label = (f"{spec['study']}: {spec['selector']} ctx {spec['context']} s={spec['sparsity_ratio']:g} "
+                         f"γ={spec['num_draft_tokens']} {spec['variant']}")
+                if opts.time_budget is not None and time.monotonic() - started + state["last"] > opts.time_budget:
+                    raise _OutOfTime(label)
+                progress.update(task, description=label)
+                p, rope = pipeline_for(spec["context"])
+                rows = prompts.get(p, spec["prompt_kind"], spec["context"])
+                point = {**measure(p, rows, spec, opts), "rope_scaling": rope}
+                state["last"] = point["wall_seconds"]
+                store.add(point)
+                state["measured"] += 1
+                progress.advance(task, note=f"τ {point['acceptance_length']:.2f}")
+        except _OutOfTime as exc:
+            stopped = f"time budget of {opts.time_budget:g} s reached before {exc.args[0]}"
+            console.print(f"[yellow]{stopped}; plotting what was measured (rerun to resume)[/yellow]")
+    from .plots import plot_ablate, write_ablate_tables
+
+    plots = plot_ablate(store.points, opts, out)
+    write_ablate_tables(store.points, out / "tables.md")
+    return {"points": len(store.points), "measured": state["measured"], "reused": state["reused"],
+            "complete": stopped is None, "stopped": stopped, "plots": plots, "tables": "tables.md",
+            "options": asdict(opts)}
