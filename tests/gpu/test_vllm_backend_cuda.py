@@ -47,7 +47,6 @@ def _plain_reference(engine_kw: dict):
     from vegas import DEFAULT_MODEL
     from vegas.prompts import cut_contexts, package_source
 
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     # the engine core must not be forked from a process that may have initialized CUDA
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
@@ -105,18 +104,17 @@ def test_vllm_greedy_equals_plain_with_and_without_async_scheduling(async_schedu
     from vllm import LLM
 
     from vegas import DEFAULT_MODEL
-    from vegas.vllm_plugin import get_stats, register
+    from vegas.vllm_plugin import register
 
     prompts, sp, plain = tp1_plain
     register()
-    monkeypatch.setenv("VEGAS_VLLM_CONFIG", settings_json("collect2", VegasConfig(min_kv_budget=64)))
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     kw = dict(TP1) if async_scheduling else dict(TP1, async_scheduling=False)
-    llm = LLM(**vllm_engine_kwargs(str(DEFAULT_MODEL), num_draft_tokens=4, **kw))
+    llm = LLM(**vllm_engine_kwargs(str(DEFAULT_MODEL), num_draft_tokens=4, settings=settings_json("collect2", VegasConfig(min_kv_budget=64)), **kw))
     try:
         assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling is async_scheduling
         vegas = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-        stats = llm.collective_rpc(get_stats, args=(True,))[0]
+        stats = llm.collective_rpc("vegas_stats", args=(True,))[0]
     finally:
         llm.llm_engine.engine_core.shutdown()
     assert stats["acceptance_length"] > 1.0 and stats["iterations"] > 0
@@ -135,15 +133,14 @@ def test_vllm_quest_greedy_equals_plain(tp1_plain, monkeypatch):
     from vllm import LLM
 
     from vegas import DEFAULT_MODEL
-    from vegas.vllm_plugin import get_stats, register
+    from vegas.vllm_plugin import register
 
     prompts, sp, plain = tp1_plain
     register()
-    monkeypatch.setenv("VEGAS_VLLM_CONFIG", settings_json("quest", VegasConfig(min_kv_budget=64)))
-    llm = LLM(**vllm_engine_kwargs(str(DEFAULT_MODEL), num_draft_tokens=4, **TP1))
+    llm = LLM(**vllm_engine_kwargs(str(DEFAULT_MODEL), num_draft_tokens=4, settings=settings_json("quest", VegasConfig(min_kv_budget=64)), **TP1))
     try:
         vegas = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-        stats = llm.collective_rpc(get_stats, args=(True,))[0]
+        stats = llm.collective_rpc("vegas_stats", args=(True,))[0]
     finally:
         llm.llm_engine.engine_core.shutdown()
     assert stats["acceptance_length"] > 1.0 and len(stats["requests"]) == len(prompts)
@@ -160,16 +157,14 @@ def test_vllm_tensor_parallel_greedy_equals_plain_tp2(tp_selection, tp2_plain, m
     from vllm import LLM
 
     from vegas import DEFAULT_MODEL
-    from vegas.vllm_plugin import get_stats
 
     prompts, sp, plain = tp2_plain
     config = VegasConfig(min_kv_budget=64, vllm={"tp_selection": tp_selection})
-    monkeypatch.setenv("VEGAS_VLLM_CONFIG", settings_json("collect2", config))
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
-    llm = LLM(**vllm_engine_kwargs(str(DEFAULT_MODEL), num_draft_tokens=4, **TP2))
+    llm = LLM(**vllm_engine_kwargs(str(DEFAULT_MODEL), num_draft_tokens=4, settings=settings_json("collect2", config), **TP2))
     try:
         vegas = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-        stats = llm.collective_rpc(get_stats)
+        stats = llm.collective_rpc("vegas_stats")
     finally:
         llm.llm_engine.engine_core.shutdown()
     assert len(stats) == 2 and stats[0]["acceptance_length"] > 1.0
@@ -217,7 +212,7 @@ def test_soft_capped_model_scores_capped_logits_and_equals_plain(tmp_path_factor
     import transformers
     from vllm import LLM, SamplingParams
 
-    from vegas.vllm_plugin import get_stats, register
+    from vegas.vllm_plugin import register
 
     path = tmp_path_factory.mktemp("gemma2-full")
     config = transformers.Gemma2Config(
@@ -238,12 +233,11 @@ def test_soft_capped_model_scores_capped_logits_and_equals_plain(tmp_path_factor
         plain = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     finally:
         llm.llm_engine.engine_core.shutdown()
-    monkeypatch.setenv("VEGAS_VLLM_CONFIG", settings_json("collect2", VegasConfig(min_kv_budget=64)))
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
-    llm = LLM(**vllm_engine_kwargs(str(path), num_draft_tokens=4, **kw))
+    llm = LLM(**vllm_engine_kwargs(str(path), num_draft_tokens=4, settings=settings_json("collect2", VegasConfig(min_kv_budget=64)), **kw))
     try:
         vegas = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-        stats = llm.collective_rpc(get_stats, args=(True,))[0]
+        stats = llm.collective_rpc("vegas_stats", args=(True,))[0]
     finally:
         llm.llm_engine.engine_core.shutdown()
     assert stats["logits_soft_cap"] == 2.0 and stats["iterations"] > 0

@@ -104,7 +104,7 @@ def _apply_graph_mode(vllm_config, selector, verify_cuda_graphs: str) -> bool:
 def start_drafter(vllm_config, gamma: int) -> tuple[Selector, str]:
     """What every Vegas drafter does when vLLM builds it (the V1 proposer and the V2
     speculator alike): refuse unsupported engine settings, build the selector of
-    ``$VEGAS_VLLM_CONFIG``, set up :data:`STATE` (γ, enabled, full or piecewise verification
+    ``additional_config["vegas"]`` with vLLM's γ, set up :data:`STATE` (γ, enabled, full or piecewise verification
     graphs, the TP all-reduce) and apply the attention and scheduler patches.
 
     Returns:
@@ -115,7 +115,7 @@ def start_drafter(vllm_config, gamma: int) -> tuple[Selector, str]:
         VegasConfigError: an unsupported engine setting or bad Vegas settings.
     """
     _raise_if_unsupported(vllm_config)
-    name, config = read_settings()
+    name, config = read_settings(vllm_config)
     selector = build_selector(name, config, gamma)
     STATE.gamma = gamma
     STATE.enabled = True
@@ -147,9 +147,9 @@ def reserve_selection_buffers(vllm_config, selector: Selector, gamma: int, max_s
 class VegasProposer:
     """vLLM custom-class proposer: self-speculative drafting with verification-guided sparse attention.
 
-    Settings come from ``$VEGAS_VLLM_CONFIG`` (:func:`vegas.vllm_plugin.settings.read_settings`)
-    and can be changed at run time with :func:`vegas.vllm_plugin.configure` through
-    ``LLM.collective_rpc`` (piecewise verification graphs only).
+    Settings come from ``additional_config["vegas"]`` (:func:`vegas.vllm_plugin.settings.read_settings`),
+    γ from ``speculative_config``; they can be changed at run time with
+    ``LLM.collective_rpc("vegas_configure", ...)`` (piecewise verification graphs only).
 
     Raises:
         VegasConfigError: an unsupported engine setting or bad Vegas settings.
