@@ -58,7 +58,9 @@ at the next verification; ``observe`` and ``keep_rows`` are not called on vLLM.
 The proposer installs what it needs in the worker process that builds it (single-GPU engines:
 the scheduler lives in that process too). For multi-process workers, installing vegas also
 registers :func:`register` as a ``vllm.general_plugins`` entry point, which vLLM runs in every
-process before the engine exists. Every patch of vLLM is in :mod:`vegas.vllm_plugin.patches`.
+process before the engine exists. Every patch of vLLM is one entry of the table
+:data:`vegas.vllm_plugin.patches.PATCHES` (what it replaces, the parameters it expects, why),
+checked by :func:`register`: another vLLM than 0.24.0, or a changed function, is refused there.
 
 Nothing here imports vLLM at module import time.
 """
@@ -74,12 +76,20 @@ WORKER_EXTENSION = "vegas.vllm_plugin.VegasWorkerExtension"
 
 
 def register() -> None:
-    """``vllm.general_plugins`` entry point: install the attention override, the scheduler's
-    lookahead allocation, the config check that keeps async scheduling on for the Vegas
-    proposer and the opt-in V2 model-runner patches (:func:`~vegas.vllm_plugin.patches.patch_v2_runner`). Safe to call many times, and a no-op for engines that do not use the Vegas
-    proposer (the override only acts when it is enabled)."""
+    """``vllm.general_plugins`` entry point: check the installed vLLM against the patch table
+    (:func:`~vegas.vllm_plugin.patches.check_vllm`), then install the attention override, the
+    scheduler's lookahead allocation, the config check that keeps async scheduling on for the
+    Vegas proposer and the V2 model-runner patches
+    (:func:`~vegas.vllm_plugin.patches.patch_v2_runner`). Safe to call many times, and a no-op
+    for engines that do not use the Vegas proposer (the override only acts when it is enabled).
+
+    Raises:
+        VllmVersionError: vLLM is not the supported version, or a function Vegas replaces
+            changed (the message names it and the supported version).
+    """
     from . import patches
 
+    patches.check_vllm()
     patches.patch_attention()
     patches.patch_scheduler_lookahead()
     patches.patch_config_check()
