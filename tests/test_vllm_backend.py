@@ -113,14 +113,22 @@ def test_settings_round_trip_into_the_proposer():
 @pytest.mark.parametrize(
     "selector,config,match",
     [
-        ("quest", VegasConfig(page_size=32), "page_size must be 16"),
+        ("quest", VegasConfig(page_size=32), "page_size must be the engine's block_size 16"),
         ("collect2", VegasConfig(granularity="kv_head"), "granularity"),
         ("collect2", VegasConfig(score_mode="weight"), "score_mode"),
     ],
 )
 def test_unsupported_settings_are_named(selector, config, match):
     with pytest.raises(VegasConfigError, match=match):
-        raise_if_unsupported(create_selector(selector, config), config)
+        raise_if_unsupported(create_selector(selector, config), config, block_size=16)
+
+
+def test_quest_pages_follow_the_engines_block_size():
+    config = VegasConfig(page_size=32)
+    raise_if_unsupported(create_selector("quest", config), config, block_size=32)
+    raise_if_unsupported(create_selector("quest", config), config)  # block size not known yet: the proposer checks
+    with pytest.raises(VegasConfigError, match="block_size 16, got 32"):
+        raise_if_unsupported(create_selector("quest", config), config, block_size=16)
 
 
 def test_bad_dtype_and_device():

@@ -331,7 +331,7 @@ def test_quest_draft_step_attends_the_best_pages_plus_every_later_position():
     from types import SimpleNamespace
 
     from vegas.kernels.quest_pages import group_query, page_scores_reference
-    from vegas.vllm_plugin.quest import fill_draft_table
+    from vegas.vllm_plugin.selectors.quest import fill_draft_table
     from vegas.vllm_plugin.state import STATE
 
     lens = [70, 40]

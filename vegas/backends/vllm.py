@@ -26,8 +26,10 @@ Models with sliding-window layers (Gemma 2/3, Mistral-style ``sliding_window``, 
 ``use_sliding_window``) are refused by name before a Vegas engine is built
 (:func:`raise_if_sliding_window`); the HF backend supports them.
 
-Quest's pages are vLLM's 16-slot KV blocks (their key bounds take ``1/16`` of the key cache per
-bound, outside vLLM's memory profile, see :mod:`vegas.vllm_plugin.quest`). Not here:
+Quest's pages are vLLM's KV blocks (``page_size`` must be the engine's ``block_size``, which
+vLLM picks with the attention backend unless ``engine_args`` sets it: checked here when set,
+else by the proposer at engine start; their key bounds take ``1/block_size`` of the key cache per bound, outside vLLM's memory
+profile, see :mod:`vegas.vllm_plugin.selectors.quest`). Not here:
 ``granularity="kv_head"``, ``score_mode="weight"`` (the kernel sums logits) and query-aware
 selectors without a fast path (:func:`vegas.vllm_plugin.settings.raise_if_unsupported`).
 
@@ -430,7 +432,7 @@ class VLLMBackend(Backend):
         """
         selector = as_selector(selector, config)
         if selector is not None:
-            vegas_settings.raise_if_unsupported(selector, config)
+            vegas_settings.raise_if_unsupported(selector, config, self.engine_args.get("block_size"))
             if not self._checked_model:
                 raise_if_sliding_window(self.model)
                 self._checked_model = True

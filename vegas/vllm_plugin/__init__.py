@@ -150,7 +150,7 @@ def configure(worker, settings: str | None = None, reset_stats: bool = True) -> 
 
     if settings:
         name, config = parse_settings(settings, source="configure()")
-        selector = build_selector(name, config, STATE.gamma)
+        selector = build_selector(name, config, STATE.gamma, STATE.block_size or None)
         new = settings_json(name, selector.config)
         if STATE.frozen and new != STATE.settings:
             raise VegasConfigError(

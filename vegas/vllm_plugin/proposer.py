@@ -104,7 +104,7 @@ def start_drafter(vllm_config, gamma: int) -> tuple[Selector, str]:
     patches.check_vllm()
     _raise_if_unsupported(vllm_config)
     name, config = read_settings(vllm_config)
-    selector = build_selector(name, config, gamma)
+    selector = build_selector(name, config, gamma, vllm_config.cache_config.block_size)
     STATE.gamma = gamma
     STATE.enabled = True
     STATE.frozen = _apply_graph_mode(vllm_config, selector, selector.config.vllm.verify_cuda_graphs)

@@ -112,24 +112,25 @@ def path_class(selector: Selector) -> type[SelectionPath]:
     return vllm_fast_path(selector) or GenericPath
 
 
-def raise_if_unsupported(selector: Selector, config: VegasConfig) -> None:
-    """Refuse settings the vLLM backend cannot run, before an engine is built.
+def raise_if_unsupported(selector: Selector, config: VegasConfig, block_size: int | None = None) -> None:
+    """Refuse settings the vLLM backend cannot run, before an engine is built (``block_size``:
+    the engine's KV block size when known, from vLLM's ``cache_config``).
 
     Raises:
         VegasConfigError: ``granularity`` other than ``"layer"``, ``score_mode`` other than
             ``"logit"``, a query-aware selector without a fast path, or what the selector's
-            path refuses (Quest: ``page_size`` other than vLLM's block size).
+            path refuses (Quest: ``page_size`` other than the engine's ``block_size``).
     """
     if config.granularity != "layer":
         raise VegasConfigError("the vllm backend selects per layer only; use granularity='layer'")
     if config.score_mode != "logit":
         raise VegasConfigError("the vllm backend ranks by summed logits only; use score_mode='logit'")
-    path_class(selector).raise_if_unsupported(selector, config)
+    path_class(selector).raise_if_unsupported(selector, config, block_size=block_size)
 
 
-def build_selector(name: str, config: VegasConfig, gamma: int) -> Selector:
+def build_selector(name: str, config: VegasConfig, gamma: int, block_size: int | None = None) -> Selector:
     """A new selector ``name`` from the registry with ``config`` and γ = ``gamma``, checked by
-    :func:`raise_if_unsupported`.
+    :func:`raise_if_unsupported` (with the engine's ``block_size`` when known).
 
     Raises:
         VegasConfigError: an unknown selector name, or settings the vLLM backend refuses.
@@ -137,5 +138,5 @@ def build_selector(name: str, config: VegasConfig, gamma: int) -> Selector:
     """
     config = replace(config, num_draft_tokens=gamma)
     selector = create_selector(name, config)
-    raise_if_unsupported(selector, config)
+    raise_if_unsupported(selector, config, block_size)
     return selector

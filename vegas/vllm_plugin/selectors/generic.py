@@ -74,7 +74,7 @@ class GenericPath(CollectingPath):
     capturable = False
 
     @classmethod
-    def raise_if_unsupported(cls, selector, config) -> None:
+    def raise_if_unsupported(cls, selector, config, block_size=None) -> None:
         if selector.query_aware:
             raise VegasConfigError(
                 f"selector {selector.name!r} (plugin {owner('selectors', selector.name)!r}) is query-aware "
