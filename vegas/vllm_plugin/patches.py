@@ -200,7 +200,7 @@ def check_vllm() -> None:
     if found.split("+")[0] != VLLM_VERSION:
         raise VllmVersionError(
             f"vegas supports vLLM {VLLM_VERSION} only, found {found}: pip install vllm=={VLLM_VERSION} "
-            "(or leave vegas out of this vLLM: VLLM_PLUGINS= without 'vegas')"
+            "(or keep vegas out of this vLLM: VLLM_PLUGINS set to a list without 'vegas')"
         )
     for patch in PATCHES:
         params = _params(patch.target)
