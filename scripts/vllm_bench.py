@@ -69,7 +69,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 sys.path.insert(0, str(ROOT))
 
 T_START = time.time()
@@ -162,16 +161,13 @@ def build_llm(method: str, args, max_len: int, settings: str | None = None, runn
         }
     elif method == "vegas":
         from vegas.vllm_plugin import register
-        from vegas.vllm_plugin.settings import ENV_VAR
-
         register()  # the config check that keeps async scheduling on runs in this process
         kw["async_scheduling"] = getattr(args, "vegas_scheduling", "async") == "async"
-        os.environ[ENV_VAR] = settings or ""
         verify = "full" if args.eager else getattr(args, "verify_graphs", "piecewise")
     if not args.eager:
         kw["compilation_config"] = cc
     kw = vllm_engine_kwargs(args.model, dtype="bfloat16", num_draft_tokens=args.gamma if method == "vegas" else None,
-                            verify_cuda_graphs=verify, **kw)
+                            verify_cuda_graphs=verify, settings=settings if method == "vegas" else None, **kw)
     t = time.time()
     saved = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
     if method == "plain-sync" or runner == "v1":
@@ -199,8 +195,8 @@ def vegas_cfg(args, selector: str) -> dict:
 
 
 def vegas_settings(args, selector: str) -> str:
-    """The proposer's settings JSON (``$VEGAS_VLLM_CONFIG``) of :func:`vegas_cfg`, with γ and the
-    verification CUDA-graph mode of ``args``."""
+    """The proposer's settings JSON (``additional_config["vegas"]``) of :func:`vegas_cfg`, with the
+    verification CUDA-graph mode of ``args`` (γ goes to ``speculative_config``)."""
     from vegas.config import VegasConfig
     from vegas.vllm_plugin.settings import settings_json
 
@@ -224,7 +220,6 @@ def generate(llm, prompts, sp):
 def run_engine(method: str, args, prompts_by_ctx, results, exact_ref):
     from vllm import SamplingParams
 
-    from vegas.vllm_plugin import configure, get_stats
 
     max_ctx = max(prompts_by_ctx)
     llm = build_llm(method, args, max_ctx + args.new_tokens + 64, vegas_settings(args, args.selectors[0]))
@@ -233,7 +228,7 @@ def run_engine(method: str, args, prompts_by_ctx, results, exact_ref):
 
     def set_selector(sel):
         if sel is not None:
-            llm.collective_rpc(configure, args=(vegas_settings(args, sel),))
+            llm.collective_rpc("vegas_configure", args=(vegas_settings(args, sel),))
 
     # ---- greedy exactness ----
     ectx = args.contexts[0]
@@ -254,7 +249,7 @@ def run_engine(method: str, args, prompts_by_ctx, results, exact_ref):
                 exact_ref["plain_logprobs"] = [o.outputs[0].logprobs for o in outs]
             log(f"greedy {name}: {len(toks)} x {args.exact_tokens} tokens in {time.time()-t:.1f}s")
             if method == "vegas":
-                st = llm.collective_rpc(get_stats)[0]
+                st = llm.collective_rpc("vegas_stats")[0]
                 log(f"greedy {name} proposer stats: {json.dumps(st)}")
 
     # ---- throughput ----
@@ -287,7 +282,7 @@ def run_engine(method: str, args, prompts_by_ctx, results, exact_ref):
                     for _ in range(args.repeats):  # the last run's counters are the row's
                         m0 = metric_counts(llm)
                         if method == "vegas":
-                            llm.collective_rpc(configure, args=(None, True))
+                            llm.collective_rpc("vegas_configure", args=(None, True))
                         t = time.time()
                         outs = generate(llm, prompts[:n_req], sp)
                         wall = time.time() - t
@@ -307,7 +302,7 @@ def run_engine(method: str, args, prompts_by_ctx, results, exact_ref):
                         row["selector"] = sel
                         row["sparsity"] = args.sparsity
                         row["kv_budget"] = min(kv_budget_tokens(args, ctx), ctx)
-                        st = llm.collective_rpc(get_stats)[0]
+                        st = llm.collective_rpc("vegas_stats")[0]
                         row["acceptance_length"] = st.get("acceptance_length")
                         row["batch_steps"] = st.get("proposals", 0)
                         row["mean_request_iterations"] = st.get("iterations", 0) / n_req
@@ -408,7 +403,6 @@ def latency_8b(args, prompts_long: list[list[int]], results) -> None:
     """Step latencies with dummy Qwen3-8B weights: plain decode step vs vegas draft/verify/selection."""
     from vllm import SamplingParams
 
-    from vegas.vllm_plugin import configure, get_stats
 
     d = Path("/tmp/qwen3-8b-dummy")
     d.mkdir(exist_ok=True)
@@ -450,7 +444,7 @@ def latency_8b(args, prompts_long: list[list[int]], results) -> None:
                     generate(llm, prompts, SamplingParams(max_tokens=1, detokenize=False))
                     t1 = time.time() - t
                     if method == "vegas":
-                        llm.collective_rpc(configure, args=(None, True))
+                        llm.collective_rpc("vegas_configure", args=(None, True))
                     t = time.time()
                     outs = generate(llm, prompts, sp)
                     wall = time.time() - t
@@ -465,7 +459,7 @@ def latency_8b(args, prompts_long: list[list[int]], results) -> None:
                            "draft_step_floor_ms": (w + bsz * (budget + args.gamma + 1) * kv)
                            / HBM_BYTES_PER_S / args.tp * 1e3}
                     if method == "vegas":
-                        st = llm.collective_rpc(get_stats)[0]
+                        st = llm.collective_rpc("vegas_stats")[0]
                         steps = max(st.get("proposals", 1), 1)
                         row.update({
                             "acceptance_length": st.get("acceptance_length"),
@@ -581,7 +575,7 @@ def tau_table(results) -> str:
 def engine_jobs(args, methods: list[str]) -> list[tuple[str, argparse.Namespace]]:
     """One entry per engine to build: (method, args). Vegas with full verification graphs needs
     one engine per selector (the selection is captured into the graphs); with piecewise graphs
-    one engine serves every selector (switched through ``collective_rpc``)."""
+    one engine serves every selector (switched through ``collective_rpc("vegas_configure")``)."""
     jobs = []
 
     def sub(**kw):

@@ -123,10 +123,9 @@ def summarize(steps: list[dict], t_start: float, t_end: float) -> dict:
 
 
 def run_workload(llm, name: str, prompts, sp, method: str) -> dict:
-    from vegas.vllm_plugin import configure, get_stats
 
     if method.startswith("vegas"):
-        llm.collective_rpc(configure, args=(None, True))
+        llm.collective_rpc("vegas_configure", args=(None, True))
     STEPS.clear()
     t0 = time.perf_counter()
     outs = vb.generate(llm, prompts, sp)
@@ -144,7 +143,7 @@ def run_workload(llm, name: str, prompts, sp, method: str) -> dict:
         res["ttft_mean_ms"] = statistics.mean(ttft)
         res["ttft_p99_ms"] = ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))]
     if method.startswith("vegas"):
-        st = llm.collective_rpc(get_stats)[0]
+        st = llm.collective_rpc("vegas_stats")[0]
         res["vegas"] = {k: st.get(k) for k in ("runner", "acceptance_length", "proposals", "skipped", "draft_ms",
                                                "verify_fwd_ms", "select_ms", "propose_wall_ms", "full_cuda_graphs")}
     line = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in res.items() if not isinstance(v, dict)}

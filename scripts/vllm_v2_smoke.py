@@ -21,13 +21,13 @@ import os
 import time
 
 
-def _engine(model: str, gamma: int | None, args):
+def _engine(model: str, gamma: int | None, args, settings: str | None = None):
     from vllm import LLM
 
     from vegas.backends.vllm import vllm_engine_kwargs
 
     return LLM(**vllm_engine_kwargs(
-        model, num_draft_tokens=gamma, max_model_len=args.context + args.new_tokens + 64,
+        model, num_draft_tokens=gamma, settings=settings, max_model_len=args.context + args.new_tokens + 64,
         gpu_memory_utilization=args.gpu_memory_utilization, seed=0, max_num_seqs=args.batch,
     ))
 
@@ -57,14 +57,12 @@ def main() -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     args = ap.parse_args()
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     from transformers import AutoTokenizer
 
     from vegas.prompts import cut_contexts, package_source
     from vegas.config import VegasConfig
     from vegas.vllm_plugin import register
     from vegas.vllm_plugin.settings import settings_json
-    from vegas.vllm_plugin import get_stats as get_v2_stats
 
     ids = AutoTokenizer.from_pretrained(args.model)(package_source(), add_special_tokens=False).input_ids
     prompts = cut_contexts(ids, args.context, args.batch)
@@ -77,17 +75,16 @@ def main() -> None:
 
     register()
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
-    os.environ["VEGAS_VLLM_CONFIG"] = settings_json(
-        args.selector, VegasConfig(sparsity_ratio=args.sparsity, min_kv_budget=0))
-    llm = _engine(args.model, args.gamma, args)
-    vegas, vegas_s, s0 = _run(llm, prompts, args.new_tokens, lambda: llm.collective_rpc(get_v2_stats)[0])
-    s1 = llm.collective_rpc(get_v2_stats)[0]
+    settings = settings_json(args.selector, VegasConfig(sparsity_ratio=args.sparsity, min_kv_budget=0))
+    llm = _engine(args.model, args.gamma, args, settings)
+    vegas, vegas_s, s0 = _run(llm, prompts, args.new_tokens, lambda: llm.collective_rpc("vegas_stats")[0])
+    s1 = llm.collective_rpc("vegas_stats")[0]
     llm.llm_engine.engine_core.shutdown()
 
     same = [list(p.outputs[0].token_ids) == list(v.outputs[0].token_ids) for p, v in zip(plain, vegas)]
     first = next((i for i, s in enumerate(same) if not s), None)
     if not s1:
-        raise SystemExit(f"vegas did not run on the V2 runner (get_v2_stats: {s1!r})")
+        raise SystemExit(f"vegas did not run on the V2 runner (vegas_stats: {s1!r})")
     steps = max(s1["proposals"] - s0["proposals"], 1)  # engine steps of the timed run
     emitted, iterations = s1["emitted"] - s0["emitted"], s1["iterations"] - s0["iterations"]
     tau = emitted / iterations if iterations else 0.0

@@ -15,7 +15,7 @@ from tests.test_vllm_sliding_window import _model_dir
 from vegas import serve as vegas_serve
 from vegas.cli import main
 from vegas.config import VegasConfig, VegasConfigError
-from vegas.vllm_plugin.settings import ENV_VAR, read_settings, settings_json
+from vegas.vllm_plugin.settings import read_settings, settings_json
 
 MODEL = "vegas/model"  # the embedded full-attention model
 
@@ -56,7 +56,7 @@ def test_collect2_passes_the_settings_in_additional_config():
     extra = json.loads(_option(plan.argv, "--additional-config"))
     assert extra["vegas"] == plan.settings
     assert plan.settings["selector"] == "collect2" and plan.settings["sparsity_ratio"] == 0.1
-    assert plan.settings["num_draft_tokens"] == 3
+    assert "num_draft_tokens" not in plan.settings  # γ: speculative_config only
     assert "--compilation-config" not in plan.argv  # collect2: full verification graphs
     assert plan.env == {}  # no environment variable
     assert plan.argv[-2:] == ["--gpu-memory-utilization", "0.3"]  # extra arguments last: they win
@@ -64,14 +64,16 @@ def test_collect2_passes_the_settings_in_additional_config():
 
 def test_the_argv_reaches_the_proposer_settings_through_additional_config(monkeypatch):
     """What the proposer reads from ``vllm_config.additional_config`` is what vegas serve passed;
-    the environment variable is the fallback and loses to it."""
+    nothing else is read (an environment variable of the old channel is ignored); γ is refused
+    there (it is speculative_config's)."""
     plan = vegas_serve.plan_serve(MODEL, selector="aggregated", kv_budget=512, num_draft_tokens=5)
     vllm_config = types.SimpleNamespace(additional_config=json.loads(_option(plan.argv, "--additional-config")))
-    monkeypatch.setenv(ENV_VAR, settings_json("quest", VegasConfig()))
+    monkeypatch.setenv("VEGAS_VLLM_CONFIG", settings_json("quest", VegasConfig()))
     name, config = read_settings(vllm_config)
-    assert name == "aggregated" and config.kv_budget == 512 and config.num_draft_tokens == 5
-    assert read_settings(types.SimpleNamespace(additional_config={}))[0] == "quest"  # fallback: the env var
-    monkeypatch.delenv(ENV_VAR)
+    assert name == "aggregated" and config.kv_budget == 512
+    assert read_settings(types.SimpleNamespace(additional_config={})) == ("collect2", VegasConfig())
+    with pytest.raises(VegasConfigError, match="γ is speculative_config's num_speculative_tokens"):
+        read_settings(types.SimpleNamespace(additional_config={"vegas": {"num_draft_tokens": 5}}))
     assert read_settings(types.SimpleNamespace(additional_config={"vegas": '{"selector": "h2o"}'}))[0] == "h2o"
     with pytest.raises(VegasConfigError, match=r"additional_config\['vegas'\].*unknown field"):
         read_settings(types.SimpleNamespace(additional_config={"vegas": {"sparsity": 0.1}}))
@@ -96,7 +98,8 @@ def test_config_json_and_options(tmp_path):
     assert plan.settings["selector"] == "sliding_window" and plan.settings["window"] == 128
     assert json.loads(_option(plan.argv, "--speculative-config"))["num_speculative_tokens"] == 6
     plan = vegas_serve.plan_serve(MODEL, selector="collect2", num_draft_tokens=2, config='{"selector": "quest"}')
-    assert plan.settings["selector"] == "collect2" and plan.settings["num_draft_tokens"] == 2  # options win
+    assert plan.settings["selector"] == "collect2"  # options win
+    assert json.loads(_option(plan.argv, "--speculative-config"))["num_speculative_tokens"] == 2
 
 
 def test_other_additional_config_keys_are_merged():

@@ -50,7 +50,8 @@ def test_recommend_follows_the_three_steps_on_synthetic_points():
     assert rec["best"]["config"]["min_kv_budget"] == 0
     text = "\n".join(describe({**rec, "complete": True}))
     assert "VegasConfig(sparsity_ratio=0.03333, min_kv_budget=0)" in text
-    assert "VEGAS_VLLM_CONFIG=" in text and '"num_speculative_tokens": 4' in text
+    assert "--additional-config '{\"vegas\": {\"selector\"" in text and '"num_speculative_tokens": 4' in text
+    assert "num_draft_tokens" not in text.split("--additional-config")[1]  # γ only in speculative_config
     assert "vegas serve MODEL --config" in text
     assert rec["recommended"] == "collect2"
 

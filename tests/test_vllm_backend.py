@@ -30,6 +30,41 @@ def test_engine_kwargs_switch_vegas_on():
     assert kw["gpu_memory_utilization"] == 0.4
 
 
+class _OwnExtension:  # a worker extension that is not Vegas's
+    pass
+
+
+def test_vegas_engines_get_the_worker_extension_and_no_insecure_serialization(monkeypatch):
+    from pathlib import Path
+
+    from vegas.vllm_plugin import WORKER_EXTENSION, VegasWorkerExtension
+
+    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
+    assert "worker_extension_cls" not in vllm_engine_kwargs("m")
+    assert vllm_engine_kwargs("m", num_draft_tokens=3)["worker_extension_cls"] == WORKER_EXTENSION
+    with pytest.raises(VegasConfigError, match="make your class a subclass of it"):
+        vllm_engine_kwargs("m", num_draft_tokens=3, worker_extension_cls=f"{__name__}._OwnExtension")
+    with pytest.raises(VegasConfigError, match="cannot be imported"):
+        vllm_engine_kwargs("m", num_draft_tokens=3, worker_extension_cls="no_such_module.Ext")
+    # the methods vLLM mixes into its worker reach the drafter of that worker
+    seen = {}
+
+    class Drafter:
+        def stats(self):
+            return {"drafted": 3}
+
+        def reset_stats(self):
+            seen["reset"] = True
+
+    worker = type("Worker", (VegasWorkerExtension,), {})()
+    worker.model_runner = type("Runner", (), {"speculator": Drafter()})()
+    assert worker.vegas_stats() == {"drafted": 3}
+    worker.vegas_configure(None, True)  # no settings: only the counters are reset
+    assert seen == {"reset": True}
+    root = Path(__file__).resolve().parent.parent / "vegas"
+    assert not [p for p in root.rglob("*.py") if "INSECURE_SERIALIZATION" in p.read_text()]
+
+
 def test_piecewise_verification_graphs_on_request():
     kw = vllm_engine_kwargs("m", num_draft_tokens=3, verify_cuda_graphs="piecewise",
                             compilation_config={"cudagraph_capture_sizes": [1, 2]})
@@ -78,14 +113,22 @@ def test_settings_round_trip_into_the_proposer():
 @pytest.mark.parametrize(
     "selector,config,match",
     [
-        ("quest", VegasConfig(page_size=32), "page_size must be 16"),
+        ("quest", VegasConfig(page_size=32), "page_size must be the engine's block_size 16"),
         ("collect2", VegasConfig(granularity="kv_head"), "granularity"),
         ("collect2", VegasConfig(score_mode="weight"), "score_mode"),
     ],
 )
 def test_unsupported_settings_are_named(selector, config, match):
     with pytest.raises(VegasConfigError, match=match):
-        raise_if_unsupported(create_selector(selector, config), config)
+        raise_if_unsupported(create_selector(selector, config), config, block_size=16)
+
+
+def test_quest_pages_follow_the_engines_block_size():
+    config = VegasConfig(page_size=32)
+    raise_if_unsupported(create_selector("quest", config), config, block_size=32)
+    raise_if_unsupported(create_selector("quest", config), config)  # block size not known yet: the proposer checks
+    with pytest.raises(VegasConfigError, match="block_size 16, got 32"):
+        raise_if_unsupported(create_selector("quest", config), config, block_size=16)
 
 
 def test_bad_dtype_and_device():

@@ -245,11 +245,12 @@ def test_device_check_default_bench_is_the_smollm2_plan(vb, tmp_path):
 
 def test_vegas_rows_hand_the_proposer_its_settings(vb):
     """Each vegas engine's settings JSON parses into the proposer's selector name and VegasConfig."""
-    from vegas.vllm_plugin.settings import parse_settings
+    from vegas.vllm_plugin.settings import build_selector, parse_settings
 
     args = _args(tp=2, tp_selection="per_rank", kv_budget=300, verify_graphs="piecewise", gamma=6)
-    name, config = parse_settings(vb.vegas_settings(args, "quest"))
-    assert name == "quest" and config.kv_budget == 300 and config.num_draft_tokens == 6
+    name, config = parse_settings(vb.vegas_settings(args, "quest"))  # γ is not among the settings
+    assert name == "quest" and config.kv_budget == 300
+    assert build_selector(name, config, args.gamma).config.num_draft_tokens == 6  # γ: speculative_config's
     assert config.vllm.tp_selection == "per_rank" and config.vllm.verify_cuda_graphs == "piecewise"
 
 

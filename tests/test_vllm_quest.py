@@ -18,7 +18,7 @@ from vegas.kernels.quest_pages import (
     update_page_bounds,
 )
 from vegas.strategies.quest import page_bounds, page_scores
-from vegas.vllm_plugin.quest import QuestDraft, fill_draft_table, page_aligned_selection
+from vegas.vllm_plugin.selectors.quest import QuestDraft, fill_draft_table, page_aligned_selection
 
 BS, HKV, HQ, D = 16, 2, 6, 8
 

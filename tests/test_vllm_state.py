@@ -331,7 +331,7 @@ def test_quest_draft_step_attends_the_best_pages_plus_every_later_position():
     from types import SimpleNamespace
 
     from vegas.kernels.quest_pages import group_query, page_scores_reference
-    from vegas.vllm_plugin.quest import fill_draft_table
+    from vegas.vllm_plugin.selectors.quest import fill_draft_table
     from vegas.vllm_plugin.state import STATE
 
     lens = [70, 40]
@@ -501,25 +501,31 @@ def test_tp_selection_must_be_known():
         ("{selector: collect2}", "must be a JSON object"),
     ],
 )
-def test_proposer_settings_name_the_bad_field(raw, match, monkeypatch):
+def test_proposer_settings_name_the_bad_field(raw, match):
+    import types
+
     from vegas.vllm_plugin.settings import read_settings
 
-    monkeypatch.setenv("VEGAS_VLLM_CONFIG", raw)
     with pytest.raises(VegasConfigError, match=match):
-        read_settings()
+        read_settings(types.SimpleNamespace(additional_config={"vegas": raw}))
 
 
-def test_proposer_settings_round_trip_through_the_environment(monkeypatch):
-    from vegas.vllm_plugin.settings import parse_settings, read_settings, settings_json
+def test_proposer_settings_round_trip_through_additional_config():
+    import json
+    import types
+    from dataclasses import replace
+
+    from vegas.vllm_plugin.settings import build_selector, parse_settings, read_settings, settings_json
 
     config = VegasConfig(num_draft_tokens=3, kv_budget=100, window=None, recent_window=8,
                          vllm={"tp_selection": "per_rank", "verify_cuda_graphs": "piecewise",
                                "draft_cuda_graphs": False, "draft_graph_max_rows": 64})
-    monkeypatch.setenv("VEGAS_VLLM_CONFIG", settings_json("aggregated", config))
-    assert read_settings() == ("aggregated", config)
+    extra = {"vegas": json.loads(settings_json("aggregated", config))}
+    name, read = read_settings(types.SimpleNamespace(additional_config=extra))
+    assert name == "aggregated" and read == replace(config, num_draft_tokens=VegasConfig().num_draft_tokens)
+    assert build_selector(name, read, 3).config == config  # γ: vLLM's, given to the selector
     assert parse_settings('{"kv_budget": 100}') == ("collect2", VegasConfig(kv_budget=100))
-    monkeypatch.delenv("VEGAS_VLLM_CONFIG")
-    assert read_settings() == ("collect2", VegasConfig())
+    assert read_settings(None) == ("collect2", VegasConfig())  # no vLLM config: the defaults
     assert VegasConfig.from_json(config.to_json()) == config
 
 

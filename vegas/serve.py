@@ -7,8 +7,8 @@ Vegas reaches vLLM through two serve arguments, no environment variable:
   "num_speculative_tokens": γ}'`` switches the proposer on;
 * ``--additional-config '{"vegas": {"selector": ..., <VegasConfig fields>}}'`` carries the settings:
   vLLM keeps ``additional_config`` in ``VllmConfig`` and hands it to every worker, where the proposer
-  reads it (:func:`vegas.vllm_plugin.settings.read_settings`; ``$VEGAS_VLLM_CONFIG`` stays the
-  fallback).
+  reads it (:func:`vegas.vllm_plugin.settings.read_settings`; the only channel, no environment
+  variable).
 
 The model is resolved as everywhere in vegas (:func:`vegas.models.resolve_model`): a model name
 (``smollm2-135m``) or a ``.gguf`` file becomes its converted checkpoint directory (converted once into

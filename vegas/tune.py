@@ -197,14 +197,14 @@ def fine_grid(center: float, factor: float, steps: int) -> list[float]:
 
 def vllm_settings(selector: str, config: VegasConfig) -> dict:
     """How the chosen point is switched on in vLLM: ``speculative_config`` (engine argument, or
-    ``vllm serve --speculative-config``) and the ``VEGAS_VLLM_CONFIG`` environment variable
-    (the selector name plus the :class:`VegasConfig` fields; see :mod:`vegas.vllm_plugin`).
+    ``vllm serve --speculative-config``; γ) and ``additional_config`` (``{"vegas": the selector
+    name plus the :class:`VegasConfig` fields}``; see :mod:`vegas.vllm_plugin.settings`).
     Every registered selector runs on vLLM (built-ins on fast paths, others on the generic path)."""
     from .vllm_plugin import CLASS_PATH
     from .vllm_plugin.settings import settings_json
 
     spec = {"method": "custom_class", "model": CLASS_PATH, "num_speculative_tokens": config.num_draft_tokens}
-    return {"speculative_config": spec, "VEGAS_VLLM_CONFIG": json.loads(settings_json(selector, config))}
+    return {"speculative_config": spec, "additional_config": {"vegas": json.loads(settings_json(selector, config))}}
 
 
 class _OutOfTime(Exception):
@@ -421,16 +421,17 @@ def describe(recommendation: dict) -> list[str]:
         ]
     else:
         args = config_args(best["config"])
+        lines = [f"recommended: {point}", f"  VegasConfig({args})", f"  Pipeline(selector={best['selector']!r}, {args})"]
         v = best["vllm"]
-        lines = [
-            f"recommended: {point}",
-            f"  VegasConfig({args})",
-            f"  Pipeline(selector={best['selector']!r}, {args})",
-            f"  vLLM server: vegas serve MODEL --config '{json.dumps(v['VEGAS_VLLM_CONFIG'])}' "
-            f"-g {best['num_draft_tokens']}   (docs/serving.md)",
-            f"  or by hand: VEGAS_VLLM_CONFIG='{json.dumps(v['VEGAS_VLLM_CONFIG'])}' vllm serve MODEL "
-            f"--attention-backend FLASH_ATTN --speculative-config '{json.dumps(v['speculative_config'])}'",
-        ]
+        spec = json.dumps(v["speculative_config"])
+        extra = v.get("additional_config")
+        if extra is None:
+            lines.append(f"  vLLM: selector {best['selector']!r} is not available on the vllm backend")
+        else:
+            lines.append(f"  vLLM server: vegas serve MODEL --config '{json.dumps(extra['vegas'])}' "
+                         f"-g {best['num_draft_tokens']}   (docs/serving.md)")
+            lines.append(f"  or by hand: vllm serve MODEL --attention-backend FLASH_ATTN --speculative-config '{spec}' "
+                         f"--additional-config '{json.dumps(extra)}'")
     if not recommendation.get("complete", True):
         lines.append(f"  incomplete: {recommendation['stopped']}; rerun the same command to resume")
     return lines

@@ -47,7 +47,6 @@ def _plain_reference(engine_kw: dict):
     from vegas import DEFAULT_MODEL
     from vegas.prompts import cut_contexts, package_source
 
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     # the engine core must not be forked from a process that may have initialized CUDA
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
@@ -86,20 +85,18 @@ def _assert_tokens_equal_up_to_ties(plain, vegas_tokens, stops_early: bool = Fal
 
 def _generate(engine_kw: dict, prompts, sp):
     """``(outputs, stats)`` of one ``vllm.LLM(**engine_kw)`` over token-id ``prompts``, then shut
-    down; ``stats`` is the Vegas proposer's :func:`~vegas.vllm_plugin.get_stats` (``{}`` plain)."""
+    down; ``stats`` is the Vegas drafter's counters (``collective_rpc("vegas_stats")``, ``{}`` plain)."""
     import os
 
     from vllm import LLM
 
-    from vegas.vllm_plugin import get_stats
-
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(get_stats)
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     llm = LLM(**engine_kw)
     try:
         out = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-        stats = llm.collective_rpc(get_stats, args=(True,))[0]
+        stats = llm.collective_rpc("vegas_stats", args=(True,))[0] if llm.llm_engine.vllm_config.speculative_config \
+            else {}
     finally:
         llm.llm_engine.engine_core.shutdown()
     return out, stats
@@ -126,18 +123,17 @@ def test_vllm_greedy_equals_plain_with_and_without_async_scheduling(async_schedu
     from vllm import LLM
 
     from vegas import DEFAULT_MODEL
-    from vegas.vllm_plugin import get_stats, register
+    from vegas.vllm_plugin import register
 
     prompts, sp, plain = tp1_plain
     register()
-    monkeypatch.setenv("VEGAS_VLLM_CONFIG", settings_json("collect2", VegasConfig(min_kv_budget=64)))
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     kw = dict(TP1) if async_scheduling else dict(TP1, async_scheduling=False)
-    llm = LLM(**vllm_engine_kwargs(str(DEFAULT_MODEL), num_draft_tokens=4, **kw))
+    llm = LLM(**vllm_engine_kwargs(str(DEFAULT_MODEL), num_draft_tokens=4, settings=settings_json("collect2", VegasConfig(min_kv_budget=64)), **kw))
     try:
         assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling is async_scheduling
         vegas = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-        stats = llm.collective_rpc(get_stats, args=(True,))[0]
+        stats = llm.collective_rpc("vegas_stats", args=(True,))[0]
     finally:
         llm.llm_engine.engine_core.shutdown()
     assert stats["acceptance_length"] > 1.0 and stats["iterations"] > 0
@@ -158,8 +154,9 @@ def test_vllm_quest_greedy_equals_plain(tp1_plain, monkeypatch):
 
     prompts, sp, plain = tp1_plain
     register()
-    monkeypatch.setenv("VEGAS_VLLM_CONFIG", settings_json("quest", VegasConfig(min_kv_budget=64)))
-    vegas, stats = _generate(vllm_engine_kwargs(str(DEFAULT_MODEL), num_draft_tokens=4, **TP1), prompts, sp)
+    vegas, stats = _generate(vllm_engine_kwargs(str(DEFAULT_MODEL), num_draft_tokens=4,
+                                                settings=settings_json("quest", VegasConfig(min_kv_budget=64)), **TP1),
+                             prompts, sp)
     assert stats["acceptance_length"] > 1.0 and len(stats["requests"]) == len(prompts)
     assert stats["full_cuda_graphs"] and stats["select_timed"] >= stats["proposals"] > 0
     _assert_equal_up_to_ties(plain, vegas)
@@ -174,16 +171,14 @@ def test_vllm_tensor_parallel_greedy_equals_plain_tp2(tp_selection, tp2_plain, m
     from vllm import LLM
 
     from vegas import DEFAULT_MODEL
-    from vegas.vllm_plugin import get_stats
 
     prompts, sp, plain = tp2_plain
     config = VegasConfig(min_kv_budget=64, vllm={"tp_selection": tp_selection})
-    monkeypatch.setenv("VEGAS_VLLM_CONFIG", settings_json("collect2", config))
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
-    llm = LLM(**vllm_engine_kwargs(str(DEFAULT_MODEL), num_draft_tokens=4, **TP2))
+    llm = LLM(**vllm_engine_kwargs(str(DEFAULT_MODEL), num_draft_tokens=4, settings=settings_json("collect2", config), **TP2))
     try:
         vegas = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-        stats = llm.collective_rpc(get_stats)
+        stats = llm.collective_rpc("vegas_stats")
     finally:
         llm.llm_engine.engine_core.shutdown()
     assert len(stats) == 2 and stats[0]["acceptance_length"] > 1.0
@@ -248,8 +243,9 @@ def test_soft_capped_model_scores_capped_logits_and_equals_plain(tmp_path_factor
     kw = dict(TP1, skip_tokenizer_init=True)
     register()
     plain, _ = _generate(vllm_engine_kwargs(str(path), **kw), prompts, sp)
-    monkeypatch.setenv("VEGAS_VLLM_CONFIG", settings_json("collect2", VegasConfig(min_kv_budget=64)))
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
-    vegas, stats = _generate(vllm_engine_kwargs(str(path), num_draft_tokens=4, **kw), prompts, sp)
+    vegas, stats = _generate(vllm_engine_kwargs(str(path), num_draft_tokens=4,
+                                                settings=settings_json("collect2", VegasConfig(min_kv_budget=64)), **kw),
+                             prompts, sp)
     assert stats["logits_soft_cap"] == 2.0 and stats["iterations"] > 0
     _assert_equal_up_to_ties(plain, vegas)

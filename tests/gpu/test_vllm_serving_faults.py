@@ -119,21 +119,22 @@ def _run(method: str, scenario: str, prompts) -> dict:
     from vllm import LLM, SamplingParams
 
     from vegas import DEFAULT_MODEL
-    from vegas.vllm_plugin import get_stats, register
+    from vegas.vllm_plugin import register
 
     kw = dict(ENGINE, enable_prefix_caching=scenario == "prefix_cache")
     if scenario == "preemption":
         kw["num_gpu_blocks_override"] = preempting_pool_blocks(CONTEXT, NEW_TOKENS, GAMMA)
-    saved = {k: os.environ.get(k) for k in ("VEGAS_VLLM_CONFIG", "VLLM_USE_V2_MODEL_RUNNER")}
+    saved = {k: os.environ.get(k) for k in ("VLLM_USE_V2_MODEL_RUNNER",)}
+    settings = None
     if method != "plain":
         register()
-        os.environ["VEGAS_VLLM_CONFIG"] = settings_json(method, VegasConfig(min_kv_budget=64))
+        settings = settings_json(method, VegasConfig(min_kv_budget=64))
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2, detokenize=False)
     requests = [{"prompt_token_ids": p} for p in prompts]
     try:
         llm = LLM(**vllm_engine_kwargs(
-            str(DEFAULT_MODEL), num_draft_tokens=None if method == "plain" else GAMMA, **kw
+            str(DEFAULT_MODEL), num_draft_tokens=None if method == "plain" else GAMMA, settings=settings, **kw
         ))
         try:
             if scenario == "prefix_cache":
@@ -144,7 +145,7 @@ def _run(method: str, scenario: str, prompts) -> dict:
             outputs = llm.generate(requests, sp, use_tqdm=False)
             hits1 = _counter(llm, "vllm:prefix_cache_hits")
             preempt1 = _counter(llm, "vllm:num_preemptions")
-            stats = llm.collective_rpc(get_stats, args=(True,))[0] if method != "plain" else None
+            stats = llm.collective_rpc("vegas_stats", args=(True,))[0] if method != "plain" else None
         finally:
             llm.llm_engine.engine_core.shutdown()
     finally:
@@ -177,7 +178,6 @@ def _divergences(base, run) -> list[tuple[int, int, float | None, float | None]]
 @pytest.fixture(scope="module")
 def results():
     pytest.importorskip("vllm")
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     prompts = _prompts()

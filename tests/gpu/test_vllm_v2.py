@@ -28,16 +28,14 @@ def _vegas_v2(monkeypatch, selector: str, prompts, sp):
 
     from vegas import DEFAULT_MODEL
     from vegas.vllm_plugin import register
-    from vegas.vllm_plugin import get_stats as get_v2_stats
 
     register()
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    monkeypatch.setenv("VEGAS_VLLM_CONFIG", settings_json(selector, VegasConfig(min_kv_budget=64)))
-    llm = LLM(**vllm_engine_kwargs(str(DEFAULT_MODEL), num_draft_tokens=4, **TP1))
+    llm = LLM(**vllm_engine_kwargs(str(DEFAULT_MODEL), num_draft_tokens=4, settings=settings_json(selector, VegasConfig(min_kv_budget=64)), **TP1))
     try:
         assert llm.llm_engine.vllm_config.use_v2_model_runner
         out = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-        stats = llm.collective_rpc(get_v2_stats)[0]
+        stats = llm.collective_rpc("vegas_stats")[0]
     finally:
         llm.llm_engine.engine_core.shutdown()
     return out, stats

@@ -12,18 +12,24 @@ One engine is alive at a time (plain, or Vegas with a given γ and selector conf
 registered selector runs: a built-in through its fast path (:mod:`vegas.vllm_plugin.selectors`),
 whose verification runs in vLLM's full CUDA graphs with the selection captured into them, so a
 new selector or budget rebuilds the engine; with ``VegasConfig.vllm.verify_cuda_graphs =
-"piecewise"`` the engine is kept and switched through ``collective_rpc`` (verification attention
+"piecewise"`` the engine is kept and switched through ``collective_rpc("vegas_configure")``
+(:class:`vegas.vllm_plugin.VegasWorkerExtension`; no function is pickled, so vLLM's
+insecure-serialization switch is never touched, see ``docs/vllm.md``) (verification attention
 then runs eagerly). Any other selector runs on the generic path, under piecewise graphs. The
-:class:`~vegas.pipeline.Pipeline`'s selector object is handed to the engine when its core runs
-in this process; a selector that is not built in makes a one-GPU engine run its core in this
-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so that a selector registered by hand is found.
+selector and its config reach the engine as ``additional_config["vegas"]`` only
+(:mod:`vegas.vllm_plugin.settings`), γ as ``speculative_config``'s ``num_speculative_tokens``. A
+selector that is not built in makes a one-GPU engine run its core in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0`` while the engine is built), so that the worker's registry
+is this process's and a selector registered by hand is found there by name.
 
 Models with sliding-window layers (Gemma 2/3, Mistral-style ``sliding_window``, Qwen2 with
 ``use_sliding_window``) are refused by name before a Vegas engine is built
 (:func:`raise_if_sliding_window`); the HF backend supports them.
 
-Quest's pages are vLLM's 16-slot KV blocks (their key bounds take ``1/16`` of the key cache per
-bound, outside vLLM's memory profile, see :mod:`vegas.vllm_plugin.quest`). Not here:
+Quest's pages are vLLM's KV blocks (``page_size`` must be the engine's ``block_size``, which
+vLLM picks with the attention backend unless ``engine_args`` sets it: checked here when set,
+else by the proposer at engine start; their key bounds take ``1/block_size`` of the key cache per bound, outside vLLM's memory
+profile, see :mod:`vegas.vllm_plugin.selectors.quest`). Not here:
 ``granularity="kv_head"``, ``score_mode="weight"`` (the kernel sums logits) and query-aware
 selectors without a fast path (:func:`vegas.vllm_plugin.settings.raise_if_unsupported`).
 
@@ -35,6 +41,7 @@ built. Engine options: the backend's ``engine_args`` (a dict passed to ``LLM``, 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from contextlib import contextmanager
@@ -87,8 +94,8 @@ def verify_cuda_graphs(selector: Selector, config: VegasConfig) -> str:
 @contextmanager
 def _engine_core_in_process(selector: Selector | None):
     """Run a new engine's core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) while the
-    block runs, for a selector that is not built in: the worker then finds it in this process's
-    registry (a selector registered by hand included) and uses the handed-over object."""
+    block runs, for a selector that is not built in: the worker then finds it by name in this
+    process's registry (a selector registered by hand included)."""
     if selector is None or is_builtin(owner("selectors", selector.name)):
         yield
         return
@@ -189,6 +196,31 @@ def _raise_if_unavailable() -> None:
         raise VegasConfigError("backend 'vllm' needs a CUDA GPU and none is visible; use backend='hf'")
 
 
+def _raise_if_foreign_extension(qualname: str | None) -> None:
+    """Refuse a ``worker_extension_cls`` engine argument that is not
+    :class:`vegas.vllm_plugin.VegasWorkerExtension` or a subclass of it.
+
+    Raises:
+        VegasConfigError: naming the class and how to fix it.
+    """
+    from ..vllm_plugin import WORKER_EXTENSION, VegasWorkerExtension
+
+    if not qualname or qualname == WORKER_EXTENSION:
+        return
+    import importlib
+
+    module, _, name = str(qualname).rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise VegasConfigError(f"engine_args worker_extension_cls={qualname!r} cannot be imported: {e}") from e
+    if not (isinstance(cls, type) and issubclass(cls, VegasWorkerExtension)):
+        raise VegasConfigError(
+            f"engine_args worker_extension_cls={qualname!r}: the vllm backend reads its statistics "
+            f"through {WORKER_EXTENSION}; make your class a subclass of it"
+        )
+
+
 def vllm_engine_kwargs(
     model: str,
     *,
@@ -196,14 +228,21 @@ def vllm_engine_kwargs(
     num_draft_tokens: int | None = None,
     trust_remote_code: bool = False,
     verify_cuda_graphs: str = "full",
+    settings: str | None = None,
     **overrides: Any,
 ) -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM`` for plain decoding (``num_draft_tokens=None``) or for
     Vegas with γ = ``num_draft_tokens``: what a vLLM user passes to switch Vegas on. The one
-    place engine arguments are made (the backend and ``scripts/vllm_bench.py`` use it).
+    place engine arguments are made (the backend and ``scripts/vllm_bench.py`` use it). With
+    Vegas, ``worker_extension_cls`` is :data:`vegas.vllm_plugin.WORKER_EXTENSION`, whose
+    methods the backend calls by name (``collective_rpc("vegas_stats")``): no function is
+    pickled, so vLLM's insecure-serialization switch stays as the user set it (``docs/vllm.md``).
 
     Args:
         verify_cuda_graphs: ``"piecewise"`` asks for piecewise CUDA graphs (Vegas only).
+        settings: (Vegas only) the settings JSON (:func:`vegas.vllm_plugin.settings.settings_json`),
+            passed as ``additional_config["vegas"]``, the one channel to vLLM's workers; None:
+            the proposer's defaults (collect2).
         **overrides: further ``LLM`` arguments; they win, except ``compilation_config``, which
             is merged key by key into the one made here.
     """
@@ -216,8 +255,10 @@ def vllm_engine_kwargs(
         disable_log_stats=False,
     )
     if num_draft_tokens is not None:
-        from ..vllm_plugin import CLASS_PATH
+        from ..vllm_plugin import CLASS_PATH, WORKER_EXTENSION
 
+        _raise_if_foreign_extension(overrides.get("worker_extension_cls"))
+        kw["worker_extension_cls"] = WORKER_EXTENSION  # collective_rpc("vegas_stats"), no pickling
         kw["speculative_config"] = {
             "method": "custom_class",
             "model": CLASS_PATH,
@@ -225,6 +266,9 @@ def vllm_engine_kwargs(
         }
         if verify_cuda_graphs == "piecewise":
             kw["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}
+        if settings is not None:
+            key = vegas_settings.ADDITIONAL_CONFIG_KEY
+            kw["additional_config"] = {**overrides.pop("additional_config", {}), key: json.loads(settings)}
     compilation = {**kw.get("compilation_config", {}), **overrides.pop("compilation_config", {})}
     kw.update(overrides)
     if compilation:
@@ -298,11 +342,10 @@ class VLLMBackend(Backend):
         if self._llm is not None and self._key == key:
             return self._llm
         self.close()
-        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(fn)
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-        verify = "full"
+        verify, settings = "full", None
         if selector is not None:
-            os.environ[vegas_settings.ENV_VAR] = vegas_settings.settings_json(selector.name, config)
+            settings = vegas_settings.settings_json(selector.name, config)
             verify = verify_cuda_graphs(selector, config)
         from vllm import LLM
 
@@ -318,6 +361,7 @@ class VLLMBackend(Backend):
             num_draft_tokens=config.num_draft_tokens if selector is not None else None,
             trust_remote_code=self.trust_remote_code,
             verify_cuda_graphs=verify,
+            settings=settings,
             **overrides,
         )
         with _engine_core_in_process(selector):
@@ -388,13 +432,11 @@ class VLLMBackend(Backend):
         """
         selector = as_selector(selector, config)
         if selector is not None:
-            vegas_settings.raise_if_unsupported(selector, config)
+            vegas_settings.raise_if_unsupported(selector, config, self.engine_args.get("block_size"))
             if not self._checked_model:
                 raise_if_sliding_window(self.model)
                 self._checked_model = True
         from vllm import SamplingParams as VllmSamplingParams
-
-        from ..vllm_plugin import configure, get_stats
 
         settings = None
         if selector is None:
@@ -406,13 +448,9 @@ class VLLMBackend(Backend):
                 key = ("vegas", config.num_draft_tokens, settings, in_process)
             else:
                 key = ("vegas", config.num_draft_tokens, "piecewise", in_process)
-            vegas_settings.hand_over(selector)  # used where the engine core runs in this process
-        try:
-            llm = self._engine(key, selector, config)
-            if settings is not None:
-                llm.collective_rpc(configure, args=(settings, True))
-        finally:
-            vegas_settings.hand_over(None)
+        llm = self._engine(key, selector, config)
+        if settings is not None:
+            llm.collective_rpc("vegas_configure", args=(settings, True))
         sp = VllmSamplingParams(
             temperature=sampling.temperature,
             top_p=sampling.top_p,
@@ -422,7 +460,7 @@ class VLLMBackend(Backend):
         per_req: dict[str, list[int]] = {}
         batch: dict[str, Any] = {}
         if selector is not None:
-            batch = llm.collective_rpc(get_stats, args=(True,))[0]
+            batch = llm.collective_rpc("vegas_stats", args=(True,))[0]
             for rid, counts in batch.get("requests", {}).items():
                 per_req[rid.rsplit("-", 1)[0]] = counts
         results = []

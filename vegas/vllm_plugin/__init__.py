@@ -14,13 +14,12 @@ Switch it on in any vLLM program, no code changes beyond the engine arguments::
 or ``vllm serve MODEL --attention-backend FLASH_ATTN --speculative-config '{"method":
 "custom_class", "model": "vegas.vllm_plugin.proposer.VegasProposer", "num_speculative_tokens": 4}'``.
 ``vegas serve MODEL --selector collect2 -g 4`` builds that command (:mod:`vegas.serve`). The
-settings are one JSON object, in ``additional_config["vegas"]`` (``vllm serve --additional-config
-'{"vegas": {...}}'``, ``LLM(additional_config=...)``) or else in ``VEGAS_VLLM_CONFIG``
-(:func:`vegas.vllm_plugin.settings.read_settings`): the selector name plus any fields of
-:class:`vegas.config.VegasConfig`, the vLLM-only ones nested under ``"vllm"``
-(:class:`vegas.config.VllmOptions`), e.g.
-``VEGAS_VLLM_CONFIG='{"selector": "collect2", "sparsity_ratio": 0.05, "vllm": {"verify_cuda_graphs": "piecewise"}}'``
-(γ is ``num_speculative_tokens``). Any registered selector runs (:mod:`vegas.plugins`; install
+settings are one JSON object, in ``additional_config["vegas"]`` only (``vllm serve --additional-config
+'{"vegas": {...}}'``, ``LLM(additional_config=...)``; :func:`vegas.vllm_plugin.settings.read_settings`):
+the selector name plus any fields of :class:`vegas.config.VegasConfig` but ``num_draft_tokens``,
+the vLLM-only ones nested under ``"vllm"`` (:class:`vegas.config.VllmOptions`), e.g.
+``--additional-config '{"vegas": {"selector": "collect2", "sparsity_ratio": 0.05, "vllm": {"verify_cuda_graphs": "piecewise"}}}'``
+(γ is ``speculative_config``'s ``num_speculative_tokens``, nowhere else). Any registered selector runs (:mod:`vegas.plugins`; install
 a third-party one so that vLLM's processes find its entry point): the built-ins through fused
 fast paths (:mod:`vegas.vllm_plugin.selectors`), every other one through the generic path
 (:mod:`vegas.vllm_plugin.selectors.generic`), which calls its ``select`` at every verification
@@ -59,25 +58,38 @@ at the next verification; ``observe`` and ``keep_rows`` are not called on vLLM.
 The proposer installs what it needs in the worker process that builds it (single-GPU engines:
 the scheduler lives in that process too). For multi-process workers, installing vegas also
 registers :func:`register` as a ``vllm.general_plugins`` entry point, which vLLM runs in every
-process before the engine exists. Every patch of vLLM is in :mod:`vegas.vllm_plugin.patches`.
+process before the engine exists. Every patch of vLLM is one entry of the table
+:data:`vegas.vllm_plugin.patches.PATCHES` (what it replaces, the parameters it expects, why),
+checked by :func:`register`: another vLLM than 0.24.0, or a changed function, is refused there.
 
 Nothing here imports vLLM at module import time.
 """
 
 from __future__ import annotations
 
-__all__ = ["CLASS_PATH", "configure", "get_stats", "register"]
+__all__ = ["CLASS_PATH", "WORKER_EXTENSION", "VegasWorkerExtension", "configure", "get_stats", "register"]
 
 CLASS_PATH = "vegas.vllm_plugin.proposer.VegasProposer"
+#: vLLM's ``worker_extension_cls`` engine argument that gives every worker the methods
+#: ``vegas_configure`` and ``vegas_stats`` (for ``LLM.collective_rpc("vegas_stats")``)
+WORKER_EXTENSION = "vegas.vllm_plugin.VegasWorkerExtension"
 
 
 def register() -> None:
-    """``vllm.general_plugins`` entry point: install the attention override, the scheduler's
-    lookahead allocation, the config check that keeps async scheduling on for the Vegas
-    proposer and the opt-in V2 model-runner patches (:func:`~vegas.vllm_plugin.patches.patch_v2_runner`). Safe to call many times, and a no-op for engines that do not use the Vegas
-    proposer (the override only acts when it is enabled)."""
+    """``vllm.general_plugins`` entry point: check the installed vLLM against the patch table
+    (:func:`~vegas.vllm_plugin.patches.check_vllm`), then install the attention override, the
+    scheduler's lookahead allocation, the config check that keeps async scheduling on for the
+    Vegas proposer and the V2 model-runner patches
+    (:func:`~vegas.vllm_plugin.patches.patch_v2_runner`). Safe to call many times, and a no-op
+    for engines that do not use the Vegas proposer (the override only acts when it is enabled).
+
+    Raises:
+        VllmVersionError: vLLM is not the supported version, or a function Vegas replaces
+            changed (the message names it and the supported version).
+    """
     from . import patches
 
+    patches.check_vllm()
     patches.patch_attention()
     patches.patch_scheduler_lookahead()
     patches.patch_config_check()
@@ -92,6 +104,27 @@ def _build_v2_speculator(vllm_config, device):
     return VegasSpeculator(vllm_config, device)
 
 
+class VegasWorkerExtension:
+    """Methods vLLM mixes into each worker when the engine is built with
+    ``worker_extension_cls=WORKER_EXTENSION`` (vLLM's ``WorkerWrapperBase.init_worker``), so
+    the engine's owner reaches the drafter by name: ``llm.collective_rpc("vegas_stats")``.
+
+    A method called by name travels as a string in vLLM's msgpack messages; a function
+    (``llm.collective_rpc(get_stats)``) travels pickled, which vLLM allows only with
+    its insecure-serialization switch on when the engine core runs in another process
+    (``docs/vllm.md``, "Reaching the workers").
+    Vegas never sets that variable; use these methods instead.
+    """
+
+    def vegas_configure(self, settings: str | None = None, reset_stats: bool = True) -> str:
+        """:func:`configure` on this worker; returns the settings JSON in force."""
+        return configure(self, settings, reset_stats)
+
+    def vegas_stats(self, per_request: bool = False) -> dict:
+        """:func:`get_stats` on this worker: a dict of numbers (and ``"requests"``)."""
+        return get_stats(self, per_request)
+
+
 def _drafter(worker):
     """The Vegas drafter of a worker: the V1 proposer (``runner.drafter``) or the V2
     speculator (``runner.speculator``)."""
@@ -100,7 +133,8 @@ def _drafter(worker):
 
 
 def configure(worker, settings: str | None = None, reset_stats: bool = True) -> str:
-    """``LLM.collective_rpc(configure, args=(json,))``: change the selector or its config at
+    """``LLM.collective_rpc("vegas_configure", args=(json,))`` (:class:`VegasWorkerExtension`;
+    ``worker`` is vLLM's worker): change the selector or its config at
     run time (``json``: see :func:`vegas.vllm_plugin.settings.parse_settings`). A new selector
     object is built at every call with settings (so per-request state starts afresh).
 
@@ -116,7 +150,7 @@ def configure(worker, settings: str | None = None, reset_stats: bool = True) -> 
 
     if settings:
         name, config = parse_settings(settings, source="configure()")
-        selector = build_selector(name, config, STATE.gamma)
+        selector = build_selector(name, config, STATE.gamma, STATE.block_size or None)
         new = settings_json(name, selector.config)
         if STATE.frozen and new != STATE.settings:
             raise VegasConfigError(
@@ -134,7 +168,7 @@ def configure(worker, settings: str | None = None, reset_stats: bool = True) -> 
 
 
 def get_stats(worker, per_request: bool = False) -> dict:
-    """``LLM.collective_rpc(get_stats)``: the proposer's counters (see
+    """``LLM.collective_rpc("vegas_stats")`` (:class:`VegasWorkerExtension`): the proposer's counters (see
     :class:`~vegas.vllm_plugin.stats.ProposerStats`); with ``per_request``, also
     ``{"requests": {request_id: [iterations, drafted, accepted]}}`` (V1 runner only). On the
     V2 runner: :meth:`~vegas.vllm_plugin.v2_speculator.VegasSpeculator.stats`."""

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .quest import QuestDraft, fill_draft_table
+from .selectors.quest import QuestDraft, fill_draft_table
 
 __all__ = ["DraftMetadata", "draft_attention", "layer_index", "page_views"]
 
@@ -43,7 +43,7 @@ class DraftMetadata:
         max_seq_len: host bound of ``seqused_k`` (the table width).
         num_actual_tokens: requests in the step (tokens beyond are padding).
         quest: Quest only: chooses this step's pages from its query and writes them into
-            ``block_table`` before the attention (see :mod:`vegas.vllm_plugin.quest`).
+            ``block_table`` before the attention (see :mod:`vegas.vllm_plugin.selectors.quest`).
         quest_row: the layer's row in the Quest page bounds.
     """
 

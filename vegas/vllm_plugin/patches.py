@@ -1,19 +1,13 @@
-"""Every monkey-patch Vegas applies to vLLM, written against vLLM 0.24.0.
+"""Every monkey-patch Vegas applies to vLLM, as one table: :data:`PATCHES`.
 
-Each ``patch_*`` function names the vLLM function it replaces; each is idempotent (the
-replacement carries ``_vegas = True``) and leaves engines without the Vegas proposer as they
-were. Nothing here imports vLLM at module import time.
-
-- :func:`patch_attention`: ``FlashAttentionImpl.forward`` (draft calls and the selection hook);
-- :func:`patch_scheduler_lookahead`: ``Scheduler.__init__`` (KV slots for γ lookahead tokens);
-- :func:`patch_draft_probs_gather`: ``GPUModelRunner._get_spec_decode_draft_probs``;
-- :func:`patch_config_check`: ``VllmConfig.__post_init__`` (async scheduling stays on);
-- :func:`patch_bookkeeping`: ``GPUModelRunner._bookkeeping_sync`` (publish before bookkeeping);
-- :func:`patch_draft_graph_capture`: ``GPUModelRunner.capture_model`` (draft graphs at engine start);
-- :func:`time_runner_forward`: one runner's ``_model_forward`` (CUDA events around it);
-- :func:`patch_v2_runner`: ``VllmConfig._get_v2_model_runner_unsupported_features`` and
-  ``vllm.v1.worker.gpu.spec_decode.init_speculator`` (the Vegas speculator on the V2 model
-  runner, :mod:`vegas.vllm_plugin.v2_speculator`).
+Each :class:`Patch` names the vLLM object it replaces, the parameters that object has in the one
+supported release (:data:`VLLM_VERSION`) and why vLLM offers no other way. :func:`check_vllm`
+checks the whole table once, at plugin registration (:func:`vegas.vllm_plugin.register`, vLLM's
+``vllm.general_plugins`` entry point) and again when a Vegas drafter starts: another vLLM
+version, or a replaced object that is missing or takes other parameters, is refused with a
+:class:`VllmVersionError` naming it. Every ``patch_*`` function installs its entry through
+:func:`_install` (idempotent: the replacement carries ``_vegas = True``) and leaves engines
+without the Vegas proposer as they were. Nothing here imports vLLM at module import time.
 
 Which runner serves a Vegas engine (:func:`v2_opted_in`):
 
@@ -28,24 +22,33 @@ Which runner serves a Vegas engine (:func:`v2_opted_in`):
 
 from __future__ import annotations
 
+import ast
+import importlib
+import importlib.util
 import inspect
 import logging
 import os
+import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from .async_sched import is_vegas_proposer, wants_async
 
 __all__ = [
+    "PATCHES",
+    "Patch",
     "V2_ENV",
     "VLLM_VERSION",
     "VllmVersionError",
+    "check_vllm",
     "patch_attention",
     "patch_bookkeeping",
     "patch_config_check",
     "patch_draft_graph_capture",
     "patch_draft_probs_gather",
+    "patch_runner_binding",
     "patch_scheduler_lookahead",
     "patch_v2_init_speculator",
     "patch_v2_runner",
@@ -57,8 +60,188 @@ __all__ = [
 
 logger = logging.getLogger("vegas.vllm")
 
-#: the vLLM release these patches were written against
+#: the one vLLM release Vegas supports (every entry of :data:`PATCHES` is written against it)
 VLLM_VERSION = "0.24.0"
+
+
+class VllmVersionError(RuntimeError):
+    """The installed vLLM is not :data:`VLLM_VERSION`, or a function Vegas replaces changed."""
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One vLLM object Vegas replaces.
+
+    Attributes:
+        target: ``"module:Qualified.name"`` of the replaced function.
+        params: its parameter names in vLLM :data:`VLLM_VERSION` (``inspect.signature``).
+        why: what the replacement does and why vLLM offers no other way.
+        imported_by: a vLLM module that imports ``target`` by name and must still do so (the
+            patch then sets that module's name too), or ``""``.
+    """
+
+    target: str
+    params: tuple[str, ...]
+    why: str
+    imported_by: str = ""
+
+
+_RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+
+#: every vLLM object Vegas replaces, checked once by :func:`check_vllm` at plugin registration
+PATCHES: tuple[Patch, ...] = (
+    Patch("vllm.v1.attention.backends.flash_attn:FlashAttentionImpl.forward",
+          ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output", "output_scale",
+           "output_block_scale"),
+          "draft calls attend over the page-size-1 view; verification calls collect the selection scores "
+          "(patch_attention). vLLM has no attention hook."),
+    Patch("vllm.v1.core.sched.scheduler:Scheduler.__init__",
+          ("self", "vllm_config", "kv_cache_config", "structured_output_manager", "block_size", "hash_block_size",
+           "mm_registry", "include_finished_set", "log_stats"),
+          "KV slots for γ lookahead tokens, as vLLM allocates for EAGLE only (patch_scheduler_lookahead)"),
+    Patch("vllm.config.vllm:VllmConfig.__post_init__", ("self",),
+          "keep async scheduling on for the Vegas proposer; vLLM turns it off for custom_class (patch_config_check)"),
+    Patch(f"{_RUNNER}._get_spec_decode_draft_probs", ("self", "spec_decode_metadata"),
+          "one view instead of vLLM's per-request gather of draft probabilities (patch_draft_probs_gather)"),
+    Patch(f"{_RUNNER}._bookkeeping_sync",
+          ("self", "scheduler_output", "sampler_output", "logits", "hidden_states", "num_scheduled_tokens"),
+          "async scheduling: publish the sampled tokens before bookkeeping, where vLLM does for EAGLE "
+          "(patch_bookkeeping)"),
+    Patch(f"{_RUNNER}.capture_model", ("self",),
+          "capture the draft graphs right after vLLM's graphs, at engine start (patch_draft_graph_capture)"),
+    Patch(f"{_RUNNER}.load_model", ("self", "load_dummy_weights"),
+          "hand the runner to the proposer before it loads the model: vLLM builds a custom_class proposer "
+          "with vllm_config only and calls its load_model with the model only (patch_runner_binding)"),
+    Patch(f"{_RUNNER}._model_forward",
+          ("self", "input_ids", "positions", "intermediate_tensors", "inputs_embeds", "model_kwargs"),
+          "CUDA events around one runner's forward, for the proposer's timings (time_runner_forward, per instance)"),
+    Patch("vllm.config.vllm:VllmConfig._get_v2_model_runner_unsupported_features", ("self",),
+          "let the Vegas proposer onto the V2 model runner, which vLLM refuses for custom_class "
+          "(patch_v2_unsupported_check)"),
+    Patch("vllm.v1.worker.gpu.spec_decode:init_speculator", ("vllm_config", "device"),
+          "build the Vegas speculator on the V2 runner: vLLM's function is a fixed if-chain without a registry "
+          "(patch_v2_init_speculator)",
+          imported_by="vllm.v1.worker.gpu.model_runner"),
+)
+
+_BY_TARGET = {p.target: p for p in PATCHES}
+
+
+def _resolve(target: str):
+    """``(owner, attribute name, object)`` of ``"module:Qualified.name"``.
+
+    Raises:
+        VllmVersionError: the module or an attribute on the way is missing.
+    """
+    module, _, qualname = target.partition(":")
+    try:
+        owner = importlib.import_module(module)
+        *path, attr = qualname.split(".")
+        for name in path:
+            owner = getattr(owner, name)
+        return owner, attr, getattr(owner, attr)
+    except (ImportError, AttributeError) as e:
+        raise VllmVersionError(
+            f"vegas: {target} is missing ({e}); Vegas supports vLLM {VLLM_VERSION} only"
+        ) from e
+
+
+def _params(target: str) -> tuple[str, ...]:
+    """The parameter names of ``target``: of the live object when its module is imported (our
+    own wrapper: of what it wraps), else read from the module's source with :mod:`ast`, so that
+    the check imports nothing heavy (vLLM's model runners) into vLLM's API-server process.
+
+    Raises:
+        VllmVersionError: the module, class or function is missing, or not callable.
+    """
+    module, _, qualname = target.partition(":")
+    if module in sys.modules:
+        _, _, func = _resolve(target)
+        if not callable(func):
+            raise VllmVersionError(f"vegas: {target} is not callable; Vegas supports vLLM {VLLM_VERSION} only")
+        func = getattr(func, "_vegas_original", func)
+        return tuple(inspect.signature(func).parameters)
+    try:
+        spec = importlib.util.find_spec(module)
+        with open(spec.origin, encoding="utf-8") as f:  # type: ignore[union-attr]
+            tree = ast.parse(f.read())
+    except (ImportError, ValueError, AttributeError, TypeError, OSError, SyntaxError):
+        _resolve(target)  # no readable source: import the module (raises when missing), read the object
+        return _params(target)
+    node: ast.AST | None = tree
+    for name in qualname.split("."):
+        body = getattr(node, "body", [])
+        node = next((n for n in body if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                     and n.name == name), None)
+        if node is None:
+            raise VllmVersionError(f"vegas: {target} is missing; Vegas supports vLLM {VLLM_VERSION} only")
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        raise VllmVersionError(f"vegas: {target} is not a function; Vegas supports vLLM {VLLM_VERSION} only")
+    a = node.args
+    names = [x.arg for x in a.posonlyargs + a.args]
+    names += [a.vararg.arg] if a.vararg else []
+    names += [x.arg for x in a.kwonlyargs] + ([a.kwarg.arg] if a.kwarg else [])
+    return tuple(names)
+
+
+def check_vllm() -> None:
+    """Refuse a vLLM that is not :data:`VLLM_VERSION`, or one where an entry of :data:`PATCHES`
+    is missing, takes other parameters, or is no longer imported by name where it was. Called
+    by :func:`vegas.vllm_plugin.register` (vLLM's ``vllm.general_plugins`` entry point) and when
+    a Vegas drafter starts.
+
+    Raises:
+        VllmVersionError: naming the vLLM version found or the function and its parameters,
+            and the supported version.
+    """
+    import vllm
+
+    found = str(getattr(vllm, "__version__", "?"))
+    if found.split("+")[0] != VLLM_VERSION:
+        raise VllmVersionError(
+            f"vegas supports vLLM {VLLM_VERSION} only, found {found}: pip install vllm=={VLLM_VERSION} "
+            "(or keep vegas out of this vLLM: VLLM_PLUGINS set to a list without 'vegas')"
+        )
+    for patch in PATCHES:
+        params = _params(patch.target)
+        if params != patch.params:
+            raise VllmVersionError(
+                f"vegas: {patch.target} has parameters {params}, expected {patch.params} as in vLLM "
+                f"{VLLM_VERSION}; Vegas supports vLLM {VLLM_VERSION} only"
+            )
+        if patch.imported_by and not _imports_by_name(patch.imported_by, patch.target):
+            raise VllmVersionError(
+                f"vegas: {patch.imported_by} no longer imports {patch.target} by name (as vLLM {VLLM_VERSION} "
+                f"did); Vegas supports vLLM {VLLM_VERSION} only"
+            )
+
+
+def _imports_by_name(module: str, target: str) -> bool:
+    """Whether ``module``'s source has ``from <target module> import <name>`` (True when the
+    source cannot be read: the signature check stands alone then). Reads the file, does not
+    import the module (vLLM's V2 runner module is heavy)."""
+    source_module, _, name = target.partition(":")
+    try:
+        spec = importlib.util.find_spec(module)
+        with open(spec.origin, encoding="utf-8") as f:  # type: ignore[union-attr]
+            src = f.read()
+    except (ImportError, ValueError, AttributeError, TypeError, OSError):
+        return True
+    return f"from {source_module} import {name}" in src
+
+
+def _install(target: str, make: Callable[[Callable], Callable]) -> Callable:
+    """Replace the :data:`PATCHES` entry ``target`` by ``make(original)``, once (the
+    replacement carries ``_vegas = True`` and ``_vegas_original``); returns what is in force."""
+    assert target in _BY_TARGET, f"{target} is not in PATCHES"  # every replacement is in the table
+    owner, attr, original = _resolve(target)
+    if getattr(original, "_vegas", False):
+        return original
+    new = make(original)
+    new._vegas = True  # type: ignore[attr-defined]
+    new._vegas_original = original  # type: ignore[attr-defined]
+    setattr(owner, attr, new)
+    return new
 
 
 def patch_attention() -> None:
@@ -71,69 +254,50 @@ def patch_attention() -> None:
     :meth:`~vegas.vllm_plugin.state.SelectionState.verify_layer` ran the layer through FA3 with
     the score output (the optional ``_vegas_fa3_C`` extension, :mod:`vegas.vllm_plugin.fa3_verify`).
     """
-    from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
-
     from .attention import DraftMetadata, draft_attention, layer_index
     from .state import STATE
 
-    original = FlashAttentionImpl.forward
-    if getattr(original, "_vegas", False):
-        return
-
-    def forward(
-        self,
-        layer,
-        query,
-        key,
-        value,
-        kv_cache,
-        attn_metadata,
-        output,
-        output_scale=None,
-        output_block_scale=None,
-    ):
-        if isinstance(attn_metadata, dict):  # pragma: no cover - defensive
-            attn_metadata = attn_metadata.get(layer.layer_name)
-        if isinstance(attn_metadata, DraftMetadata):
-            return draft_attention(self, layer, query, kv_cache, attn_metadata, output)
-        if (
-            STATE.enabled
-            and attn_metadata is not None
-            and kv_cache.numel() > 0
-            and STATE.verify_layer(self, layer_index(layer.layer_name), query, kv_cache, attn_metadata, output)
-        ):
-            return output  # FA3 with the score output ran instead (vegas.vllm_plugin.fa3_verify)
-        out = original(
-            self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
-        )
-        if STATE.enabled and attn_metadata is not None and kv_cache.numel() > 0:
-            STATE.on_layer(
-                layer_index(layer.layer_name), query, kv_cache, attn_metadata, self.scale, self.logits_soft_cap
+    def make(original):
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                    output_block_scale=None):
+            if isinstance(attn_metadata, dict):  # pragma: no cover - defensive
+                attn_metadata = attn_metadata.get(layer.layer_name)
+            if isinstance(attn_metadata, DraftMetadata):
+                return draft_attention(self, layer, query, kv_cache, attn_metadata, output)
+            if (
+                STATE.enabled
+                and attn_metadata is not None
+                and kv_cache.numel() > 0
+                and STATE.verify_layer(self, layer_index(layer.layer_name), query, kv_cache, attn_metadata, output)
+            ):
+                return output  # FA3 with the score output ran instead (vegas.vllm_plugin.fa3_verify)
+            out = original(
+                self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
             )
-        return out
+            if STATE.enabled and attn_metadata is not None and kv_cache.numel() > 0:
+                STATE.on_layer(
+                    layer_index(layer.layer_name), query, kv_cache, attn_metadata, self.scale, self.logits_soft_cap
+                )
+            return out
 
-    forward._vegas = True  # type: ignore[attr-defined]
-    FlashAttentionImpl.forward = forward
+        return forward
+
+    _install("vllm.v1.attention.backends.flash_attn:FlashAttentionImpl.forward", make)
 
 
 def patch_scheduler_lookahead() -> None:
     """Wrap ``vllm.v1.core.sched.scheduler.Scheduler.__init__`` (vLLM 0.24.0) so that the
     scheduler allocates KV slots for γ lookahead tokens (as for EAGLE): the draft tokens' KV
     entries land in blocks the request owns."""
-    from vllm.v1.core.sched import scheduler as sched_mod
+    def make(original):
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            if is_vegas_proposer(self.vllm_config.speculative_config):
+                self.num_lookahead_tokens = max(self.num_lookahead_tokens, self.num_spec_tokens)
 
-    cls = sched_mod.Scheduler
-    if getattr(cls.__init__, "_vegas", False):
-        return
-    original = cls.__init__
+        return __init__
 
-    def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        if is_vegas_proposer(self.vllm_config.speculative_config):
-            self.num_lookahead_tokens = max(self.num_lookahead_tokens, self.num_spec_tokens)
-
-    __init__._vegas = True  # type: ignore[attr-defined]
-    cls.__init__ = __init__
+    _install("vllm.v1.core.sched.scheduler:Scheduler.__init__", make)
 
 
 def stacked_draft_probs(probs, prob_req_ids, req_ids, num_draft_tokens):
@@ -167,22 +331,18 @@ def stacked_draft_probs(probs, prob_req_ids, req_ids, num_draft_tokens):
 def patch_draft_probs_gather() -> None:
     """Route ``vllm.v1.worker.gpu_model_runner.GPUModelRunner._get_spec_decode_draft_probs``
     (vLLM 0.24.0) through :func:`stacked_draft_probs` (falls back to vLLM's loop)."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    def make(original):
+        def _get_spec_decode_draft_probs(self, spec_decode_metadata):
+            probs, ids = self._draft_probs, self._draft_prob_req_ids
+            if probs is not None and ids is not None and probs.dim() == 3:
+                fast = stacked_draft_probs(probs, ids, self.input_batch.req_ids, spec_decode_metadata.num_draft_tokens)
+                if fast is not None:
+                    return fast
+            return original(self, spec_decode_metadata)
 
-    original = GPUModelRunner._get_spec_decode_draft_probs
-    if getattr(original, "_vegas", False):
-        return
+        return _get_spec_decode_draft_probs
 
-    def _get_spec_decode_draft_probs(self, spec_decode_metadata):
-        probs, ids = self._draft_probs, self._draft_prob_req_ids
-        if probs is not None and ids is not None and probs.dim() == 3:
-            fast = stacked_draft_probs(probs, ids, self.input_batch.req_ids, spec_decode_metadata.num_draft_tokens)
-            if fast is not None:
-                return fast
-        return original(self, spec_decode_metadata)
-
-    _get_spec_decode_draft_probs._vegas = True  # type: ignore[attr-defined]
-    GPUModelRunner._get_spec_decode_draft_probs = _get_spec_decode_draft_probs
+    _install(f"{_RUNNER}._get_spec_decode_draft_probs", make)
 
 
 def patch_config_check() -> None:
@@ -190,51 +350,43 @@ def patch_config_check() -> None:
     keeps async scheduling (:func:`vegas.vllm_plugin.async_sched.wants_async`); vLLM turns it
     off, or refuses it, for a ``custom_class`` proposer. Applies what vLLM applies with it (no
     cascade attention)."""
-    from vllm.config import VllmConfig
+    def make(original):
+        def __post_init__(self):
+            want = wants_async(self)
+            if want:  # vLLM would refuse (True) or switch off (None) async scheduling for custom_class
+                self.scheduler_config.async_scheduling = False
+            original(self)
+            if not want:
+                return
+            from vllm.v1.executor.abstract import Executor
 
-    original = VllmConfig.__post_init__
-    if getattr(original, "_vegas", False):
-        return
+            if not Executor.get_class(self).supports_async_scheduling():
+                logger.warning("vegas: the executor does not support async scheduling; running synchronously")
+                return
+            self.scheduler_config.async_scheduling = True
+            if self.model_config is not None:  # as vLLM does for async speculative decoding
+                self.model_config.disable_cascade_attn = True
+            logger.info("vegas: asynchronous scheduling on (async_scheduling=False switches it off)")
 
-    def __post_init__(self):
-        want = wants_async(self)
-        if want:  # vLLM would refuse (True) or switch off (None) async scheduling for custom_class
-            self.scheduler_config.async_scheduling = False
-        original(self)
-        if not want:
-            return
-        from vllm.v1.executor.abstract import Executor
+        return __post_init__
 
-        if not Executor.get_class(self).supports_async_scheduling():
-            logger.warning("vegas: the executor does not support async scheduling; running synchronously")
-            return
-        self.scheduler_config.async_scheduling = True
-        if self.model_config is not None:  # as vLLM does for async speculative decoding
-            self.model_config.disable_cascade_attn = True
-        logger.info("vegas: asynchronous scheduling on (async_scheduling=False switches it off)")
-
-    __post_init__._vegas = True  # type: ignore[attr-defined]
-    VllmConfig.__post_init__ = __post_init__
+    _install("vllm.config.vllm:VllmConfig.__post_init__", make)
 
 
 def patch_bookkeeping() -> None:
     """Wrap ``vllm.v1.worker.gpu_model_runner.GPUModelRunner._bookkeeping_sync`` (vLLM 0.24.0):
     under async scheduling, call the Vegas proposer's ``publish_sampled`` right before it (where
     vLLM's EAGLE path publishes the next tokens and valid counts in ``sample_tokens``)."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    def make(original):
+        def _bookkeeping_sync(self, scheduler_output, sampler_output, *args, **kwargs):
+            publish = getattr(getattr(self, "drafter", None), "publish_sampled", None)
+            if publish is not None and self.use_async_spec_decode:
+                publish(scheduler_output, sampler_output.sampled_token_ids)
+            return original(self, scheduler_output, sampler_output, *args, **kwargs)
 
-    original = GPUModelRunner._bookkeeping_sync
-    if getattr(original, "_vegas", False):
-        return
+        return _bookkeeping_sync
 
-    def _bookkeeping_sync(self, scheduler_output, sampler_output, *args, **kwargs):
-        publish = getattr(getattr(self, "drafter", None), "publish_sampled", None)
-        if publish is not None and self.use_async_spec_decode:
-            publish(scheduler_output, sampler_output.sampled_token_ids)
-        return original(self, scheduler_output, sampler_output, *args, **kwargs)
-
-    _bookkeeping_sync._vegas = True  # type: ignore[attr-defined]
-    GPUModelRunner._bookkeeping_sync = _bookkeeping_sync
+    _install(f"{_RUNNER}._bookkeeping_sync", make)
 
 
 def patch_draft_graph_capture() -> None:
@@ -244,26 +396,41 @@ def patch_draft_graph_capture() -> None:
     reports. Without it the V1 proposer captured them lazily, inside the first requests' steps
     (0.1-0.3 s each; three in the first serving run of
     ``benchmarks/results/vllm_h200_2026-12-01_profile/``)."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    def make(original):
+        def capture_model(self):
+            graph_bytes = original(self)
+            capture = getattr(getattr(self, "drafter", None), "capture_draft_graphs", None)
+            if capture is None:
+                return graph_bytes
+            free_before = torch.cuda.mem_get_info()[0]
+            captured = capture()
+            torch.cuda.synchronize()
+            used = max(free_before - torch.cuda.mem_get_info()[0], 0)
+            logger.info("vegas: captured %d draft graphs at engine start (%.2f GiB)", captured, used / 2**30)
+            return (graph_bytes or 0) + used
 
-    original = GPUModelRunner.capture_model
-    if getattr(original, "_vegas", False):
-        return
+        return capture_model
 
-    def capture_model(self):
-        graph_bytes = original(self)
-        capture = getattr(getattr(self, "drafter", None), "capture_draft_graphs", None)
-        if capture is None:
-            return graph_bytes
-        free_before = torch.cuda.mem_get_info()[0]
-        captured = capture()
-        torch.cuda.synchronize()
-        used = max(free_before - torch.cuda.mem_get_info()[0], 0)
-        logger.info("vegas: captured %d draft graphs at engine start (%.2f GiB)", captured, used / 2**30)
-        return (graph_bytes or 0) + used
+    _install(f"{_RUNNER}.capture_model", make)
 
-    capture_model._vegas = True  # type: ignore[attr-defined]
-    GPUModelRunner.capture_model = capture_model
+
+def patch_runner_binding() -> None:
+    """Wrap ``GPUModelRunner.load_model`` (V1 runner): before vLLM loads the model (and calls
+    ``drafter.load_model(model)``), a drafter with ``bind_runner`` (the Vegas proposer) gets the
+    runner. Why: vLLM 0.24.0 builds a ``custom_class`` proposer with ``vllm_config`` only
+    (``vllm/v1/spec_decode/custom_class_proposer.py``) and hands its ``load_model`` the model
+    only, yet the proposer drafts with the runner's block tables, input buffers and CUDA-graph
+    dispatcher."""
+    def make(original):
+        def load_model(self, *args, **kwargs):
+            bind = getattr(getattr(self, "drafter", None), "bind_runner", None)
+            if bind is not None:
+                bind(self)
+            return original(self, *args, **kwargs)
+
+        return load_model
+
+    _install(f"{_RUNNER}.load_model", make)
 
 
 def time_runner_forward(runner, on_forward: Callable[[object, object], None]) -> None:
@@ -297,10 +464,6 @@ _V2_UNSUPPORTED = "speculative method 'custom_class'"
 _logged: set[str] = set()
 
 
-class VllmVersionError(RuntimeError):
-    """A vLLM function that Vegas patches is not what vLLM 0.24.0 had."""
-
-
 def _log_once(key: str, msg: str, *args, level: int = logging.INFO) -> None:
     if key not in _logged:
         _logged.add(key)
@@ -317,18 +480,6 @@ def v2_opted_in() -> bool:
     return not (_falsy(os.environ.get("VLLM_USE_V2_MODEL_RUNNER")) or _falsy(os.environ.get(V2_ENV)))
 
 
-def _check_params(func, expected: tuple[str, ...], name: str) -> None:
-    """Raise :class:`VllmVersionError` unless ``func`` is callable with exactly these parameters."""
-    if not callable(func):
-        raise VllmVersionError(f"vegas: {name} is missing; the V2 patches target vLLM {VLLM_VERSION}")
-    params = tuple(inspect.signature(func).parameters)
-    if params != expected:
-        raise VllmVersionError(
-            f"vegas: {name} has parameters {params}, expected {expected} as in vLLM {VLLM_VERSION}; "
-            "the Vegas V2 patches need updating (or run V1: VLLM_USE_V2_MODEL_RUNNER=0)"
-        )
-
-
 def patch_v2_unsupported_check() -> None:
     """Replace ``vllm.config.VllmConfig._get_v2_model_runner_unsupported_features`` (vLLM 0.24.0)
     with a wrapper that drops ``"speculative method 'custom_class'"`` for a Vegas engine when
@@ -337,34 +488,26 @@ def patch_v2_unsupported_check() -> None:
     Why: vLLM 0.24.0 lists every speculative method but eagle/eagle3/mtp/dflash as unsupported
     by the V2 runner, so it would refuse (``VLLM_USE_V2_MODEL_RUNNER=1``) or skip V2.
 
-    Raises:
-        VllmVersionError: if the method is missing or no longer takes ``(self)``.
     """
-    from vllm.config import VllmConfig
+    def make(original):
+        def _get_v2_model_runner_unsupported_features(self) -> list[str]:
+            unsupported = original(self)
+            if not is_vegas_proposer(self.speculative_config):
+                return unsupported
+            if not v2_opted_in():
+                _log_once("v1", "vegas: V1 model runner (asked for with %s=0 or VLLM_USE_V2_MODEL_RUNNER=0)", V2_ENV)
+                return unsupported
+            kept = [u for u in unsupported if u != _V2_UNSUPPORTED]
+            if kept:
+                _log_once("v2-blocked", "vegas: V2 model runner asked for, but vLLM does not support %s here",
+                          ", ".join(kept))
+            else:
+                _log_once("v2", "vegas: V2 model runner allowed for the Vegas speculator")
+            return kept
 
-    name = "VllmConfig._get_v2_model_runner_unsupported_features"
-    original = getattr(VllmConfig, "_get_v2_model_runner_unsupported_features", None)
-    if getattr(original, "_vegas", False):
-        return
-    _check_params(original, ("self",), name)
+        return _get_v2_model_runner_unsupported_features
 
-    def _get_v2_model_runner_unsupported_features(self) -> list[str]:
-        unsupported = original(self)
-        if not is_vegas_proposer(self.speculative_config):
-            return unsupported
-        if not v2_opted_in():
-            _log_once("v1", "vegas: V1 model runner (asked for with %s=0 or VLLM_USE_V2_MODEL_RUNNER=0)", V2_ENV)
-            return unsupported
-        kept = [u for u in unsupported if u != _V2_UNSUPPORTED]
-        if kept:
-            _log_once("v2-blocked", "vegas: V2 model runner asked for, but vLLM does not support %s here",
-                      ", ".join(kept))
-        else:
-            _log_once("v2", "vegas: V2 model runner allowed for the Vegas speculator")
-        return kept
-
-    _get_v2_model_runner_unsupported_features._vegas = True  # type: ignore[attr-defined]
-    VllmConfig._get_v2_model_runner_unsupported_features = _get_v2_model_runner_unsupported_features
+    _install("vllm.config.vllm:VllmConfig._get_v2_model_runner_unsupported_features", make)
 
 
 def patch_v2_init_speculator(build: Callable) -> None:
@@ -381,55 +524,22 @@ def patch_v2_init_speculator(build: Callable) -> None:
     Why: vLLM's ``init_speculator`` is a fixed if-chain (dflash, gemma4 MTP, mtp, eagle) that
     raises ``NotImplementedError`` for ``custom_class``; it has no registry.
 
-    Raises:
-        VllmVersionError: if the function is missing, no longer takes ``(vllm_config, device)``,
-            or the V2 runner module no longer imports and calls it.
     """
-    import importlib.util
-    import sys
+    def make(original):
+        def init_speculator(vllm_config, device):
+            if not is_vegas_proposer(vllm_config.speculative_config):
+                return original(vllm_config, device)
+            return build(vllm_config, device)
 
-    from vllm.v1.worker.gpu import spec_decode
+        return init_speculator
 
-    name = "vllm.v1.worker.gpu.spec_decode.init_speculator"
-    original = getattr(spec_decode, "init_speculator", None)
-    if getattr(original, "_vegas", False):
-        return
-    _check_params(original, ("vllm_config", "device"), name)
-    try:
-        spec = importlib.util.find_spec("vllm.v1.worker.gpu.model_runner")
-        with open(spec.origin, encoding="utf-8") as f:  # type: ignore[union-attr]
-            src = f.read()
-    except (ImportError, ValueError, AttributeError, TypeError, OSError):  # no source: trust the signature
-        src = None
-    if src is not None and not (
-        "from vllm.v1.worker.gpu.spec_decode import init_speculator" in src and "init_speculator(" in src
-    ):
-        raise VllmVersionError(
-            f"vegas: vllm/v1/worker/gpu/model_runner.py no longer imports and calls {name} "
-            f"(as vLLM {VLLM_VERSION} did); the Vegas V2 patches need updating "
-            "(or run V1: VLLM_USE_V2_MODEL_RUNNER=0)"
-        )
-
-    def init_speculator(vllm_config, device):
-        if not is_vegas_proposer(vllm_config.speculative_config):
-            return original(vllm_config, device)
-        return build(vllm_config, device)
-
-    init_speculator._vegas = True  # type: ignore[attr-defined]
-    spec_decode.init_speculator = init_speculator
+    new = _install("vllm.v1.worker.gpu.spec_decode:init_speculator", make)
     runner_mod = sys.modules.get("vllm.v1.worker.gpu.model_runner")
     if runner_mod is not None:
-        runner_mod.init_speculator = init_speculator
+        runner_mod.init_speculator = new
 
 
 def patch_v2_runner(build: Callable) -> None:
-    """Both V2 patches (idempotent; ``build``: see :func:`patch_v2_init_speculator`); warns once
-    if vLLM is not 0.24.0."""
-    import vllm
-
-    version = getattr(vllm, "__version__", "?")
-    if not str(version).startswith(VLLM_VERSION):
-        _log_once("version", "vegas: the V2 patches were written for vLLM %s, found %s", VLLM_VERSION, version,
-                  level=logging.WARNING)
+    """Both V2 patches (idempotent; ``build``: see :func:`patch_v2_init_speculator`)."""
     patch_v2_unsupported_check()
     patch_v2_init_speculator(build)

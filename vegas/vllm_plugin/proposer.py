@@ -1,8 +1,8 @@
 """Vegas as a vLLM speculative proposer (``speculative_config.method = "custom_class"``).
 
-``VegasProposer`` is built by vLLM's V1 GPU model runner with ``vllm_config`` only; it finds
-that runner on the call stack (it is being constructed in ``GPUModelRunner.__init__``), so it
-reuses the runner's model (the target itself: no second copy of weights or cache), its paged KV
+``VegasProposer`` is built by vLLM's V1 GPU model runner with ``vllm_config`` only; the runner
+is handed to it by the patched ``GPUModelRunner.load_model`` (:meth:`VegasProposer.bind_runner`,
+no call-stack walk), so it reuses the runner's model (the target itself: no second copy of weights or cache), its paged KV
 cache, its block tables and its compiled model.
 
 Its settings (:mod:`vegas.vllm_plugin.settings`): a selector, built through the plugin registry,
@@ -21,7 +21,6 @@ greedy path (token-identical up to bf16 batch effects).
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
 
@@ -49,18 +48,6 @@ logger = logging.getLogger("vegas.vllm")
 
 #: class path to pass as ``speculative_config["model"]``
 CLASS_PATH = "vegas.vllm_plugin.proposer.VegasProposer"
-
-
-def _find_runner():
-    frame = inspect.currentframe()
-    while frame is not None:
-        obj = frame.f_locals.get("self")
-        if obj is not None and type(obj).__name__.endswith("ModelRunner") and hasattr(obj, "input_batch"):
-            return obj
-        if obj is not None and type(obj).__name__ == "GPUModelRunner":
-            return obj
-        frame = frame.f_back
-    return None
 
 
 def _raise_if_unsupported(vllm_config) -> None:
@@ -104,7 +91,7 @@ def _apply_graph_mode(vllm_config, selector, verify_cuda_graphs: str) -> bool:
 def start_drafter(vllm_config, gamma: int) -> tuple[Selector, str]:
     """What every Vegas drafter does when vLLM builds it (the V1 proposer and the V2
     speculator alike): refuse unsupported engine settings, build the selector of
-    ``$VEGAS_VLLM_CONFIG``, set up :data:`STATE` (γ, enabled, full or piecewise verification
+    ``additional_config["vegas"]`` with vLLM's γ, set up :data:`STATE` (γ, enabled, full or piecewise verification
     graphs, the TP all-reduce) and apply the attention and scheduler patches.
 
     Returns:
@@ -114,9 +101,10 @@ def start_drafter(vllm_config, gamma: int) -> tuple[Selector, str]:
     Raises:
         VegasConfigError: an unsupported engine setting or bad Vegas settings.
     """
+    patches.check_vllm()
     _raise_if_unsupported(vllm_config)
-    name, config = read_settings()
-    selector = build_selector(name, config, gamma)
+    name, config = read_settings(vllm_config)
+    selector = build_selector(name, config, gamma, vllm_config.cache_config.block_size)
     STATE.gamma = gamma
     STATE.enabled = True
     STATE.frozen = _apply_graph_mode(vllm_config, selector, selector.config.vllm.verify_cuda_graphs)
@@ -147,9 +135,9 @@ def reserve_selection_buffers(vllm_config, selector: Selector, gamma: int, max_s
 class VegasProposer:
     """vLLM custom-class proposer: self-speculative drafting with verification-guided sparse attention.
 
-    Settings come from ``$VEGAS_VLLM_CONFIG`` (:func:`vegas.vllm_plugin.settings.read_settings`)
-    and can be changed at run time with :func:`vegas.vllm_plugin.configure` through
-    ``LLM.collective_rpc`` (piecewise verification graphs only).
+    Settings come from ``additional_config["vegas"]`` (:func:`vegas.vllm_plugin.settings.read_settings`),
+    γ from ``speculative_config``; they can be changed at run time with
+    ``LLM.collective_rpc("vegas_configure", ...)`` (piecewise verification graphs only).
 
     Raises:
         VegasConfigError: an unsupported engine setting or bad Vegas settings.
@@ -159,13 +147,15 @@ class VegasProposer:
         self.vllm_config = vllm_config
         self.gamma = int(vllm_config.speculative_config.num_speculative_tokens)
         self.selector, self._settings = start_drafter(vllm_config, self.gamma)
-        self.runner = _find_runner()
+        #: vLLM's V1 ``GPUModelRunner``: handed over by :meth:`bind_runner` before ``load_model``
+        self.runner = None
         name = self.selector.name
         self.config = self.selector.config
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         patches.patch_draft_probs_gather()
         patches.patch_bookkeeping()
         patches.patch_draft_graph_capture()
+        patches.patch_runner_binding()
         self.recorder = StatsRecorder()
         self._drafted: set[str] = set()
         #: async scheduling: the last step's (req_ids, next_ids, counts, host values on the
@@ -174,7 +164,7 @@ class VegasProposer:
         self._layers_known = False
         self._checked_groups = False
         self.drafting = DraftEngine(
-            vllm_config, self.gamma, self.config.vllm, getattr(self.runner, "device", None),
+            vllm_config, self.gamma, self.config.vllm, None,  # the device: at load_model
             block_table=lambda: self.runner.input_batch.block_table[0].block_table.gpu,  # [max_reqs, max_blocks] int32
             model=lambda: self.runner.model,
         )
@@ -196,14 +186,22 @@ class VegasProposer:
         return bool(getattr(self.runner, "use_async_scheduling", False))
 
     # ---- vLLM hooks -------------------------------------------------------------------------
+    def bind_runner(self, runner) -> None:
+        """The V1 ``GPUModelRunner`` that built this proposer (called by the patched
+        ``GPUModelRunner.load_model``, :func:`~vegas.vllm_plugin.patches.patch_runner_binding`:
+        vLLM 0.24.0 passes a ``custom_class`` proposer ``vllm_config`` only)."""
+        self.runner = runner
+
     def load_model(self, target_model) -> None:
-        """Called by the runner with the target model; Vegas drafts with that same model."""
+        """Called by the runner with the target model; Vegas drafts with that same model.
+
+        Raises:
+            RuntimeError: no runner was bound (``GPUModelRunner.load_model`` not patched).
+        """
         self._target = target_model
         if self.runner is None:
-            self.runner = _find_runner()
-        if self.runner is None:
-            raise RuntimeError("vegas: could not find vLLM's GPU model runner (V1 runner required; "
-                               "set VLLM_USE_V2_MODEL_RUNNER=0)")
+            raise RuntimeError("vegas: vLLM's GPU model runner was not handed to the proposer "
+                               "(vegas.vllm_plugin.patches.patch_runner_binding did not run)")
         self.drafting.device = self.runner.device
         use_path(self.selector, self._settings, self.gamma, self.runner.device)
         # the layers are registered once the model is built: learn them before the first

@@ -3,29 +3,27 @@ JSON object (read here only; example in :mod:`vegas.vllm_plugin`):
 ``{"selector": <name>, <VegasConfig field>: <value>, ..., "vllm": {<VllmOptions field>: ...}}``.
 Without a selector the default is collect2's (:data:`DEFAULT_SELECTOR`).
 
-Where the object comes from, first found wins (:func:`read_settings`):
+One channel: the engine's ``additional_config["vegas"]`` (:data:`ADDITIONAL_CONFIG_KEY`), set by
+``Pipeline(backend="vllm")`` (:func:`vegas.backends.vllm.vllm_engine_kwargs`), by ``vegas serve``,
+or by hand (``vllm serve --additional-config '{"vegas": {...}}'``, ``LLM(additional_config=...)``).
+vLLM hands ``additional_config`` to every worker inside ``VllmConfig``; no environment variable
+is read.
 
-1. the engine's ``additional_config["vegas"]`` (:data:`ADDITIONAL_CONFIG_KEY`): ``vllm serve
-   --additional-config '{"vegas": {...}}'`` or ``LLM(additional_config={"vegas": {...}})``; vLLM
-   hands ``additional_config`` to every worker inside ``VllmConfig`` (no environment needed);
-2. ``$VEGAS_VLLM_CONFIG`` (:data:`ENV_VAR`).
+γ is ``speculative_config``'s ``num_speculative_tokens`` only: the settings object must not
+carry ``num_draft_tokens`` (:func:`parse_settings` refuses it, :func:`settings_json` leaves it
+out), and :func:`build_selector` gives the selector's config vLLM's γ.
 
 The worker process builds the selector through :func:`vegas.plugins.create_selector`, so any
-registered selector runs (a third-party one through its entry point, or registered by hand
-when vLLM's engine core runs in the same process). A selector object handed over with
-:func:`hand_over` in the same process (the :class:`~vegas.pipeline.Pipeline`'s) is used
-instead when its name and config match. Its selection path is the fast path registered for
-its exact class (``vegas_vllm_fast_paths``), else the generic path.
-
-γ is ``speculative_config``'s ``num_speculative_tokens``: it replaces the JSON's
-``num_draft_tokens``.
+registered selector runs: a third-party one through its entry point, or one registered by hand
+(``vegas.plugins.register_selector``) when vLLM's engine core runs in the same process, since
+that process's registry is the one the worker reads (the vllm backend runs the core in-process
+for such a selector). Its selection path is the fast path registered for its exact class
+(``vegas_vllm_fast_paths``), else the generic path.
 """
 
 from __future__ import annotations
 
 import json
-import logging
-import os
 import sys
 from typing import Any
 from dataclasses import replace
@@ -40,9 +38,7 @@ from .selectors.generic import GenericPath
 __all__ = [
     "ADDITIONAL_CONFIG_KEY",
     "DEFAULT_SELECTOR",
-    "ENV_VAR",
     "build_selector",
-    "hand_over",
     "parse_settings",
     "path_class",
     "raise_if_unsupported",
@@ -50,30 +46,35 @@ __all__ = [
     "settings_json",
 ]
 
-log = logging.getLogger(__name__)
-
-ENV_VAR = "VEGAS_VLLM_CONFIG"
 #: the key of vLLM's ``additional_config`` that holds the settings object
 ADDITIONAL_CONFIG_KEY = "vegas"
 #: the selector when the settings name none
 DEFAULT_SELECTOR = Collect2Selector.name
 
-_handed: Selector | None = None
-
 
 def settings_json(selector: str, config: VegasConfig) -> str:
-    """The JSON of ``$VEGAS_VLLM_CONFIG`` for a selector name and a config."""
-    return json.dumps({"selector": selector, **config.to_dict()})
+    """The settings JSON (``additional_config["vegas"]``, :func:`vegas.vllm_plugin.configure`)
+    for a selector name and a config; without ``num_draft_tokens`` (γ is vLLM's)."""
+    values = config.to_dict()
+    values.pop("num_draft_tokens", None)
+    return json.dumps({"selector": selector, **values})
 
 
-def parse_settings(raw: str, source: str = ENV_VAR) -> tuple[str, VegasConfig]:
-    """``(selector name, config)`` from a settings JSON object (``source`` names it in errors).
+def parse_settings(raw: str, source: str = f"additional_config[{ADDITIONAL_CONFIG_KEY!r}]") -> tuple[str, VegasConfig]:
+    """``(selector name, config)`` from a settings JSON object (``source`` names it in errors);
+    the config's ``num_draft_tokens`` is the default until :func:`build_selector` sets γ.
 
     Raises:
-        VegasConfigError: not a JSON object, a selector that is not a string, an unknown
-            field, or a value outside its allowed values (the message names the field).
+        VegasConfigError: not a JSON object, a selector that is not a string, a
+            ``num_draft_tokens`` field (γ is ``speculative_config``'s), an unknown field, or a
+            value outside its allowed values (the message names the field).
     """
     values = parse_json_object(raw, source)
+    if "num_draft_tokens" in values:
+        raise VegasConfigError(
+            f"{source}: num_draft_tokens is not a setting here; γ is speculative_config's "
+            "num_speculative_tokens (vllm serve -g / --speculative-config)"
+        )
     selector = values.pop("selector", DEFAULT_SELECTOR)
     if not isinstance(selector, str):
         raise VegasConfigError(f"{source}: selector must be a registered selector name, got {selector!r}")
@@ -90,9 +91,9 @@ def _current_vllm_config() -> Any:
 
 
 def read_settings(vllm_config: Any = None) -> tuple[str, VegasConfig]:
-    """``(selector name, config)``: from ``vllm_config.additional_config["vegas"]`` (a JSON
-    object or its string; ``vllm_config`` defaults to vLLM's current config), else from
-    ``$VEGAS_VLLM_CONFIG``; collect2 and defaults when neither is set.
+    """``(selector name, config)`` from ``vllm_config.additional_config["vegas"]`` (a JSON
+    object or its string; ``vllm_config`` defaults to vLLM's current config); collect2 and
+    defaults when it is not set.
 
     Raises:
         VegasConfigError: see :func:`parse_settings`.
@@ -100,21 +101,10 @@ def read_settings(vllm_config: Any = None) -> tuple[str, VegasConfig]:
     if vllm_config is None:
         vllm_config = _current_vllm_config()
     extra = getattr(vllm_config, "additional_config", None)
-    if isinstance(extra, dict) and extra.get(ADDITIONAL_CONFIG_KEY) is not None:
-        value = extra[ADDITIONAL_CONFIG_KEY]
-        source = f"additional_config[{ADDITIONAL_CONFIG_KEY!r}]"
-        raw = value if isinstance(value, str) else json.dumps(value)
-        if os.environ.get(ENV_VAR, "").strip():
-            log.warning("vegas: settings from %s; $%s is ignored", source, ENV_VAR)
-        return parse_settings(raw, source=source)
-    raw = os.environ.get(ENV_VAR, "").strip()
-    return parse_settings(raw) if raw else (DEFAULT_SELECTOR, VegasConfig())
-
-
-def hand_over(selector: Selector | None) -> None:
-    """Offer a selector object to a proposer built later in this process (None withdraws it)."""
-    global _handed
-    _handed = selector
+    if not isinstance(extra, dict) or extra.get(ADDITIONAL_CONFIG_KEY) is None:
+        return DEFAULT_SELECTOR, VegasConfig()
+    value = extra[ADDITIONAL_CONFIG_KEY]
+    return parse_settings(value if isinstance(value, str) else json.dumps(value))
 
 
 def path_class(selector: Selector) -> type[SelectionPath]:
@@ -122,25 +112,25 @@ def path_class(selector: Selector) -> type[SelectionPath]:
     return vllm_fast_path(selector) or GenericPath
 
 
-def raise_if_unsupported(selector: Selector, config: VegasConfig) -> None:
-    """Refuse settings the vLLM backend cannot run, before an engine is built.
+def raise_if_unsupported(selector: Selector, config: VegasConfig, block_size: int | None = None) -> None:
+    """Refuse settings the vLLM backend cannot run, before an engine is built (``block_size``:
+    the engine's KV block size when known, from vLLM's ``cache_config``).
 
     Raises:
         VegasConfigError: ``granularity`` other than ``"layer"``, ``score_mode`` other than
             ``"logit"``, a query-aware selector without a fast path, or what the selector's
-            path refuses (Quest: ``page_size`` other than vLLM's block size).
+            path refuses (Quest: ``page_size`` other than the engine's ``block_size``).
     """
     if config.granularity != "layer":
         raise VegasConfigError("the vllm backend selects per layer only; use granularity='layer'")
     if config.score_mode != "logit":
         raise VegasConfigError("the vllm backend ranks by summed logits only; use score_mode='logit'")
-    path_class(selector).raise_if_unsupported(selector, config)
+    path_class(selector).raise_if_unsupported(selector, config, block_size=block_size)
 
 
-def build_selector(name: str, config: VegasConfig, gamma: int) -> Selector:
-    """The selector ``name`` with ``config`` (γ = ``gamma``): the handed-over object if its
-    name and config match, else a new one from the registry; checked by
-    :func:`raise_if_unsupported`.
+def build_selector(name: str, config: VegasConfig, gamma: int, block_size: int | None = None) -> Selector:
+    """A new selector ``name`` from the registry with ``config`` and γ = ``gamma``, checked by
+    :func:`raise_if_unsupported` (with the engine's ``block_size`` when known).
 
     Raises:
         VegasConfigError: an unknown selector name, or settings the vLLM backend refuses.
@@ -149,10 +139,6 @@ def build_selector(name: str, config: VegasConfig, gamma: int) -> Selector:
     if name == PLAIN:
         raise VegasConfigError(f"selector {PLAIN!r} is plain decoding: run vLLM without Vegas's speculative_config")
     config = replace(config, num_draft_tokens=gamma)
-    handed = _handed
-    if handed is not None and handed.name == name and handed.config == config:
-        selector = handed
-    else:
-        selector = create_selector(name, config)
-    raise_if_unsupported(selector, config)
+    selector = create_selector(name, config)
+    raise_if_unsupported(selector, config, block_size)
     return selector

@@ -52,7 +52,7 @@ logger = logging.getLogger("vegas.vllm")
 class VegasSpeculator(DraftModelSpeculator):
     """Self-speculative drafting with verification-guided sparse attention, V2 runner.
 
-    Settings: ``$VEGAS_VLLM_CONFIG`` (:mod:`vegas.vllm_plugin.settings`), as for the V1
+    Settings: ``additional_config["vegas"]`` (:mod:`vegas.vllm_plugin.settings`), as for the V1
     proposer: any registered selector, through its fast path or the generic path;
     ``VegasConfig.vllm.draft_cuda_graphs`` / ``draft_graph_max_rows`` for the draft graphs.
 

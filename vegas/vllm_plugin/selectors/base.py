@@ -42,8 +42,13 @@ class SelectionPath:
         self.row_table = RowTable.of(selector, gamma, device)
 
     @classmethod
-    def raise_if_unsupported(cls, selector: Selector, config: VegasConfig) -> None:
-        """Refuse settings this path cannot run (:class:`~vegas.config.VegasConfigError`)."""
+    def raise_if_unsupported(cls, selector: Selector, config: VegasConfig, block_size: int | None = None) -> None:
+        """Refuse settings this path cannot run (:class:`~vegas.config.VegasConfigError`).
+
+        Args:
+            block_size: the engine's KV block size (vLLM's ``cache_config.block_size``), tokens;
+                None before the engine exists (the proposer checks again with it).
+        """
 
     def recent_columns(self, block_size: int) -> int:
         """Draft-table columns beyond ``2γ + 2`` for the positions from ``ctx_sel`` on."""

@@ -74,7 +74,7 @@ class GenericPath(CollectingPath):
     capturable = False
 
     @classmethod
-    def raise_if_unsupported(cls, selector, config) -> None:
+    def raise_if_unsupported(cls, selector, config, block_size=None) -> None:
         if selector.per_row_scores:
             raise VegasConfigError(
                 f"selector {selector.name!r} asks for per-row scores (an analysis selector); the vllm "

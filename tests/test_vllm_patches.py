@@ -1,0 +1,189 @@
+"""The patch table (:mod:`vegas.vllm_plugin.patches`) against fake vLLM modules: the check at
+plugin registration refuses another vLLM version, a replaced function that is missing or takes
+other parameters, or a module that no longer imports it by name; every ``patch_*`` installs
+only table entries; the V1 runner is handed to the proposer by ``load_model``. No vLLM, no GPU.
+
+The fakes' signatures are copied by hand from vLLM 0.24.0's source (not from the table), so a
+table entry that drifts from vLLM fails here."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import types
+
+import pytest
+
+from vegas.vllm_plugin import patches
+
+
+# ---- vLLM 0.24.0's signatures (vllm/v1/..., vllm/config/vllm.py), copied by hand -------------
+def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+             output_block_scale=None):
+    return "vllm-forward"
+
+
+def _scheduler_init(self, vllm_config, kv_cache_config, structured_output_manager, block_size,
+                    hash_block_size=None, mm_registry=None, include_finished_set=False, log_stats=False):
+    self.vllm_config = vllm_config
+    self.num_lookahead_tokens = 0
+    self.num_spec_tokens = 4
+
+
+def _draft_probs(self, spec_decode_metadata):
+    return "vllm-probs"
+
+
+def _bookkeeping_sync(self, scheduler_output, sampler_output, logits, hidden_states, num_scheduled_tokens):
+    return "vllm-bookkeeping"
+
+
+def _capture_model(self):
+    return 0
+
+
+def _load_model(self, load_dummy_weights=False):
+    self.loaded = True
+    if self.drafter is not None:
+        self.drafter.load_model("model")
+
+
+def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None,
+                   **model_kwargs):
+    return None
+
+
+def _post_init(self):
+    pass
+
+
+def _unsupported(self):
+    return []
+
+
+def _init_speculator(vllm_config, device):
+    return None
+
+
+def fake_vllm(monkeypatch, tmp_path, version="0.24.0", runner_imports=True, **replace):
+    """Install fake ``vllm`` modules holding every object of :data:`patches.PATCHES` with vLLM
+    0.24.0's signatures; ``replace`` swaps one by its attribute name (``_bookkeeping_sync=...``)."""
+    def mod(name, **attrs):
+        m = types.ModuleType(name)
+        m.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, name, m)
+        return m
+
+    def fn(name):
+        return replace.get(name, globals()[name if name.startswith("_") else "_" + name])
+
+    mod("vllm", __version__=version)
+    for name in ("vllm.v1", "vllm.v1.attention", "vllm.v1.attention.backends", "vllm.v1.core",
+                 "vllm.v1.core.sched", "vllm.v1.worker", "vllm.v1.worker.gpu"):
+        mod(name)
+    mod("vllm.v1.attention.backends.flash_attn",
+        FlashAttentionImpl=type("FlashAttentionImpl", (), {"forward": fn("_forward")}))
+    mod("vllm.v1.core.sched.scheduler", Scheduler=type("Scheduler", (), {"__init__": fn("_scheduler_init")}))
+    config = type("VllmConfig", (), {
+        "__post_init__": fn("_post_init"), "_get_v2_model_runner_unsupported_features": fn("_unsupported")})
+    mod("vllm.config", VllmConfig=config)  # a package in vLLM: the class lives in vllm.config.vllm
+    mod("vllm.config.vllm", VllmConfig=config)
+    runner = {"_get_spec_decode_draft_probs": fn("_draft_probs"), "_bookkeeping_sync": fn("_bookkeeping_sync"),
+              "capture_model": fn("_capture_model"), "load_model": fn("_load_model"),
+              "_model_forward": fn("_model_forward"), "drafter": None}
+    mod("vllm.v1.worker.gpu_model_runner", GPUModelRunner=type("GPUModelRunner", (), runner))
+    mod("vllm.v1.worker.gpu.spec_decode", init_speculator=fn("_init_speculator"))
+    source = tmp_path / "model_runner.py"
+    source.write_text("from vllm.v1.worker.gpu.spec_decode import init_speculator\n" if runner_imports
+                      else "from vllm.v1.worker.gpu.spec_decode import build_speculator\n")
+    m = mod("vllm.v1.worker.gpu.model_runner")
+    m.__spec__ = importlib.util.spec_from_file_location("vllm.v1.worker.gpu.model_runner", source)
+    return sys.modules
+
+
+def test_the_table_matches_vllm_0_24_0(monkeypatch, tmp_path):
+    fake_vllm(monkeypatch, tmp_path)
+    patches.check_vllm()
+    assert len(patches.PATCHES) == len({p.target for p in patches.PATCHES}) == 10
+    assert all(p.why and p.params for p in patches.PATCHES)
+
+
+def test_another_vllm_version_is_refused_at_registration(monkeypatch, tmp_path):
+    from vegas.vllm_plugin import register
+
+    modules = fake_vllm(monkeypatch, tmp_path, version="0.25.0")
+    with pytest.raises(patches.VllmVersionError, match=r"supports vLLM 0\.24\.0 only, found 0\.25\.0"):
+        register()
+    forward = modules["vllm.v1.attention.backends.flash_attn"].FlashAttentionImpl.forward
+    assert not getattr(forward, "_vegas", False)  # refused before anything was replaced
+
+
+@pytest.mark.parametrize("name,changed,match", [
+    ("_bookkeeping_sync", lambda self, scheduler_output, sampler_output: None,
+     r"GPUModelRunner\._bookkeeping_sync has parameters \('self', 'scheduler_output', 'sampler_output'\)"),
+    ("_forward", lambda self, layer, query, key, value, kv_cache, attn_metadata, output: None,
+     r"FlashAttentionImpl\.forward has parameters"),
+    ("_init_speculator", lambda vllm_config, device, extra: None, r"spec_decode:init_speculator has parameters"),
+    ("_unsupported", lambda self, extra: [], r"_get_v2_model_runner_unsupported_features has parameters"),
+    ("_load_model", lambda self: None, r"GPUModelRunner\.load_model has parameters"),
+])
+def test_a_changed_signature_is_refused_naming_the_function(monkeypatch, tmp_path, name, changed, match):
+    fake_vllm(monkeypatch, tmp_path, **{name: changed})
+    with pytest.raises(patches.VllmVersionError, match=match + r".*vLLM 0\.24\.0"):
+        patches.check_vllm()
+
+
+def test_a_missing_function_or_import_is_refused(monkeypatch, tmp_path):
+    modules = fake_vllm(monkeypatch, tmp_path)
+    del modules["vllm.v1.worker.gpu_model_runner"].GPUModelRunner.capture_model
+    with pytest.raises(patches.VllmVersionError, match=r"GPUModelRunner\.capture_model is missing.*0\.24\.0"):
+        patches.check_vllm()
+    fake_vllm(monkeypatch, tmp_path, runner_imports=False)
+    with pytest.raises(patches.VllmVersionError, match=r"model_runner no longer imports .*init_speculator"):
+        patches.check_vllm()
+
+
+def test_every_patch_installs_a_table_entry_once(monkeypatch, tmp_path):
+    from vegas.vllm_plugin import _build_v2_speculator, register
+
+    modules = fake_vllm(monkeypatch, tmp_path)
+    register()
+    register()  # idempotent, and the check still passes on the wrapped functions
+    for install in (patches.patch_draft_probs_gather, patches.patch_bookkeeping,
+                    patches.patch_draft_graph_capture, patches.patch_runner_binding):
+        install()
+        install()
+    patches.patch_v2_runner(_build_v2_speculator)
+    patches.check_vllm()
+    for patch in patches.PATCHES:
+        owner, attr, obj = patches._resolve(patch.target)
+        if attr == "_model_forward":  # replaced per runner instance (time_runner_forward)
+            assert not getattr(obj, "_vegas", False)
+            continue
+        assert obj._vegas and not getattr(obj._vegas_original, "_vegas", False), patch.target
+    with pytest.raises(AssertionError, match="not in PATCHES"):
+        patches._install("vllm.config.vllm:VllmConfig.__init__", lambda original: original)
+    assert modules["vllm.config"].VllmConfig.__init__ is object.__init__
+
+
+def test_the_runner_is_handed_to_the_proposer_before_it_loads_the_model(monkeypatch, tmp_path):
+    modules = fake_vllm(monkeypatch, tmp_path)
+    patches.patch_runner_binding()
+    seen = []
+
+    class Drafter:  # what VegasProposer does with the two calls
+        runner = None
+
+        def bind_runner(self, runner):
+            self.runner = runner
+
+        def load_model(self, model):
+            seen.append((self.runner, model))
+
+    runner = modules["vllm.v1.worker.gpu_model_runner"].GPUModelRunner()
+    runner.drafter = Drafter()
+    runner.load_model()
+    assert seen == [(runner, "model")] and runner.loaded
+    plain = modules["vllm.v1.worker.gpu_model_runner"].GPUModelRunner()  # no drafter: vLLM's load only
+    plain.load_model()
+    assert plain.loaded
