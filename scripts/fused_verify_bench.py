@@ -130,7 +130,6 @@ def interleaved(fns, reps, iters):
 def sweep(b, layers, out, scores):
     """Best ``(num_splits, block_n, num_warps, num_stages)`` of the fused kernel (one layer's
     median of ``triton.testing.do_bench``), and each tried configuration's time."""
-    seqs, hkv = b["bt"].shape[0], b["kv"][0][0].shape[2]
     splits = [s for s in (1, 2, 4, 8, 16, 32, 64) if s == 1 or b["max_len"] // s >= 512]
     times = {}
     for ns in splits:
@@ -256,7 +255,7 @@ def run_case(key, args, seqs=None, ctx=None):
     for n in ("fused", "fa3s"):
         if n in med:
             line += f", {n} {med[n] - med['fa3'] + med['topk']:.3f} ms ({n}/fa3 = {med[n] / med['fa3']:.3f})"
-    print(line + f"; targets: fa3s/fa3 <= 1.1 at head_dim 128, <= 1.3 at 64", flush=True)
+    print(line + "; targets: fa3s/fa3 <= 1.1 at head_dim 128, <= 1.3 at 64", flush=True)
 
 
 def main() -> int:

@@ -33,7 +33,6 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from .outputs import as_token_ids
 from .config import VegasConfigError
