@@ -31,8 +31,12 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from vegas.kernels.device_timer import interleaved  # noqa: E402
 
 PEAK = 4.3e12
 BLOCK_SIZE = 16
@@ -62,23 +66,6 @@ def attention(b, layer, out, fa_version, num_splits):
                            seqused_k=b["seq_lens"], max_seqlen_k=b["max_len"], softmax_scale=b["scale"],
                            causal=True, block_table=b["bt"], fa_version=fa_version, num_splits=num_splits)
 
-
-def interleaved(fns, reps, iters):
-    """``{name: [ms per step of each repeat]}``, the variants taking turns in every repeat."""
-    res = {n: [] for n in fns}
-    for fn in fns.values():
-        fn()
-    torch.cuda.synchronize()
-    for _ in range(reps):
-        for name, fn in fns.items():
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            for _ in range(iters):
-                fn()
-            e1.record()
-            torch.cuda.synchronize()
-            res[name].append(e0.elapsed_time(e1) / iters)
-    return res
 
 
 def run_case(model, ctx, seqs, qlen, args):

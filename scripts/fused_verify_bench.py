@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.fused_cases import plan_rows, rel_err  # noqa: E402
 from vegas.kernels import fa3_scores, select_topk_layers  # noqa: E402
+from vegas.kernels.device_timer import interleaved  # noqa: E402
 from vegas.kernels.triton_fused_verify import choose_num_splits, fused_verify_attention  # noqa: E402
 from vegas.kernels.triton_score import collect_scores_layers_triton, layer_offsets  # noqa: E402
 from vegas.kernels.triton_score_reduce import reduce_head_scores  # noqa: E402
@@ -108,23 +109,6 @@ def fused_layer(b, l, out, scores, **tune):
     fused_verify_attention(b["q"], k, v, b["bt"], b["cu"], b["seq_lens"], b["qlen"], b["scale"], out=out, **kw,
                            **tune)
 
-
-def interleaved(fns, reps, iters):
-    """``{name: [ms per step of each repeat]}``, the variants taking turns in every repeat."""
-    res = {n: [] for n in fns}
-    for fn in fns.values():
-        fn()
-    torch.cuda.synchronize()
-    for _ in range(reps):
-        for name, fn in fns.items():
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            for _ in range(iters):
-                fn()
-            e1.record()
-            torch.cuda.synchronize()
-            res[name].append(e0.elapsed_time(e1) / iters)
-    return res
 
 
 def sweep(b, layers, out, scores):

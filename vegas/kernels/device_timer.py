@@ -61,3 +61,22 @@ class DeviceTimer:
         if reset:
             self.buf[1:].zero_()
         return total_ns / 1e6, int(count)
+
+def interleaved(fns, reps, iters):
+    """Time GPU work by CUDA events: ``{name: [ms per call of each repeat]}``, after one warm-up
+    call of each; the variants take turns in every repeat (a drifting clock or load meets them
+    alike), each repeat timing ``iters`` back-to-back calls of ``fns[name]()``."""
+    res = {n: [] for n in fns}
+    for fn in fns.values():
+        fn()
+    torch.cuda.synchronize()
+    for _ in range(reps):
+        for name, fn in fns.items():
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            for _ in range(iters):
+                fn()
+            e1.record()
+            torch.cuda.synchronize()
+            res[name].append(e0.elapsed_time(e1) / iters)
+    return res
