@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from vegas.config import VegasConfigError  # noqa: E402
+from vegas.config import VegasConfigError, parse_json_object  # noqa: E402
 from vegas.models import resolve_model  # noqa: E402
 from vegas.serve import ServerError, ServerProcess, free_port, log_tail, vllm_command  # noqa: E402
 
@@ -119,6 +119,11 @@ def rate_label(rate) -> str:
     return "inf" if math.isinf(r) else f"{r:g}"
 
 
+#: a method ``<selector>-skip`` runs that Vegas selector with ``vllm.prefill_skip_tokens``
+#: = ``--prefill-skip-tokens`` (no selection or drafting in forwards carrying a prefill chunk)
+SKIP_SUFFIX = "-skip"
+
+
 def method_args(method: str, args) -> tuple[list[str], list[str]]:
     """``(vegas serve options, extra vllm serve arguments)`` of a method."""
     if method == "plain":
@@ -127,19 +132,28 @@ def method_args(method: str, args) -> tuple[list[str], list[str]]:
         spec = {"method": "ngram", "num_speculative_tokens": args.gamma, "prompt_lookup_max": 4,
                 "prompt_lookup_min": 2}
         return ["--selector", "none"], ["--speculative-config", json.dumps(spec)]
-    opts = ["--selector", method, "-g", str(args.gamma), "--sparsity-ratio", str(args.sparsity_ratio)]
+    selector = method.removesuffix(SKIP_SUFFIX)
+    opts = ["--selector", selector, "-g", str(args.gamma), "--sparsity-ratio", str(args.sparsity_ratio)]
+    config = {}
     if args.config:
-        opts += ["--config", args.config]
+        raw = Path(args.config).read_text() if Path(args.config).is_file() else args.config
+        config = parse_json_object(raw, "--config")
+    if method.endswith(SKIP_SUFFIX):
+        config = {**config, "vllm": {**config.get("vllm", {}), "prefill_skip_tokens": args.prefill_skip_tokens}}
+    if config:
+        opts += ["--config", json.dumps(config)]
     return opts, []
 
 
-def server_argv(method: str, args, port: int) -> list[str]:
-    """The ``vegas serve`` command of a method's server."""
+def server_argv(method: str, args, port: int, gpu_memory_utilization: float | None = None) -> list[str]:
+    """The ``vegas serve`` command of a method's server (``gpu_memory_utilization`` defaults to
+    ``--gpu-memory-utilization``)."""
     opts, extra = method_args(method, args)
+    util = args.gpu_memory_utilization if gpu_memory_utilization is None else gpu_memory_utilization
     return [sys.executable, "-c", "from vegas.cli import main; main()", "serve", args.model, *opts,
             "--port", str(port), "--host", "127.0.0.1", "--",
             "--served-model-name", NAME, "--max-model-len", str(args.max_model_len),
-            "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--max-num-seqs", str(args.max_num_seqs),
+            "--gpu-memory-utilization", f"{util:.3f}", "--max-num-seqs", str(args.max_num_seqs),
             "--seed", "0", *extra, *args.serve_arg]
 
 
@@ -204,24 +218,28 @@ def load_results(result_dir: Path) -> list[dict]:
         tput = [float(r["output_throughput"]) for r in results if isinstance(r.get("output_throughput"), (int, float))]
         row["throughput_min"], row["throughput_max"] = (min(tput), max(tput)) if tput else (None, None)
         rows.append(row)
-    plain = {r["rate"]: r["output_throughput"] for r in rows if r["method"] == "plain"}
+    plain = {r["rate"]: r for r in rows if r["method"] == "plain"}
     for r in rows:
-        base = plain.get(r["rate"])
-        r["x_plain"] = r["output_throughput"] / base if base and r["output_throughput"] is not None else None
+        for key, ratio in (("output_throughput", "x_plain"), ("mean_ttft_ms", "ttft_x_plain"),
+                           ("mean_tpot_ms", "tpot_x_plain")):
+            base = (plain.get(r["rate"]) or {}).get(key)
+            r[ratio] = r[key] / base if base and r[key] is not None else None
     order = {m: i for i, m in enumerate(METHODS)}
     return sorted(rows, key=lambda r: (order.get(r["method"], len(order)), r["method"], rate_value(r["rate"])))
 
 
 def render_table(rows: list[dict]) -> str:
     """A Markdown table of the rows."""
-    head = ["method", "rate", "repeats"] + [h for _, h, _ in COLUMNS] + ["out tok/s min-max", "x plain"]
+    head = ["method", "rate", "repeats"] + [h for _, h, _ in COLUMNS] + ["out tok/s min-max", "x plain",
+                                                                          "TTFT x plain", "TPOT x plain"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["method"], r["rate"], str(r.get("repeats", 1))]
         cells += ["-" if r[k] is None else f.format(r[k]) for k, _, f in COLUMNS]
         lo, hi = r.get("throughput_min"), r.get("throughput_max")
         cells.append("-" if lo is None else f"{lo:.0f}-{hi:.0f}")
-        cells.append("-" if r.get("x_plain") is None else f"{r['x_plain']:.2f}x")
+        for ratio in ("x_plain", "ttft_x_plain", "tpot_x_plain"):
+            cells.append("-" if r.get(ratio) is None else f"{r[ratio]:.2f}x")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -276,7 +294,20 @@ def report(out: Path) -> str:
     return table
 
 
+def kv_cache_tokens(log: Path) -> int | None:
+    """The KV-cache tokens a vLLM server reported at start (``GPU KV cache size: N tokens``)."""
+    import re
+
+    found = re.findall(r"GPU KV cache size: ([\d,]+) tokens", log.read_text(errors="replace")) if log.exists() else []
+    return int(found[-1].replace(",", "")) if found else None
+
+
 def run(args) -> None:
+    """Start every method's server, one after another (nothing else on the GPU while one
+    starts), each with an equal share of ``--gpu-memory-utilization`` unless
+    ``--one-server-at-a-time``; then run ``vllm bench serve`` repeats interleaved over methods
+    and rates (repeat 1: rate a: plain, collect2, ...; rate b: ...; repeat 2: ...), so that
+    drifts of the machine fall on every method alike."""
     out = Path(args.out)
     (out / "raw").mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(exist_ok=True)
@@ -284,37 +315,56 @@ def run(args) -> None:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(ROOT)) if p)
     dataset = write_code_prompts(out / "code_prompts.jsonl", args) if args.dataset == "code" else None
     t_end = time.monotonic() + args.time_budget if args.time_budget else math.inf
-    for method in args.methods:
-        if time.monotonic() > t_end:
-            print(f"[time budget] {method} and later methods skipped", flush=True)
-            break
-        port = free_port()
-        server = ServerProcess(method, server_argv(method, args, port), out / "logs" / f"{method}.log", port,
-                               env=env, cwd=ROOT)
-        print(f"[{method}] {' '.join(server.argv)}", flush=True)
+    groups = [[m] for m in args.methods] if args.one_server_at_a_time else [list(args.methods)]
+    util = args.gpu_memory_utilization / (1 if args.one_server_at_a_time else len(args.methods))
+    memory = {}
+    for methods in groups:
+        servers = {}
         try:
-            print(f"[{method}] ready after {server.wait_ready(args.start_timeout):.0f} s", flush=True)
-            # repeats interleaved over the rates (rate a, rate b, ..., rate a, ...)
-            for rep, rate in ((rep, rate) for rep in range(args.repeats) for rate in args.rates):
+            for method in methods:
                 if time.monotonic() > t_end:
-                    print(f"[time budget] {method} rate {rate_label(rate)} #{rep} and later skipped", flush=True)
+                    print(f"[time budget] {method} not started", flush=True)
                     break
-                cmd = bench_argv(method, rate, args, port, out / "raw", dataset, rep)
-                r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True,
-                                   timeout=args.bench_timeout)
+                port = free_port()
+                server = ServerProcess(method, server_argv(method, args, port, util),
+                                       out / "logs" / f"{method}.log", port, env=env, cwd=ROOT)
+                print(f"[{method}] {' '.join(server.argv)}", flush=True)
+                try:
+                    print(f"[{method}] ready after {server.wait_ready(args.start_timeout):.0f} s", flush=True)
+                except ServerError as e:
+                    print(f"[{method}] failed: {e}\n{log_tail(server.log, 5)}", flush=True)
+                    server.stop()
+                    continue
+                servers[method] = (server, port)
+                memory[method] = kv_cache_tokens(server.log)
+                print(f"[{method}] KV cache: {memory[method]} tokens", flush=True)
+            for rep, rate, method in ((rep, rate, m) for rep in range(args.repeats) for rate in args.rates
+                                      for m in servers):
+                if time.monotonic() > t_end:
+                    print(f"[time budget] rate {rate_label(rate)} #{rep} and later skipped", flush=True)
+                    break
+                cmd = bench_argv(method, rate, args, servers[method][1], out / "raw", dataset, rep)
+                try:
+                    r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True,
+                                       timeout=args.bench_timeout)
+                except subprocess.TimeoutExpired as e:
+                    print(f"[{method}] rate {rate_label(rate)} #{rep}: {e}", flush=True)
+                    continue
                 (out / "logs" / f"bench_{method}_r{rate_label(rate)}_k{rep}.log").write_text(r.stdout + r.stderr)
                 print(f"[{method}] rate {rate_label(rate)} #{rep}: rc={r.returncode}", flush=True)
                 if r.returncode:
                     print((r.stdout + r.stderr)[-2000:], flush=True)
-        except (ServerError, subprocess.TimeoutExpired) as e:
-            print(f"[{method}] failed: {e}", flush=True)
         finally:
-            try:
-                server.stop()
-            except ServerError as e:
-                print(f"[{method}] {e}", flush=True)
-            print(f"[{method}] server log tail:\n{log_tail(server.log, 5)}", flush=True)
+            for method, (server, _) in servers.items():
+                try:
+                    server.stop()
+                except ServerError as e:
+                    print(f"[{method}] {e}", flush=True)
+                print(f"[{method}] server log tail:\n{log_tail(server.log, 3)}", flush=True)
+    if memory:
+        (out / "kv_cache_tokens.json").write_text(json.dumps(memory, indent=1))
     print(report(out))
+    print("KV cache tokens per server:", json.dumps(memory))
 
 
 def parse_args(argv=None):
@@ -340,7 +390,13 @@ def parse_args(argv=None):
                    help="vLLM's max_model_len [default: the longest request plus a margin, within the model's "
                         "context].")
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85,
+                   help="GPU memory of all servers together (each server gets an equal share).")
+    p.add_argument("--one-server-at-a-time", action="store_true",
+                   help="One server per method in turn, each with all of --gpu-memory-utilization (repeats then "
+                        "interleave over rates only).")
+    p.add_argument("--prefill-skip-tokens", type=int, default=2048,
+                   help="vllm.prefill_skip_tokens of the '<selector>-skip' methods.")
     p.add_argument("--serve-arg", action="append", default=[], help="One more vllm serve argument (repeatable).")
     p.add_argument("--start-timeout", type=float, default=600)
     p.add_argument("--bench-timeout", type=float, default=900)

@@ -207,7 +207,8 @@ def vegas_settings(args, selector: str) -> str:
         sparsity_ratio=cfg["sparsity_ratio"],
         min_kv_budget=cfg["min_kv_budget"],
         kv_budget=cfg.get("kv_budget"),
-        vllm={"tp_selection": cfg["tp_selection"], "verify_cuda_graphs": "piecewise" if verify == "both" else verify},
+        vllm={"tp_selection": cfg["tp_selection"], "verify_cuda_graphs": "piecewise" if verify == "both" else verify,
+              "prefill_skip_tokens": getattr(args, "prefill_skip_tokens", 0)},
     )
     return settings_json(selector, config)
 

@@ -144,8 +144,8 @@ def run_workload(llm, name: str, prompts, sp, method: str) -> dict:
         res["ttft_p99_ms"] = ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))]
     if method.startswith("vegas"):
         st = llm.collective_rpc("vegas_stats")[0]
-        res["vegas"] = {k: st.get(k) for k in ("runner", "acceptance_length", "proposals", "skipped", "draft_ms",
-                                               "verify_fwd_ms", "select_ms", "propose_wall_ms", "full_cuda_graphs")}
+        res["vegas"] = {k: st.get(k) for k in ("runner", "acceptance_length", "proposals", "skipped", "prefill_skips",
+                                               "draft_ms", "verify_fwd_ms", "select_ms", "propose_wall_ms", "full_cuda_graphs")}
     line = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in res.items() if not isinstance(v, dict)}
     print(f"[{method} {name}] {json.dumps(line)}", flush=True)
     for kind in ("decode", "mixed", "prefill"):
@@ -160,7 +160,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=str(vb.ROOT / "vegas" / "model"))
     ap.add_argument("--methods", default="plain,vegas",
-                    help="plain, vegas (the runner vLLM picks), vegas-v1 / vegas-v2 (that runner); one per process")
+                    help="plain, vegas (the runner vLLM picks), vegas-v1 / vegas-v2 (that runner), vegas-skip (vegas with --prefill-skip-tokens); one per process")
     ap.add_argument("--selector", default="collect2")
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--ctx", type=int, default=7680)
@@ -173,6 +173,8 @@ def main() -> int:
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--workloads", default="serve,closed,open")
     ap.add_argument("--torch-profile", action="store_true")
+    ap.add_argument("--prefill-skip-tokens", type=int, default=2048,
+                    help="vllm.prefill_skip_tokens of the method vegas-skip (the other Vegas methods: 0)")
     ap.add_argument("--out", default="profile-out")
     args = ap.parse_args()
     out = Path(args.out)
@@ -195,6 +197,7 @@ def main() -> int:
     instrument()
     for method in args.methods.split(","):
         runner = {"vegas-v1": "v1", "vegas-v2": "v2"}.get(method)
+        ns.prefill_skip_tokens = args.prefill_skip_tokens if method == "vegas-skip" else 0
         t = time.time()
         llm = vb.build_llm("vegas" if method.startswith("vegas") else method, ns, args.ctx + args.new_tokens + 64,
                            vb.vegas_settings(ns, args.selector), runner=runner)

@@ -100,11 +100,11 @@ def test_results_table_and_plots(sb, tmp_path):
     table = sb.report(tmp_path)
     lines = table.splitlines()
     assert lines[0].startswith("| method | rate | repeats | done | failed | TTFT mean ms")
-    assert lines[0].endswith("| out tok/s min-max | x plain |")
+    assert lines[0].endswith("| out tok/s min-max | x plain | TTFT x plain | TPOT x plain |")
     assert [line.split(" | ")[0] for line in lines[2:]] == ["| plain"] * 3 + ["| collect2"] * 3 + ["| ngram"] * 3
     assert [line.split(" | ")[1] for line in lines[2:5]] == ["1", "4", "inf"]  # rates in order, inf last
     assert "| 3.10 |" in lines[5] and "| - | 450-600 | 1.00x |" in lines[2]  # τ where the server reports it
-    assert lines[5].endswith("| 675-900 | 1.50x |")  # spread of the repeats, ratio to plain at that rate
+    assert lines[5].endswith("| 675-900 | 1.50x | 1.00x | 1.00x |")  # spread of the repeats, ratios to plain
     rows = json.loads((tmp_path / "summary.json").read_text())
     assert rows[4]["method"] == "collect2" and rows[4]["output_throughput"] == 1500.0 and rows[4]["repeats"] == 3
     for name in ("throughput_vs_rate.png", "tpot_vs_rate.png"):
@@ -148,3 +148,20 @@ def test_server_process_not_ready_in_time_is_killed(tmp_path):
     with pytest.raises(ServerError, match="was not ready within 2 s"):
         server.wait_ready(2)
     assert server.proc.poll() is not None
+
+
+def test_skip_methods_and_shared_gpu(sb, tmp_path):
+    """``collect2-skip`` is collect2 with vllm.prefill_skip_tokens (merged into --config); all
+    servers run at once, each with its share of --gpu-memory-utilization."""
+    args = sb.parse_args(["--model", _model(tmp_path, 8192), "--methods", "plain,collect2,collect2-skip",
+                          "--prefill-skip-tokens", "1024", "--config", '{"vllm": {"draft_cuda_graphs": true}}'])
+    opts, extra = sb.method_args("collect2-skip", args)
+    assert opts[:2] == ["--selector", "collect2"] and not extra
+    assert json.loads(opts[opts.index("--config") + 1]) == {
+        "vllm": {"draft_cuda_graphs": True, "prefill_skip_tokens": 1024}}
+    assert "prefill_skip_tokens" not in sb.method_args("collect2", args)[0][-1]
+    argv = sb.server_argv("plain", args, 8000, 0.85 / 3)
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.283"
+    log = tmp_path / "server.log"
+    log.write_text("INFO ... GPU KV cache size: 1,234,567 tokens\n")
+    assert sb.kv_cache_tokens(log) == 1234567 and sb.kv_cache_tokens(tmp_path / "none.log") is None

@@ -496,6 +496,7 @@ def test_tp_selection_must_be_known():
         ('{"vllm": {"verify_cuda_graphs": "all"}}', "vllm.verify_cuda_graphs must be one of 'full', 'piecewise'"),
         ('{"vllm": {"draft_cuda_graphs": 1}}', "vllm.draft_cuda_graphs must be true or false"),
         ('{"vllm": {"draft_graph_max_rows": 0}}', "vllm.draft_graph_max_rows must be an integer >= 1"),
+        ('{"vllm": {"prefill_skip_tokens": -1}}', "vllm.prefill_skip_tokens must be an integer >= 0"),
         ('{"vllm": {"rows": 3}}', "vllm: unknown field.*rows.*allowed: tp_selection"),
         ('[1, 2]', "must be a JSON object"),
         ("{selector: collect2}", "must be a JSON object"),
@@ -837,3 +838,37 @@ def test_draft_engine_runs_gamma_forwards_over_the_selection(monkeypatch):
     finally:
         for k, v in saved.items():
             setattr(STATE, k, v)
+
+
+def test_a_prefill_heavy_forward_neither_selects_nor_drafts():
+    """``vllm.prefill_skip_tokens``: a forward with at least that many prompt tokens (beyond
+    γ + 1 per request) leaves the selection buffers alone and tells the drafter to skip once;
+    a decode-only forward selects as before."""
+    from types import SimpleNamespace
+
+    st = _state("collect2", kv_budget=7, first_layer=0, last_layer=1, layers_ready=True, prefill_skip_tokens=20)
+
+    def forward(lens, query_lens):
+        bt, nb = _block_table(lens, 5)
+        qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+        md = SimpleNamespace(query_start_loc=qsl, seq_lens=torch.tensor(lens, dtype=torch.int32),
+                             max_seq_len=max(lens), block_table=bt, num_actual_tokens=sum(query_lens),
+                             max_query_len=max(query_lens))
+        for layer in range(2):
+            st.on_layer(layer, torch.randn(sum(query_lens), 4, 8), torch.randn(nb, 2, BS, 2, 8), md, 0.5)
+        return md
+
+    md = forward([60, 50], [5, 5])  # decode only: selects
+    assert st.prompt_tokens(md) == 0 and not st.take_skip()
+    assert st.selection(2)[2].tolist() == [7, 7]
+    before = st.sel_buf.clone()
+    md = forward([60, 50, 40], [5, 5, 24])  # a 24-token prefill chunk: 34 - 3 * 5 = 19 prompt tokens
+    assert st.prompt_tokens(md) == 19 and not st.take_skip()
+    before = st.sel_buf.clone()
+    md = forward([60, 50, 40], [5, 5, 25])  # 20 prompt tokens: skipped
+    assert st.prompt_tokens(md) == 20 and st.plan is None
+    assert torch.equal(st.sel_buf, before)
+    assert st.take_skip() and not st.take_skip()  # once
+    st.prefill_skip_tokens = 0  # 0: never skips
+    forward([60, 50, 40], [5, 5, 400])
+    assert not st.take_skip() and st.plan is not None

@@ -122,6 +122,12 @@ class VllmOptions:
             power-of-two row count; False drafts eagerly.
         draft_graph_max_rows: largest row count (requests) a draft graph is captured for;
             larger batches draft eagerly. Integer >= 1.
+        prefill_skip_tokens: a runner forward that carries at least this many prompt tokens
+            (tokens beyond ``γ + 1`` per request: a prefill chunk) neither selects nor drafts:
+            it costs what plain vLLM's step costs, so prompts waiting behind it (time to first
+            token) are not slowed by the draft phase; its decoding rows emit one token and
+            the next step verifies no drafts. Integer >= 0 (tokens); 0 drafts after every
+            forward.
 
     Raises:
         VegasConfigError: a field is outside its allowed values.
@@ -131,6 +137,7 @@ class VllmOptions:
     verify_cuda_graphs: Literal["full", "piecewise"] = "full"
     draft_cuda_graphs: bool = True
     draft_graph_max_rows: int = DEFAULT_DRAFT_GRAPH_MAX_ROWS
+    prefill_skip_tokens: int = 0
 
     def __post_init__(self) -> None:
         _raise_if_not_one_of("vllm.tp_selection", self.tp_selection, TP_SELECTIONS)
@@ -138,6 +145,7 @@ class VllmOptions:
         if not isinstance(self.draft_cuda_graphs, bool):
             raise VegasConfigError.bad("vllm.draft_cuda_graphs", f"must be true or false, got {self.draft_cuda_graphs!r}")
         _raise_if_not_int("vllm.draft_graph_max_rows", self.draft_graph_max_rows, 1)
+        _raise_if_not_int("vllm.prefill_skip_tokens", self.prefill_skip_tokens, 0)
 
 
 @dataclass(frozen=True)

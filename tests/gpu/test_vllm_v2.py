@@ -22,7 +22,7 @@ def plain_v2():
     return _plain_reference(TP1)
 
 
-def _vegas_v2(monkeypatch, selector: str, prompts, sp):
+def _vegas_v2(monkeypatch, selector: str, prompts, sp, **vllm_options):
     """Outputs and V2 speculator counters of a Vegas engine forced onto the V2 runner."""
     from vllm import LLM
 
@@ -31,7 +31,8 @@ def _vegas_v2(monkeypatch, selector: str, prompts, sp):
 
     register()
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    llm = LLM(**vllm_engine_kwargs(str(DEFAULT_MODEL), num_draft_tokens=4, settings=settings_json(selector, VegasConfig(min_kv_budget=64)), **TP1))
+    llm = LLM(**vllm_engine_kwargs(str(DEFAULT_MODEL), num_draft_tokens=4, settings=settings_json(selector, VegasConfig(min_kv_budget=64, vllm=vllm_options)),
+                         **TP1))
     try:
         assert llm.llm_engine.vllm_config.use_v2_model_runner
         out = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
@@ -47,6 +48,15 @@ def test_vllm_v2_greedy_equals_plain(selector, plain_v2, monkeypatch):
     vegas, stats = _vegas_v2(monkeypatch, selector, prompts, sp)
     assert stats["runner"] == "v2" and stats["proposals"] > 0 and not stats["graph_failed"]
     assert stats["acceptance_length"] > 1.0, stats
+    _assert_equal_up_to_ties(plain, vegas)
+
+
+def test_vllm_v2_prefill_skip_keeps_greedy_equal(plain_v2, monkeypatch):
+    """vllm.prefill_skip_tokens: forwards with a prefill chunk neither select nor draft; the
+    output stays plain greedy's and the other steps still draft."""
+    prompts, sp, plain = plain_v2
+    vegas, stats = _vegas_v2(monkeypatch, "collect2", prompts, sp, prefill_skip_tokens=16)
+    assert stats["prefill_skips"] >= 1 and stats["proposals"] > 0 and stats["acceptance_length"] > 1.0, stats
     _assert_equal_up_to_ties(plain, vegas)
 
 

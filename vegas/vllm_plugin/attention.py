@@ -26,7 +26,12 @@ import torch
 
 from .selectors.quest import QuestDraft, fill_draft_table
 
-__all__ = ["DraftMetadata", "draft_attention", "layer_index", "page_views"]
+__all__ = ["DraftMetadata", "ONE_SPLIT_MAX_KEYS", "draft_attention", "layer_index", "page_views"]
+
+#: draft tables at most this wide (keys) run FA3 unsplit (``num_splits=1``): at most four key
+#: blocks per request, where FA3's split-KV heuristic would add a combine kernel per layer to a
+#: launch-bound draft forward for a few microseconds of parallelism
+ONE_SPLIT_MAX_KEYS = 512
 
 _layer_idx: dict[str, int] = {}
 _views: dict[tuple[int, tuple], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -125,7 +130,7 @@ def draft_attention(impl, layer, query, kv_cache, md: DraftMetadata, output):
         q_descale=None,
         k_descale=layer._k_scale.expand(descale_shape),
         v_descale=layer._v_scale.expand(descale_shape),
-        num_splits=0,
+        num_splits=1 if md.max_seq_len <= ONE_SPLIT_MAX_KEYS else 0,
         s_aux=impl.sinks,
     )
     return output

@@ -120,6 +120,7 @@ def start_drafter(vllm_config, gamma: int) -> tuple[Selector, str]:
 def use_path(selector: Selector, settings: str, gamma: int, device) -> None:
     """Put the selector's selection path (its fast path, else the generic one) in force."""
     STATE.use(path_class(selector)(selector, gamma, device), settings)
+    STATE.prefill_skip_tokens = selector.config.vllm.prefill_skip_tokens
 
 
 def reserve_selection_buffers(vllm_config, selector: Selector, gamma: int, max_seqs: int, device) -> None:
@@ -309,12 +310,15 @@ class VegasProposer:
             self._checked_groups = True
 
         req_ids = input_batch.req_ids[:num_reqs]
+        prefill_heavy = STATE.take_skip()  # the forward carried a prefill chunk and selected nothing
         if self.async_scheduling:
             step_inputs = self._async_step_inputs(req_ids)
         else:
             num_blocks = input_batch.block_table[0].num_blocks_per_row[:num_reqs].astype(np.int64)
             step_inputs = self._sync_step_inputs(sampled_token_ids, num_tokens_no_spec, req_ids, num_blocks)
-        if step_inputs is None or not STATE.has_selection or STATE.sel_buf is None or num_reqs > STATE.sel_buf.shape[1]:
+        if (prefill_heavy or step_inputs is None or not STATE.has_selection or STATE.sel_buf is None
+                or num_reqs > STATE.sel_buf.shape[1]):
+            self.stats.prefill_skips += prefill_heavy
             self._drafted = set()
             if self.async_scheduling:  # vLLM's async path scatters drafts from a device tensor
                 return torch.zeros((num_reqs, self.gamma), dtype=torch.int64, device=runner.device)

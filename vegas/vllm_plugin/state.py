@@ -76,6 +76,12 @@ class SelectionState:
     #: the FA3 score path (:class:`~.fa3_verify.FA3ScoreVerify`), made by the first
     #: :meth:`verify_layer` of a path that takes it
     fa3: object | None = None
+    #: forwards carrying at least this many prompt tokens neither select nor draft
+    #: (``VegasConfig.vllm.prefill_skip_tokens``; 0: never skip)
+    prefill_skip_tokens: int = 0
+    #: the last forward whose Python ran skipped its selection (:meth:`skips`); the drafter
+    #: reads and clears it (:meth:`take_skip`)
+    skipped: bool = False
 
     @property
     def num_layers(self) -> int:
@@ -145,6 +151,30 @@ class SelectionState:
         if timer is not None:
             timer.stop()
 
+    def prompt_tokens(self, attn_metadata) -> int:
+        """Prompt tokens of a forward, from its host-side metadata (no device sync): tokens
+        beyond ``γ + 1`` per request (a prefill chunk's), 0 for a decode-only batch."""
+        if attn_metadata.max_query_len <= self.gamma + 1:
+            return 0
+        num_reqs = attn_metadata.query_start_loc.shape[0] - 1
+        return max(0, int(attn_metadata.num_actual_tokens) - (self.gamma + 1) * num_reqs)
+
+    def skips(self, attn_metadata) -> bool:
+        """Whether this forward skips selection and drafting: it carries at least
+        :attr:`prefill_skip_tokens` prompt tokens (:meth:`prompt_tokens`). Sets :attr:`skipped`."""
+        limit = self.prefill_skip_tokens
+        self.skipped = bool(limit) and self.prompt_tokens(attn_metadata) >= limit
+        if self.skipped:
+            self.plan = None
+        return self.skipped
+
+    def take_skip(self) -> bool:
+        """Whether the last forward skipped its selection (then the drafter drafts nothing);
+        clears the flag, since a replayed full CUDA graph (decode-only) does not run
+        :meth:`skips`."""
+        skipped, self.skipped = self.skipped, False
+        return skipped
+
     def on_layer(self, layer_idx: int, query, kv_cache, attn_metadata, scale: float, softcap: float = 0.0) -> None:
         """Called after the full attention of ``layer_idx`` in a runner forward.
 
@@ -170,6 +200,8 @@ class SelectionState:
         row = layer_idx - self.first_layer
         fa3 = self.fa3 is not None and self.fa3.active  # a layer the FA3 score path does not cover
         if row == 0 and not fa3:
+            if self.skips(attn_metadata):
+                return
             with self.timed(query):
                 self.softcap = float(softcap or 0.0)
                 self._begin_forward(query, kv_cache, attn_metadata)
@@ -223,7 +255,7 @@ class SelectionState:
         fa3 = self.fa3
         row = layer_idx - self.first_layer
         if row == 0:
-            if not fa3.begin(self, impl, query, attn_metadata):
+            if self.skips(attn_metadata) or not fa3.begin(self, impl, query, attn_metadata):
                 return False
             with self.timed(query):
                 self.softcap = float(getattr(impl, "logits_soft_cap", 0.0) or 0.0)

@@ -25,6 +25,7 @@ class ProposerStats:
 
     proposals: int = 0
     draft_steps: int = 0
+    prefill_skips: int = 0  # steps that did not draft: their forward carried >= prefill_skip_tokens prompt tokens
     iterations: int = 0  # verified iterations of requests that had drafts
     emitted: int = 0  # tokens emitted by those iterations (accepted + bonus)
     select_ms: float = 0.0  # selection inside verification: plan + scoring + top-k (GPU clock, graphs included)

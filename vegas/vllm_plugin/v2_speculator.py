@@ -84,7 +84,8 @@ class VegasSpeculator(DraftModelSpeculator):
         self.step_cols = [torch.tensor(j, dtype=torch.int64, device=device) for j in range(self.gamma)]
         self.counters = torch.zeros(2, dtype=torch.int64, device=device)  # iterations, emitted
         self.proposals = 0
-        self.skipped = 0  # steps that drafted nothing (no row sampled a token)
+        self.skipped = 0  # steps that drafted nothing (no row sampled a token, or a prefill-heavy step)
+        self.prefill_skips = 0  # of those: forwards with >= prefill_skip_tokens prompt tokens
         self.select_ms = 0.0
         self.drafting = DraftEngine(
             vllm_config, self.gamma, options, device,
@@ -142,14 +143,17 @@ class VegasSpeculator(DraftModelSpeculator):
         stays exact.
         """
         n = input_batch.num_reqs
+        prefill_heavy = STATE.take_skip()  # the forward carried a prefill chunk and selected nothing
         if dummy_run or is_profile or attn_metadata is None:
             return self.draft_tokens[:n].zero_()
         idx = input_batch.idx_mapping  # [n] int32 batch row -> request slot
         if input_batch.num_draft_tokens > 0:
             self.counters += acceptance_counts(num_sampled, input_batch.cu_num_logits)
-        if rows_that_draft(input_batch) == 0 or not STATE.has_selection or STATE.sel_buf is None or n > self._row_cap():
+        if (prefill_heavy or rows_that_draft(input_batch) == 0 or not STATE.has_selection or STATE.sel_buf is None
+                or n > self._row_cap()):
             # zero drafts with one-hot logits: the next verification accepts exactly what it samples
             self.skipped += 1
+            self.prefill_skips += prefill_heavy
             one_hot_draft_logits(self.draft_logits, idx)
             return self.draft_tokens[:n].zero_()
         # blocks owned per row: the host's values of this step (the UVA view rotates under
@@ -180,13 +184,14 @@ class VegasSpeculator(DraftModelSpeculator):
     def reset_stats(self) -> None:
         """Zero the counters (waits for the GPU)."""
         self.counters.zero_()
-        self.proposals = self.skipped = 0
+        self.proposals = self.skipped = self.prefill_skips = 0
         self.select_ms = 0.0
         if STATE.timer is not None:
             STATE.timer.read(reset=True)
 
     def stats(self) -> dict:
-        """proposals (steps that drafted), skipped (steps that did not), iterations (verified
+        """proposals (steps that drafted), skipped (steps that did not; ``prefill_skips`` of
+        them for a prefill chunk of at least ``prefill_skip_tokens`` tokens), iterations (verified
         steps of rows with drafts), emitted (accepted + bonus tokens of those),
         ``acceptance_length`` = emitted / iterations, ``select_ms`` (GPU time of the
         selection inside verification). Waits for the GPU."""
@@ -197,6 +202,7 @@ class VegasSpeculator(DraftModelSpeculator):
             "runner": "v2",
             "proposals": self.proposals,
             "skipped": self.skipped,
+            "prefill_skips": self.prefill_skips,
             "iterations": iterations,
             "emitted": emitted,
             "acceptance_length": emitted / iterations if iterations else 0.0,
