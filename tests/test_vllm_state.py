@@ -777,16 +777,25 @@ def test_draft_engine_runs_gamma_forwards_over_the_selection(monkeypatch):
                             slot_mapping):
         md = next(iter(attn_metadata.values()))
         forward_log.append({"seqused": md.seqused_k.tolist(), "slots": next(iter(slot_mapping.values())).tolist(),
-                            "layers": sorted(attn_metadata), "width": md.max_seq_len})
+                            "layers": sorted(attn_metadata), "width": md.max_seq_len,
+                            "schedules": {id(m.scheduler_metadata) for m in attn_metadata.values()}})
         yield
+
+    schedules = []
+
+    def get_scheduler_metadata(**kw):  # FA3's tile schedule: one per draft step, every layer's
+        schedules.append(kw)
+        return torch.zeros(1)
 
     fake_config = types.ModuleType("vllm.config")
     fake_config.CUDAGraphMode = SimpleNamespace(NONE="none", PIECEWISE="piecewise")
     fake_fc = types.ModuleType("vllm.forward_context")
     fake_fc.set_forward_context = set_forward_context
     fake_fc.BatchDescriptor = lambda num_tokens: SimpleNamespace(num_tokens=num_tokens)
+    fake_fa = types.ModuleType("vllm.v1.attention.backends.flash_attn")
+    fake_fa.get_scheduler_metadata = get_scheduler_metadata
     for name, mod in (("vllm", types.ModuleType("vllm")), ("vllm.config", fake_config),
-                      ("vllm.forward_context", fake_fc)):
+                      ("vllm.forward_context", fake_fc), ("vllm.v1.attention.backends.flash_attn", fake_fa)):
         monkeypatch.setitem(sys.modules, name, mod)
 
     vocab = 50
@@ -814,7 +823,13 @@ def test_draft_engine_runs_gamma_forwards_over_the_selection(monkeypatch):
         STATE.reserve(4, 12, 5 * 4 * 8, torch.float32, torch.device("cpu"))
         for layer in range(2):
             STATE.on_layer(layer, torch.randn(10, 4, 8), torch.randn(nb, 2, BS, 2, 8), md, 0.5)
-        config = SimpleNamespace(model_config=SimpleNamespace(max_model_len=4096, get_vocab_size=lambda: vocab))
+        impl = SimpleNamespace(num_heads=4, num_kv_heads=2, head_size=8, logits_soft_cap=0.0, vllm_flash_attn_version=3)
+        config = SimpleNamespace(
+            model_config=SimpleNamespace(max_model_len=4096, get_vocab_size=lambda: vocab, dtype=torch.bfloat16),
+            cache_config=SimpleNamespace(cache_dtype="auto"),
+            compilation_config=SimpleNamespace(static_forward_context={
+                "layers.0.attn": SimpleNamespace(impl=impl), "layers.1.attn": SimpleNamespace(impl=impl)}),
+        )
         engine = DraftEngine(config, GAMMA, VegasConfig().vllm, "cpu", block_table=lambda: table, model=Model)
         engine.set_layers([("layers.0.attn", 0), ("layers.1.attn", 1)])
         bufs = engine.buffers(4, with_probs=False)
@@ -835,6 +850,11 @@ def test_draft_engine_runs_gamma_forwards_over_the_selection(monkeypatch):
         assert all(f["seqused"][1:] == [1 + j] * 3 for j, f in enumerate(forward_log))
         assert [f["slots"][:4] for f in forward_log] == [[_slot(bt, 0, 70 + j), -1, -1, -1] for j in range(GAMMA)]
         assert all(f["layers"] == ["layers.0.attn", "layers.1.attn"] for f in forward_log)
+        # one FA3 schedule per step, shared by the layers, with the step's pages and width
+        assert len(schedules) == GAMMA and all(len(f["schedules"]) == 1 for f in forward_log)
+        assert all(k["page_size"] == 1 and k["max_seqlen_q"] == 1 and k["num_splits"] == 1 and k["batch_size"] == 4
+                   and k["max_seqlen_k"] == forward_log[0]["width"] and k["qkv_dtype"] == torch.bfloat16
+                   for k in schedules)
     finally:
         for k, v in saved.items():
             setattr(STATE, k, v)

@@ -39,3 +39,33 @@ def test_sparse_draft_attention_matches_dense_reference():
         ref = torch.einsum("hn,nhd->hd", w, v)
         err = (out[s].float() - ref).norm() / ref.norm()
         assert err < 2e-2, (s, err)
+
+
+@cuda
+@pytest.mark.parametrize("width,rows", [(40, 3), (420, 40), (1500, 5)])
+def test_draft_attention_with_the_step_schedule_equals_per_layer_scheduling(width, rows):
+    """One FA3 tile schedule per draft step (:func:`draft_schedule`) gives the attention each
+    layer's own scheduling gives, narrow (one split) and wide (FA3's split heuristic) tables."""
+    pytest.importorskip("vllm.vllm_flash_attn")
+    from types import SimpleNamespace
+
+    from vegas.kernels import slots_to_fa_pages
+    from vegas.vllm_plugin.attention import DraftMetadata, draft_attention, draft_schedule
+
+    torch.manual_seed(1)
+    nb, bs, hkv, hq, d = 256, 16, 3, 9, 64
+    kv = torch.randn(nb, 2, bs, hkv, d, device="cuda", dtype=torch.bfloat16)
+    impl = SimpleNamespace(num_heads=hq, num_kv_heads=hkv, head_size=d, scale=d**-0.5, alibi_slopes=None,
+                           sliding_window=None, logits_soft_cap=0.0, vllm_flash_attn_version=3, sinks=None)
+    one = torch.ones((), device="cuda")
+    layer = SimpleNamespace(_k_scale=one, _v_scale=one)
+    slots = torch.stack([torch.randperm(nb * bs, device="cuda")[:width] for _ in range(rows)])
+    table = slots_to_fa_pages(slots, bs, 2 * bs).to(torch.int32)
+    used = torch.randint(1, width + 1, (rows,), dtype=torch.int32, device="cuda")
+    qsl = torch.arange(rows + 1, dtype=torch.int32, device="cuda")
+    q = torch.randn(rows, hq, d, device="cuda", dtype=torch.bfloat16)
+    outs = []
+    for schedule in (None, draft_schedule(impl, used, qsl, width, torch.bfloat16)):
+        md = DraftMetadata(table, used, qsl, width, rows, scheduler_metadata=schedule)
+        outs.append(draft_attention(impl, layer, q, kv, md, torch.empty_like(q)).clone())
+    assert torch.equal(outs[0], outs[1])

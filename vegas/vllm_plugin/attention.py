@@ -26,7 +26,8 @@ import torch
 
 from .selectors.quest import QuestDraft, fill_draft_table
 
-__all__ = ["DraftMetadata", "ONE_SPLIT_MAX_KEYS", "draft_attention", "layer_index", "page_views"]
+__all__ = ["DraftMetadata", "ONE_SPLIT_MAX_KEYS", "draft_attention", "draft_schedule", "draft_splits",
+           "layer_index", "page_views"]
 
 #: draft tables at most this wide (keys) run FA3 unsplit (``num_splits=1``): at most four key
 #: blocks per request, where FA3's split-KV heuristic would add a combine kernel per layer to a
@@ -50,6 +51,9 @@ class DraftMetadata:
         quest: Quest only: chooses this step's pages from its query and writes them into
             ``block_table`` before the attention (see :mod:`vegas.vllm_plugin.selectors.quest`).
         quest_row: the layer's row in the Quest page bounds.
+        scheduler_metadata: FA3's tile schedule of this draft step (:func:`draft_schedule`),
+            shared by every layer (their ``seqused_k`` and table width are the same); None lets
+            each layer's FA3 call compute it (one more kernel per layer).
     """
 
     block_table: torch.Tensor
@@ -59,6 +63,7 @@ class DraftMetadata:
     num_actual_tokens: int
     quest: QuestDraft | None = None
     quest_row: int = 0
+    scheduler_metadata: torch.Tensor | None = None
 
 
 def layer_index(layer_name: str) -> int:
@@ -95,6 +100,36 @@ def page_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return views
 
 
+def draft_splits(width: int) -> int:
+    """FA3's ``num_splits`` of a draft step over a table ``width`` keys wide: 1 up to
+    :data:`ONE_SPLIT_MAX_KEYS`, else 0 (FA3's heuristic)."""
+    return 1 if width <= ONE_SPLIT_MAX_KEYS else 0
+
+
+def draft_schedule(impl, seqused_k: torch.Tensor, query_start_loc: torch.Tensor, width: int, dtype):
+    """FA3's tile schedule of one draft step (``get_scheduler_metadata`` with the arguments
+    :func:`draft_attention` calls FA3 with), computed once per step instead of once per layer;
+    None where FA3 is not the attention (FA2 takes no schedule).
+
+    Args:
+        impl: a layer's ``FlashAttentionImpl`` (heads, head size, soft-cap; all layers alike).
+        seqused_k: ``(rows,)`` int32 pages each request attends in this step.
+        query_start_loc: ``(rows + 1,)`` int32 ``arange``.
+        width: the draft table's width (``max_seqlen_k``).
+        dtype: the KV cache's dtype.
+    """
+    if getattr(impl, "vllm_flash_attn_version", None) != 3:
+        return None
+    from vllm.v1.attention.backends.flash_attn import get_scheduler_metadata
+
+    return get_scheduler_metadata(
+        batch_size=seqused_k.shape[0], max_seqlen_q=1, max_seqlen_k=width, num_heads_q=impl.num_heads,
+        num_heads_kv=impl.num_kv_heads, headdim=impl.head_size, cache_seqlens=seqused_k, qkv_dtype=dtype,
+        cu_seqlens_q=query_start_loc, page_size=1, causal=True, has_softcap=bool(impl.logits_soft_cap),
+        num_splits=draft_splits(width),
+    )
+
+
 def draft_attention(impl, layer, query, kv_cache, md: DraftMetadata, output):
     """FA3 over the page-size-1 view of ``kv_cache`` with the layer's draft table (Quest first
     writes this step's pages into it); ``impl`` is the layer's ``FlashAttentionImpl``.
@@ -125,12 +160,12 @@ def draft_attention(impl, layer, query, kv_cache, md: DraftMetadata, output):
         window_size=list(impl.sliding_window) if impl.sliding_window is not None else None,
         block_table=md.block_table,
         softcap=impl.logits_soft_cap,
-        scheduler_metadata=None,
+        scheduler_metadata=md.scheduler_metadata,
         fa_version=impl.vllm_flash_attn_version,
         q_descale=None,
         k_descale=layer._k_scale.expand(descale_shape),
         v_descale=layer._v_scale.expand(descale_shape),
-        num_splits=1 if md.max_seq_len <= ONE_SPLIT_MAX_KEYS else 0,
+        num_splits=draft_splits(md.max_seq_len),
         s_aux=impl.sinks,
     )
     return output

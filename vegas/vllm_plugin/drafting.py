@@ -338,6 +338,20 @@ class DraftEngine:
         return int(self.vllm_config.model_config.get_vocab_size())
 
     @property
+    def attention_impl(self):
+        """The first attention layer's ``FlashAttentionImpl``: its heads, head size, soft-cap
+        and FA version stand for every layer's in the draft step's FA3 schedule."""
+        forward_context = self.vllm_config.compilation_config.static_forward_context
+        return forward_context[self.layers[0][0]].impl
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache's dtype: ``cache_dtype`` when it names one, else the model's (Vegas
+        refuses quantized KV caches)."""
+        named = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+        return named.get(self.vllm_config.cache_config.cache_dtype, self.vllm_config.model_config.dtype)
+
+    @property
     def num_graphs(self) -> int:
         return len(self._graphs)
 
@@ -365,7 +379,7 @@ class DraftEngine:
         from vllm.config import CUDAGraphMode
         from vllm.forward_context import BatchDescriptor, set_forward_context
 
-        from .attention import DraftMetadata
+        from .attention import DraftMetadata, draft_schedule
 
         num_tokens = num_tokens or rows
         mode = CUDAGraphMode.NONE if mode is None else mode
@@ -391,10 +405,11 @@ class DraftEngine:
                 input_ids[rows:num_tokens] = 0
                 positions[rows:num_tokens] = 0
             bufs.seqused.copy_(torch.clamp(base_used + j, max=width))
+            schedule = draft_schedule(self.attention_impl, bufs.seqused, bufs.query_start_loc, width, self.kv_dtype)
             attn_metadata = {
                 name: DraftMetadata(
                     tables[layer_rows[idx]], bufs.seqused, bufs.query_start_loc, width, rows,
-                    quest=pages, quest_row=layer_rows[idx],
+                    quest=pages, quest_row=layer_rows[idx], scheduler_metadata=schedule,
                 )
                 for name, idx in self.layers
             }
