@@ -4,6 +4,11 @@
 #   bash scripts/device_serving.sh profile   # step timelines (scripts/vllm_profile.py), one process per engine
 #   bash scripts/device_serving.sh serve     # vllm bench serve against vegas serve (scripts/serve_bench.py)
 #   bash scripts/device_serving.sh greedy    # greedy Vegas (V2 runner) against plain vLLM (tests/gpu/test_vllm_v2.py)
+#   bash scripts/device_serving.sh serve-start          # the serve run detached (outlives the device call)
+#   bash scripts/device_serving.sh serve-wait [SECONDS]  # wait for it (default 540 s); when done, $OUT/serve.tgz
+# A serve run with three servers takes ~6 min of starts plus ~20 s per vllm bench serve run: longer than one
+# 10-minute device call, hence serve-start + serve-wait in calls made back to back.
+# GREEDY_K selects tests of the greedy run (pytest -k), e.g. GREEDY_K="not sampling".
 # PROFILE_METHODS (default "plain vegas"; also vegas-v1, vegas-v2), PROFILE_ARGS, SERVE_ARGS adjust the runs; logs and JSON land in $OUT.
 set -u
 cd "$(dirname "$0")/.."
@@ -30,8 +35,25 @@ case ${1:-} in
     timeout ${SERVE_S:-560} python3 scripts/serve_bench.py --model "$MODEL" --out "$OUT/serve" \
       ${SERVE_ARGS:---methods plain,collect2 --rates 16,inf --repeats 3 --max-model-len 8192} 2>&1 | tail -40
     ;;
-  greedy)
-    timeout ${GREEDY_S:-300} python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_vllm_v2.py 2>&1 | tail -15
+  serve-start)  # detached: a new session survives the device call; results under /tmp/vegas_serve
+    mkdir -p /tmp/vegas_serve
+    (OUT=/tmp/vegas_serve setsid nohup bash "$0" serve > /tmp/vegas_serve/serve_bg.log 2>&1 < /dev/null &)
+    echo "serve run started in the background: /tmp/vegas_serve/serve_bg.log"
     ;;
-  *) echo "usage: device_serving.sh profile|serve|greedy" >&2; exit 2 ;;
+  serve-wait)
+    end=$(( $(date +%s) + ${2:-540} ))
+    while [ ! -f /tmp/vegas_serve/serve/table.md ] && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
+    echo "runs done: $(ls /tmp/vegas_serve/serve/raw 2>/dev/null | wc -l)"
+    if [ -f /tmp/vegas_serve/serve/table.md ]; then
+      sleep 2; tail -20 /tmp/vegas_serve/serve_bg.log
+      tar -C /tmp/vegas_serve -czf "$OUT/serve.tgz" serve serve_bg.log && echo "results: \$OUT/serve.tgz"
+    else
+      echo "still running; call serve-wait again"
+    fi
+    ;;
+  greedy)
+    timeout ${GREEDY_S:-300} python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_vllm_v2.py \
+      ${GREEDY_K:+-k "$GREEDY_K"} 2>&1 | tail -15
+    ;;
+  *) echo "usage: device_serving.sh profile|serve|serve-start|serve-wait [SECONDS]|greedy" >&2; exit 2 ;;
 esac
