@@ -38,7 +38,6 @@ __all__ = [
     "draft_graph_key",
     "draft_slots",
     "draft_tables",
-    "gumbel_max_sampler",
 ]
 
 logger = logging.getLogger("vegas.vllm")
@@ -212,6 +211,7 @@ class DraftBuffers:
     step_inputs: torch.Tensor  # [4, rows] int64: active, last sampled token, its position, blocks in use
     slots: torch.Tensor  # [rows] int32 request slot of each row (V2's per-slot draft logits; padding -> scratch)
     temperature: torch.Tensor  # [rows] float32 sampling temperature (1 on inactive rows; V1's sampler)
+    seeds: torch.Tensor  # [rows] int64 draft-noise seed of each row's request (V1's sampler; 0 on padding)
     seqused: torch.Tensor  # [rows] int32 pages each request attends in the current draft step
     query_start_loc: torch.Tensor  # [rows + 1] int32 arange: one query per request
     slot_mapping: torch.Tensor  # [max(rows, SLOT_MAPPING_MIN_ROWS)] int64 KV slot of each draft token, -1: none
@@ -226,6 +226,7 @@ class DraftBuffers:
             step_inputs=torch.zeros((STEP_INPUT_ROWS, rows), dtype=torch.int64, device=device),
             slots=torch.zeros(rows, dtype=torch.int32, device=device),
             temperature=torch.ones(rows, dtype=torch.float32, device=device),
+            seeds=torch.zeros(rows, dtype=torch.int64, device=device),
             seqused=torch.ones(rows, dtype=torch.int32, device=device),
             query_start_loc=torch.arange(rows + 1, dtype=torch.int32, device=device),
             slot_mapping=torch.full((max(rows, SLOT_MAPPING_MIN_ROWS),), -1, dtype=torch.int64, device=device),
@@ -242,6 +243,7 @@ class DraftBuffers:
             step_inputs=self.step_inputs[:, :rows],
             slots=self.slots[:rows],
             temperature=self.temperature[:rows],
+            seeds=self.seeds[:rows],
             seqused=self.seqused[:rows],
             query_start_loc=self.query_start_loc[: rows + 1],
             slot_mapping=self.slot_mapping[: max(rows, SLOT_MAPPING_MIN_ROWS)],
@@ -252,43 +254,28 @@ class DraftBuffers:
         )
 
     def fill(self, num_reqs: int, step_inputs: torch.Tensor, temperature: torch.Tensor | None = None,
-             slots: torch.Tensor | None = None, scratch: int = 0) -> None:
-        """The step's inputs ``(4, num_reqs)`` (and per-row temperatures / request slots) into
-        the buffers; rows ``>= num_reqs`` become inactive and point at the ``scratch`` slot."""
+             slots: torch.Tensor | None = None, scratch: int = 0, seeds: torch.Tensor | None = None) -> None:
+        """The step's inputs ``(4, num_reqs)`` (and per-row temperatures / request slots /
+        draft-noise seeds) into the buffers; rows ``>= num_reqs`` become inactive and point at
+        the ``scratch`` slot."""
         self.step_inputs[:, :num_reqs].copy_(step_inputs, non_blocking=True)
         self.step_inputs[:, num_reqs:] = 0
         if temperature is not None:
             self.temperature[:num_reqs].copy_(temperature)
             self.temperature[num_reqs:] = 1.0
+        if seeds is not None:
+            self.seeds[:num_reqs].copy_(seeds, non_blocking=True)
+            self.seeds[num_reqs:] = 0
         if slots is not None:
             self.slots[:num_reqs].copy_(slots, non_blocking=True)
         self.slots[num_reqs:] = scratch
 
 
 #: a draft sampler: ``(logits [rows, vocab], step j, buffers) -> tokens [rows]``; it may write
-#: the draft distribution where its runner's rejection sampler reads it
+#: the draft distribution where its runner's rejection sampler reads it. Both runners' samplers
+#: are vLLM's seeded ``gumbel_sample`` (V1: :func:`vegas.vllm_plugin.seeds.seeded_sampler`;
+#: V2: ``VegasSpeculator._sample``)
 DraftSampler = Callable[[torch.Tensor, int, DraftBuffers], torch.Tensor]
-
-
-def gumbel_max_sampler(sampling: bool) -> DraftSampler:
-    """The V1 runner's draft sampler: argmax for greedy rows (temperature below
-    :data:`GREEDY_TEMPERATURE`, or every row when ``sampling`` is False); otherwise a Gumbel-max
-    draw from ``softmax(logits / T)``, whose probabilities go to ``bufs.probs[:, j]`` for vLLM's
-    rejection sampler (``runner._draft_probs``)."""
-
-    def sample(logits: torch.Tensor, j: int, bufs: DraftBuffers) -> torch.Tensor:
-        logits = logits.float()  # [rows, vocab]
-        tokens = logits.argmax(dim=-1)
-        if not sampling:
-            return tokens
-        greedy = bufs.temperature < GREEDY_TEMPERATURE
-        temperature = torch.where(greedy, 1.0, bufs.temperature)
-        probs = torch.softmax(logits / temperature[:, None], dim=-1)
-        drawn = (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)  # Gumbel-max
-        bufs.probs[:, j].copy_(probs)
-        return torch.where(greedy, tokens, drawn)
-
-    return sample
 
 
 class DraftEngine:

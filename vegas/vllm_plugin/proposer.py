@@ -14,9 +14,12 @@ selector can then change at run time). Any other selector runs on the generic pa
 
 After each verification step (``propose`` runs after the runner's bookkeeping, same
 ``execute_model`` call) it drafts γ tokens per request (:mod:`vegas.vllm_plugin.drafting`).
-Draft probabilities are handed to vLLM's rejection sampler (``runner._draft_probs``), so
-sampling keeps the target distribution with full acceptance rates; greedy requests use vLLM's
-greedy path (token-identical up to bf16 batch effects).
+Drafts are sampled by vLLM's seeded Gumbel-max kernel with noise keyed by each request's seed
+and the draft position (:mod:`vegas.vllm_plugin.seeds`), so a seeded request drafts, and
+outputs, the same tokens whatever its batch neighbours. Draft probabilities are handed to
+vLLM's rejection sampler (``runner._draft_probs``), so sampling keeps the target distribution
+with full acceptance rates; greedy requests use vLLM's greedy path (token-identical up to bf16
+batch effects).
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from ..config import VegasConfigError
 from ..interfaces import Selector
 from . import patches
 from .async_sched import draft_start_positions, next_tokens_and_counts
-from .drafting import DraftEngine, attention_layers, draft_graph_key, gumbel_max_sampler
+from .drafting import DraftEngine, DraftSampler, attention_layers, draft_graph_key
+from .seeds import RequestSeeds, seeded_sampler
 from .settings import build_selector, path_class, read_settings, settings_json
 from .state import STATE
 from .stats import StatsRecorder
@@ -164,6 +168,9 @@ class VegasProposer:
         self._published: tuple | None = None
         self._layers_known = False
         self._checked_groups = False
+        #: each request's draft-noise seed (its ``SamplingParams.seed``, else one drawn for it)
+        self.seeds = RequestSeeds()
+        self._samplers: dict[bool, DraftSampler] = {}
         self.drafting = DraftEngine(
             vllm_config, self.gamma, self.config.vllm, None,  # the device: at load_model
             block_table=lambda: self.runner.input_batch.block_table[0].block_table.gpu,  # [max_reqs, max_blocks] int32
@@ -226,16 +233,28 @@ class VegasProposer:
     def capture_draft_graphs(self) -> int:
         """Every draft graph, greedy and sampling, at engine start (:meth:`DraftEngine.capture`)."""
         return self.drafting.capture(self._graph_cap(), [
-            ((sampling,), gumbel_max_sampler(sampling), sampling, 0) for sampling in (True, False)
+            ((sampling,), self._sampler(sampling), sampling, 0) for sampling in (True, False)
         ])
+
+    def _sampler(self, sampling: bool) -> DraftSampler:
+        """The draft sampler of a batch with (``sampling``) or without sampling rows
+        (:func:`~vegas.vllm_plugin.seeds.seeded_sampler`), one per kind for the engine's life."""
+        sample = self._samplers.get(sampling)
+        if sample is None:
+            model_config = self.vllm_config.model_config
+            sample = self._samplers[sampling] = seeded_sampler(
+                sampling, int(model_config.max_model_len), bool(getattr(model_config, "use_fp64_gumbel", False)),
+            )
+        return sample
 
     def _graph_cap(self) -> int:
         """Rows a draft graph can have: the block table's and the selection buffers' rows."""
         return min(self.drafting.block_table().shape[0], STATE.sel_buf.shape[1])
 
-    def _draft(self, num_reqs: int, sampling: bool, step_inputs: torch.Tensor, temperature):
+    def _draft(self, num_reqs: int, sampling: bool, step_inputs: torch.Tensor, temperature, seeds):
         """Draft γ tokens for ``num_reqs`` requests: the draft graph of the batch's row count,
         else eagerly (through vLLM's piecewise graphs, which read the runner's input buffers).
+        ``temperature`` and ``seeds`` (``(num_reqs,)``, batch order) are None when no row samples.
 
         Returns:
             ``tokens`` ``(>= num_reqs, γ)`` int64 and ``probs`` ``(>= num_reqs, γ, vocab)``
@@ -244,19 +263,19 @@ class VegasProposer:
         from vllm.config import CUDAGraphMode
 
         engine = self.drafting
-        sample = gumbel_max_sampler(sampling)
+        sample = self._sampler(sampling)
         rows = engine.graph_rows(num_reqs, self._graph_cap())
         if rows is not None:
             try:
                 graph, bufs = engine.graph(rows, draft_graph_key(rows, sampling), sample, sampling)
-                bufs.fill(num_reqs, step_inputs, temperature)
+                bufs.fill(num_reqs, step_inputs, temperature, seeds=seeds)
                 graph.replay()
                 return bufs.tokens, bufs.probs
             except Exception as e:  # fall back to eager drafting for good
                 logger.warning("vegas: CUDA-graph drafting failed (%r); drafting eagerly from now on", e)
                 engine.graph_failed = True
         bufs = engine.buffers(num_reqs, sampling)
-        bufs.fill(num_reqs, step_inputs, temperature)
+        bufs.fill(num_reqs, step_inputs, temperature, seeds=seeds)
         # piecewise at most: a FULL key would replay vLLM's captured verification graph,
         # with its own metadata and slot mapping, instead of this draft step
         mode, desc = self.runner.cudagraph_dispatcher.dispatch(
@@ -326,9 +345,11 @@ class VegasProposer:
         sampling_metadata = input_batch.sampling_metadata
         sampling = not (sampling_metadata.all_greedy or sampling_metadata.temperature is None)
         temperature = sampling_metadata.temperature[:num_reqs] if sampling else None
+        # [num_reqs] int64 by request id: a row's seed does not depend on its neighbours or its row
+        seeds = self.seeds.on_device(req_ids, runner.requests, runner.device) if sampling else None
 
         start = self._event()
-        tokens, probs = self._draft(num_reqs, sampling, step_inputs, temperature)
+        tokens, probs = self._draft(num_reqs, sampling, step_inputs, temperature, seeds)
         draft_ids = tokens[:num_reqs].clone()  # [num_reqs, γ]
         if sampling:
             runner._draft_probs = probs[:num_reqs]  # [num_reqs, γ, vocab]
