@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Device checks in one script: GPU tests, then the vLLM benchmark (greedy exactness + throughput and τ
-# tables) on the benchmark model SmolLM2-135M (9 query / 3 KV heads of 64, 30 layers, 8K context).
+# Device checks in one script: GPU tests, then the vLLM benchmark (`vegas bench --backend vllm`: greedy
+# exactness + throughput and τ table) on the benchmark model SmolLM2-135M (9 query / 3 KV heads of 64, 30 layers, 8K context).
 # Keeps going after a failure; logs in $OUT. Phases (PHASES, in order): env smollm2 kernels cuda kbench
 # profile bench.
 #
@@ -15,20 +15,18 @@
 #                                                       # into the HF checkpoint /tmp/smollm2-hf
 #   call 12 (GPU tests, ~7-8 min):
 #     run(command="KTEST_S=480 PHASES='env smollm2 kernels cuda' bash scripts/device_check.sh", carry=[])
-#   call 13 (benchmark, ~7-8 min; plain + 4 selectors x 2 budgets = 9 engines; greedy exactness of 32
-#   prompts x 64 tokens against plain greedy; batches 32 and 128 at T = 0.8; τ table at 5 % and 2 %):
+#   call 13 (benchmark, ~7-8 min; one run per KV budget (BENCH_SPARSITIES, 5 % and 2 %), each plain + 4
+#   selectors = 5 engines alive at once; greedy exactness of 32 prompts x 64 tokens against plain greedy;
+#   batches 32 and 128 at T = 0.8, top-p 1):
 #     run(command="PHASES=bench BENCH_S=480 bash scripts/device_check.sh", carry=[])
 #   (call 13's BENCH_ARGS are the default below; call 12 alone takes the PHASES default's place.)
 # The smollm2 phase is a no-op once /tmp/smollm2-hf exists; without the SmolLM2 parts it says what to carry.
 # Tensor parallelism (kind nvidia-h200-x2; NVLink multicast stays off, NCCL_NVLS_ENABLE=0):
-#   KTEST_S=480 PHASES="env kernels bench" BENCH_ARGS="--tp 2 --tp-selection all_reduce,per_rank ..." \
+#   KTEST_S=480 PHASES="env kernels bench" BENCH_ARGS="... --engine-args '{\"tensor_parallel_size\": 2}'" \
 #     bash scripts/device_check.sh
 # A subset of the GPU tests: KTEST_ARGS="-k 'async or smoke'" (passed to pytest).
-# The embedded tiny model instead of SmolLM2: BENCH_ARGS="--methods vegas,plain,ngram --contexts 16384,8192 ..."
-#   (no --model: scripts/vllm_bench.py defaults to vegas/model).
-# The dummy Qwen3-8B latency table (plain step vs sparse draft step, verify step, selection):
-#   PHASES=bench BENCH_S=250 BENCH_ARGS="--methods= --exact-prompts 0 --batches 4 --contexts 8192 \
-#     --latency-8b --latency-contexts 32768,131072 --latency-batches 1,4" bash scripts/device_check.sh
+# The embedded tiny model instead of SmolLM2: BENCH_ARGS="--selectors collect2,ngram --context 16384,8192 ..."
+#   (no --model: vegas bench defaults to the embedded model; vegas bench --help lists the flags).
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
@@ -38,9 +36,10 @@ OUT=${OUT:-/tmp/vegas_out}; mkdir -p "$OUT"
 PHASES=${PHASES:-"env smollm2 kernels cuda bench"}
 BENCH_S=${BENCH_S:-480}
 SMOLLM2=${SMOLLM2_HF:-/tmp/smollm2-hf}
-BENCH_ARGS=${BENCH_ARGS:-"--model $SMOLLM2 --contexts 7680 --batches 32,128 --methods plain,vegas \
-  --selectors collect2,aggregated,sliding_window,quest --sparsity 0.05,0.02 --min-kv-budget 0 --new-tokens 256 \
-  --exact-prompts 32"}
+BENCH_ARGS=${BENCH_ARGS:-"--model $SMOLLM2 --context 7680 --batch-size 32,128 \
+  --selectors collect2,aggregated,sliding_window,quest --min-kv-budget 0 --new-tokens 256 --top-p 1 \
+  --exact-prompts 32 --check-tokens 64"}
+BENCH_SPARSITIES=${BENCH_SPARSITIES:-"0.05 0.02"}
 T0=$(date +%s)
 say() { echo "=== [$(( $(date +%s) - T0 ))s] $*"; }
 
@@ -91,12 +90,15 @@ for phase in $PHASES; do
       done
       ;;
     bench)
-      left=$(( BENCH_S ))
-      say "vllm_bench.py $BENCH_ARGS (time budget ${left}s)"
-      timeout $(( left + 60 )) python3 scripts/vllm_bench.py $BENCH_ARGS --time-budget "$left" \
-        --out "$OUT/bench.json" > "$OUT/bench.log" 2>&1
-      echo "bench rc=$?"
-      grep -E "^\[|^\||^τ|exactness|errors|Error|error|Traceback|FAILED" "$OUT/bench.log" | grep -v "WARNING" | tail -80
+      n=$(echo $BENCH_SPARSITIES | wc -w)
+      for share in $BENCH_SPARSITIES; do
+        say "vegas bench --backend vllm $BENCH_ARGS --sparsity-ratio $share (time limit $(( BENCH_S / n ))s)"
+        eval "set -- $BENCH_ARGS"  # shell words: a JSON --engine-args stays one argument
+        timeout $(( BENCH_S / n )) python3 -c "from vegas.cli import main; main()" bench --backend vllm "$@" \
+          --sparsity-ratio "$share" --json "$OUT/bench_kv$share.json" > "$OUT/bench_kv$share.log" 2>&1
+        echo "bench rc=$?"
+        grep -E "^\||exactness|^error|Error|Traceback|FAILED" "$OUT/bench_kv$share.log" | grep -v "WARNING" | tail -40
+      done
       ;;
   esac
 done

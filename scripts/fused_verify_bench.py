@@ -25,7 +25,7 @@ scores' relative error against the separate kernel and whether the top-k selecti
 Each variant: CUDA events around ``--iters`` steps, ``--reps`` interleaved repeats; the table
 gives the median (min-max) ms per step, the ratio to ``fa3``, the K+V bandwidth, and the floor:
 K+V bytes read / 4.3 TB/s (H200 HBM3e). Selection overhead = ``fused - fa3 + topk`` (fused) or
-``fa3+score - fa3 + topk`` (today); compare it with the decode step time of scripts/vllm_bench.py.
+``fa3+score - fa3 + topk`` (today); compare it with the decode step time of ``vegas bench --backend vllm``.
 
     python scripts/fused_verify_bench.py                  # every case
     python scripts/fused_verify_bench.py --case tiny --no-sweep

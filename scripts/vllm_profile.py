@@ -20,6 +20,8 @@ Everything goes to ``OUT/profile.json``::
 
     PYTHONPATH=/tmp/site:$PWD python scripts/vllm_profile.py --model /tmp/smollm2-hf \
         --methods plain,vegas --out $OUT --torch-profile
+
+Engines and prompts are ``vegas bench --backend vllm``'s (:mod:`vegas.backends.vllm_bench`).
 """
 
 from __future__ import annotations
@@ -35,10 +37,11 @@ from pathlib import Path
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CUSTOM_SCOPES_FOR_PROFILING", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import vllm_bench as vb  # noqa: E402
+from vegas.backends import vllm_bench as vb  # noqa: E402
+from vegas.backends.vllm import shutdown_engine, start_engine  # noqa: E402
+from vegas.config import VegasConfig  # noqa: E402
 
 STEPS: list[dict] = []
 CAPTURES: list[float] = []  # host times of draft-graph captures (from the vegas log)
@@ -128,7 +131,7 @@ def run_workload(llm, name: str, prompts, sp, method: str) -> dict:
         llm.collective_rpc("vegas_configure", args=(None, True))
     STEPS.clear()
     t0 = time.perf_counter()
-    outs = vb.generate(llm, prompts, sp)
+    outs = generate(llm, prompts, sp)
     t1 = time.perf_counter()
     res = summarize(list(STEPS), t0, t1)
     ntok = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -156,9 +159,29 @@ def run_workload(llm, name: str, prompts, sp, method: str) -> dict:
     return res
 
 
+def generate(llm, prompts, sp):
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+
+
+def build_llm(method: str, args, runner: str | None):
+    """The engine of ``method`` ("plain" or a Vegas selector), as ``vegas bench --backend vllm``
+    makes it; ``runner="v1"``/``"v2"`` picks vLLM's model runner (its ``VLLM_USE_V2_MODEL_RUNNER``)."""
+    config = VegasConfig(num_draft_tokens=args.gamma, sparsity_ratio=0.05, min_kv_budget=256,
+                         vllm={"prefill_skip_tokens": args.skip_tokens})
+    kw = vb.engine_kwargs(method, args.model, config, max_model_len=args.ctx + args.new_tokens + 64,
+                          max_num_seqs=args.batch, gpu_memory_utilization=0.6,
+                          engine_args={"max_num_batched_tokens": args.max_num_batched_tokens})
+    if runner is not None:
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
+    try:
+        return start_engine(kw, None if method == "plain" else method)
+    finally:
+        os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=str(vb.ROOT / "vegas" / "model"))
+    ap.add_argument("--model", default=None, help="as vegas bench's --model (default: the embedded model)")
     ap.add_argument("--methods", default="plain,vegas",
                     help="plain, vegas (the runner vLLM picks), vegas-v1 / vegas-v2 (that runner), vegas-skip (vegas with --prefill-skip-tokens); one per process")
     ap.add_argument("--selector", default="collect2")
@@ -180,30 +203,26 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=logging.INFO)
-    ns = argparse.Namespace(
-        model=args.model, load_format=None, batches=[args.batch], gpu_mem=0.6, eager=False, gamma=args.gamma,
-        sparsity=0.05, min_kv_budget=256, kv_budget=0, verify_graphs="full", tp=1, tp_selection="all_reduce",
-        vegas_scheduling="async", max_num_batched_tokens=args.max_num_batched_tokens,
-    )
     import torch
     from vllm import SamplingParams
 
-    data = vb.ROOT / "benchmarks/data/heldout_code_dev.jsonl.xz"
+    from vegas.models import resolve_model
+
+    args.model = resolve_model(args.model)
     n_open = args.batch * args.open_factor
-    prompts = vb.load_prompts(args.model, n_open + args.serve_requests * 2, args.ctx, data)
+    prompts = vb.load_prompts(args.model, n_open + args.serve_requests * 2, args.ctx)
     cached, fresh = prompts[:n_open], prompts[n_open:]
     sp = SamplingParams(temperature=args.temperature, max_tokens=args.new_tokens, ignore_eos=True, detokenize=False)
     results: dict = {"args": vars(args), "rows": {}}
     instrument()
     for method in args.methods.split(","):
         runner = {"vegas-v1": "v1", "vegas-v2": "v2"}.get(method)
-        ns.prefill_skip_tokens = args.prefill_skip_tokens if method == "vegas-skip" else 0
+        args.skip_tokens = args.prefill_skip_tokens if method == "vegas-skip" else 0
         t = time.time()
-        llm = vb.build_llm("vegas" if method.startswith("vegas") else method, ns, args.ctx + args.new_tokens + 64,
-                           vb.vegas_settings(ns, args.selector), runner=runner)
+        llm = build_llm(args.selector if method.startswith("vegas") else "plain", args, runner)
         print(f"[{method}] engine start {time.time() - t:.1f}s", flush=True)
-        vb.generate(llm, cached, SamplingParams(max_tokens=1, detokenize=False))  # prefix cache
-        vb.generate(llm, cached[: args.batch], SamplingParams(temperature=args.temperature, max_tokens=16,
+        generate(llm, cached, SamplingParams(max_tokens=1, detokenize=False))  # prefix cache
+        generate(llm, cached[: args.batch], SamplingParams(temperature=args.temperature, max_tokens=16,
                                                                 ignore_eos=True, detokenize=False))  # warm-up
         rows = results["rows"].setdefault(method, {})
         for wl in args.workloads.split(","):
@@ -221,14 +240,14 @@ def main() -> int:
 
             batch = [p[: args.serve_len - 7] for p in fresh[: args.serve_requests]]  # not cached: new lengths
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                vb.generate(llm, batch, sp)
+                generate(llm, batch, sp)
             ka = prof.key_averages()
             text = ka.table(sort_by="self_cuda_time_total", row_limit=45)
             text += "\n" + ka.table(sort_by="cpu_time_total", row_limit=45)
             (out / f"kernels_{method}.txt").write_text(text)
             print(ka.table(sort_by="self_cuda_time_total", row_limit=22), flush=True)
         (out / "profile.json").write_text(json.dumps(results, indent=1, default=str))
-        vb.shutdown(llm)
+        shutdown_engine(llm)
         del llm
         torch.cuda.empty_cache()
     return 0

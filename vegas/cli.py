@@ -72,6 +72,20 @@ def _click_error(exc: VegasConfigError) -> click.ClickException:
     return click.UsageError(str(exc), ctx=ctx)
 
 
+def _number_list(kind):
+    """Callback: a comma-separated list of ``kind`` (None stays None: the preset's)."""
+
+    def parse(ctx, param, value: str | None):
+        if value is None:
+            return None
+        try:
+            return [kind(v) for v in value.split(",") if v.strip()]
+        except ValueError:
+            raise click.BadParameter(f"must be comma-separated {kind.__name__}s, got {value!r}") from None
+
+    return parse
+
+
 class _LogFormat(logging.Formatter):
     """``vegas: message``, ``vegas: warning: message`` at WARNING and above; another library's
     record starts with its logger's name instead."""
@@ -97,32 +111,66 @@ def main(verbose: bool) -> None:
 @_config_options
 @click.option("--selectors", default="all", show_default=True,
               help="Comma-separated selector names; 'all' = every registered selector, plugins included; "
-                   "plain decoding ('none') is always measured, as the reference.")
-@click.option("--context", default=4096, show_default=True, type=int, help="Prompt length in tokens.")
+                   "plain decoding ('none') is always measured, as the reference. With --backend vllm also "
+                   "'ngram' (vLLM's n-gram proposer).")
+@click.option("--context", default="4096", show_default=True, callback=_number_list(int),
+              help="Prompt length in tokens; with --backend vllm a comma list (one row per context).")
 @click.option("--new-tokens", default=64, show_default=True, type=int, help="Tokens generated per prompt.")
-@click.option("--batch-size", default=2, show_default=True, type=int, help="Prompts decoded together.")
+@click.option("--batch-size", default="2", show_default=True, callback=_number_list(int),
+              help="Prompts decoded together; with --backend vllm a comma list (one row per batch size).")
 @click.option("--check-tokens", default=16, show_default=True, type=int,
               help="Tokens of the greedy exactness check per selector.")
 @click.option("--prompts", default=None, type=click.Path(exists=True),
-              help="Text file or directory to cut prompts from (default: installed click source).")
+              help="Text file, directory or .jsonl(.xz) document set to cut prompts from (default: installed click "
+                   "source; with --backend vllm the checkout's held-out code, else click source).")
 @click.option("--repeats", default=1, show_default=True, type=int,
               help="Timed runs per method, interleaved across methods; rows report the median tok/s, and a "
                    "selector is recommended over plain decoding only when faster by more than the spread.")
+@click.option("--open", "open_factor", default=None, type=int, metavar="K",
+              help="vllm backend: open batches, K x batch requests through batch slots (max_num_seqs = batch) "
+                   "[default: 0, closed batches].")
+@click.option("--exact-prompts", default=None, type=int,
+              help="vllm backend: prompts of the greedy exactness check, at the first context; 0 skips it "
+                   "[default: 8].")
+@click.option("--engine-args", default=None,
+              help="vllm backend: further vllm.LLM arguments of every engine as a JSON object, e.g. "
+                   "'{\"tensor_parallel_size\": 2, \"enforce_eager\": true}'; gpu_memory_utilization is the "
+                   "total of the engines alive at once [default: 0.85].")
 @click.option("--json", "json_path", default=None, type=click.Path(), help="Write results as JSON here.")
 @click.option("--plot", "plot_path", default=None, type=click.Path(),
-              help="Write the table as a chart here (PNG: τ and speedup per selector).")
+              help="Write the table as a chart here (PNG: τ and speedup per selector; hf backend).")
 def bench(json_path, plot_path, selectors, **kwargs) -> None:
-    """Plain decoding vs each selector on the same long prompts: τ, tok/s, speedup, exactness."""
+    """Plain decoding vs each selector on the same long prompts: τ, tok/s, speedup, exactness.
+
+    With --backend vllm (a CUDA GPU and vLLM 0.24): plain vLLM, vLLM's ngram and each selector,
+    one engine each, over every --context and --batch-size, closed or open (--open) batches;
+    prints a Markdown table (tok/s, x plain, τ, ms/iter, selection share, byte floor and bound).
+    """
     from .bench import BenchOptions, render, run_bench, verdict, write_json
+    from .plugins import backend_names
 
     console = Console(width=None if sys.stdout.isatty() else 120)  # the table's 7 columns fit
+    vllm_only = {k: kwargs.pop(k) for k in ("open_factor", "exact_prompts", "engine_args")}
     try:
+        backends = backend_names()
+        if kwargs["backend"] not in backends:
+            raise VegasConfigError.bad("backend", f"must be one of {', '.join(backends)}, got {kwargs['backend']!r}")
         names = None if selectors == "all" else [s.strip() for s in selectors.split(",") if s.strip()]
         if names == []:
             raise VegasConfigError.bad("selectors", "must name at least one selector, or 'all'")
         for flag, path in (("--json", json_path), ("--plot", plot_path)):
             if path and (Path(path).is_dir() or not Path(path).resolve().parent.is_dir()):
                 raise VegasConfigError(f"{flag} {path!r} must be a file path in an existing directory")
+        if kwargs["backend"] == "vllm":
+            return _bench_vllm(names, json_path, plot_path, vllm_only, kwargs)
+        for name in ("open_factor", "exact_prompts", "engine_args"):
+            if vllm_only[name] is not None:
+                raise VegasConfigError.bad(name, "is for --backend vllm only")
+        for name in ("context", "batch_size"):
+            if len(kwargs[name] or []) != 1:
+                raise VegasConfigError.bad(name, f"takes one value with --backend {kwargs['backend']} "
+                                                 f"(a comma list with --backend vllm), got {kwargs[name]!r}")
+            kwargs[name] = kwargs[name][0]
         for flag, path in (("--json", json_path), ("--plot", plot_path)):
             if path:
                 _check_writable(Path(path), flag)
@@ -142,6 +190,53 @@ def bench(json_path, plot_path, selectors, **kwargs) -> None:
         console.print(f"chart written to {plot_path}")
     if not all(r["lossless"] for r in results["selectors"].values()):
         raise click.ClickException("greedy exactness check failed for some selector")
+
+
+def _bench_vllm(names, json_path, plot_path, vllm_only: dict, kwargs: dict) -> None:
+    """``vegas bench --backend vllm`` (:mod:`vegas.backends.vllm_bench`).
+
+    Raises:
+        VegasConfigError: a bad option (its field named), before any engine starts.
+    """
+    from .backends.vllm_bench import VllmBenchOptions, run_vllm_bench, summary_lines, table, write_json
+    from .config import parse_json_object
+    from .plugins import selector_names
+
+    for flag, value in (("--plot", plot_path), ("--rope-scaling", kwargs["rope_scaling"])):
+        if value is not None:
+            raise VegasConfigError(f"{flag} is for --backend hf only: vegas bench --backend vllm has no {flag}")
+    if kwargs["device"] is not None and not str(kwargs["device"]).startswith("cuda"):
+        raise VegasConfigError.bad("device", f"must be cuda with --backend vllm, got {kwargs['device']!r}")
+    if json_path:
+        _check_writable(Path(json_path))
+    engine_args = vllm_only["engine_args"]
+    opts = VllmBenchOptions(
+        model=kwargs["model"], selectors=names if names is not None else selector_names(),
+        contexts=kwargs["context"] or [], batches=kwargs["batch_size"] or [],
+        open_factor=0 if vllm_only["open_factor"] is None else vllm_only["open_factor"],
+        repeats=kwargs["repeats"], new_tokens=kwargs["new_tokens"], num_draft_tokens=kwargs["num_draft_tokens"],
+        sparsity_ratio=kwargs["sparsity_ratio"], kv_budget=kwargs["kv_budget"], min_kv_budget=kwargs["min_kv_budget"],
+        temperature=kwargs["temperature"], top_p=kwargs["top_p"], seed=kwargs["seed"],
+        check_tokens=kwargs["check_tokens"],
+        exact_prompts=8 if vllm_only["exact_prompts"] is None else vllm_only["exact_prompts"],
+        prompts=kwargs["prompts"],
+        dtype="bfloat16" if kwargs["dtype"] == "float32" else kwargs["dtype"],  # FA3 has no float32 path
+        engine_args=parse_json_object(engine_args, "--engine-args") if engine_args else {},
+    )
+
+    def save(results: dict) -> None:
+        if json_path:
+            write_json(results, json_path)
+
+    results = run_vllm_bench(opts, log=lambda line: click.echo(line, err=True), save=save)
+    save(results)
+    click.echo(table(results))
+    for line in summary_lines(results):
+        click.echo(line)
+    if json_path:
+        click.echo(f"results written to {json_path}", err=True)
+    if any(v["identical"] != v["total"] for v in results["exactness"].values()):
+        raise click.ClickException("greedy exactness check: some method differs from plain vLLM greedy")
 
 
 def _check_writable(path: Path, flag: str = "--json") -> None:
@@ -203,20 +298,6 @@ def generate(prompt, selector, max_new_tokens, chat, model, rope_scaling, backen
         f"selection {s.selection_seconds:.3f} s]",
         err=True,
     )
-
-
-def _number_list(kind):
-    """Callback: a comma-separated list of ``kind`` (None stays None: the preset's)."""
-
-    def parse(ctx, param, value: str | None):
-        if value is None:
-            return None
-        try:
-            return [kind(v) for v in value.split(",") if v.strip()]
-        except ValueError:
-            raise click.BadParameter(f"must be comma-separated {kind.__name__}s, got {value!r}") from None
-
-    return parse
 
 
 def _tune_options(fn):

@@ -60,8 +60,11 @@ __all__ = [
     "VLLM_INSTALL_HINT",
     "VLLMBackend",
     "engine_args_from_env",
+    "model_max_context",
     "raise_if_sliding_window",
+    "shutdown_engine",
     "sliding_window_layers",
+    "start_engine",
     "verify_cuda_graphs",
     "vllm_engine_kwargs",
     "vllm_missing_message",
@@ -92,17 +95,17 @@ def verify_cuda_graphs(selector: Selector, config: VegasConfig) -> str:
 
 
 @contextmanager
-def _engine_core_in_process(selector: Selector | None):
+def _engine_core_in_process(selector: str | None):
     """Run a new engine's core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) while the
-    block runs, for a selector that is not built in: the worker then finds it by name in this
-    process's registry (a selector registered by hand included)."""
-    if selector is None or is_builtin(owner("selectors", selector.name)):
+    block runs, for a selector (by name) that is not built in: the worker then finds it by name
+    in this process's registry (a selector registered by hand included)."""
+    if selector is None or is_builtin(owner("selectors", selector)):
         yield
         return
     key = "VLLM_ENABLE_V1_MULTIPROCESSING"
     saved = os.environ.get(key)
     os.environ[key] = "0"
-    log.info("vllm backend: selector %r is not built in; the engine core runs in this process", selector.name)
+    log.info("vllm backend: selector %r is not built in; the engine core runs in this process", selector)
     try:
         yield
     finally:
@@ -233,7 +236,7 @@ def vllm_engine_kwargs(
 ) -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM`` for plain decoding (``num_draft_tokens=None``) or for
     Vegas with γ = ``num_draft_tokens``: what a vLLM user passes to switch Vegas on. The one
-    place engine arguments are made (the backend and ``scripts/vllm_bench.py`` use it). With
+    place engine arguments are made (the backend and ``vegas bench --backend vllm`` use it). With
     Vegas, ``worker_extension_cls`` is :data:`vegas.vllm_plugin.WORKER_EXTENSION`, whose
     methods the backend calls by name (``collective_rpc("vegas_stats")``): no function is
     pickled, so vLLM's insecure-serialization switch stays as the user set it (``docs/vllm.md``).
@@ -274,6 +277,44 @@ def vllm_engine_kwargs(
     if compilation:
         kw["compilation_config"] = compilation
     return kw
+
+
+def model_max_context(model: str, trust_remote_code: bool = False) -> int:
+    """The model's context in tokens: its transformers config's ``max_position_embeddings``
+    (of the text config of a multimodal model; 0 when the config has none)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return int(getattr(text, "max_position_embeddings", 0) or 0)
+
+
+def start_engine(engine_kwargs: dict[str, Any], selector: str | None = None):
+    """A ``vllm.LLM`` of ``engine_kwargs`` (made by :func:`vllm_engine_kwargs`): the one place
+    engines are started (the backend and ``vegas bench --backend vllm``). Registers the Vegas
+    plugin in this process first (also where vegas is not pip-installed, i.e. without its
+    ``vllm.general_plugins`` entry point); ``selector``, the name of the engine's Vegas selector
+    (None: plain vLLM or ngram), runs the engine core in this process when it is not built in.
+
+    Raises:
+        ImportError: vLLM is not installed.
+    """
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    from vllm import LLM
+
+    from ..vllm_plugin import register
+
+    register()
+    with _engine_core_in_process(selector):
+        return LLM(**engine_kwargs)
+
+
+def shutdown_engine(llm) -> None:
+    """Stop an engine's processes so that the next engine gets the GPU memory (best effort)."""
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception as e:  # best effort
+        log.debug("vllm backend: shutdown: %r", e)
 
 
 class VLLMBackend(Backend):
@@ -342,16 +383,10 @@ class VLLMBackend(Backend):
         if self._llm is not None and self._key == key:
             return self._llm
         self.close()
-        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         verify, settings = "full", None
         if selector is not None:
             settings = vegas_settings.settings_json(selector.name, config)
             verify = verify_cuda_graphs(selector, config)
-        from vllm import LLM
-
-        from ..vllm_plugin import register
-
-        register()  # also where vegas is not pip-installed (its vllm.general_plugins entry point)
         overrides = dict(self.engine_args)
         if self._hf_overrides:  # rope_scaling; the engine arguments' hf_overrides win key by key
             overrides["hf_overrides"] = {**self._hf_overrides, **overrides.get("hf_overrides", {})}
@@ -364,8 +399,7 @@ class VLLMBackend(Backend):
             settings=settings,
             **overrides,
         )
-        with _engine_core_in_process(selector):
-            self._llm = LLM(**kw)
+        self._llm = start_engine(kw, selector.name if selector is not None else None)
         self._key = key
         self._max_context = int(self._llm.llm_engine.model_config.max_model_len)
         return self._llm
@@ -373,10 +407,7 @@ class VLLMBackend(Backend):
     def close(self) -> None:
         """Shut the engine down (frees the GPU)."""
         if self._llm is not None:
-            try:
-                self._llm.llm_engine.engine_core.shutdown()
-            except Exception as e:  # best effort
-                log.debug("vllm backend: shutdown: %r", e)
+            shutdown_engine(self._llm)
             self._llm = None
             self._key = None
 
@@ -406,10 +437,7 @@ class VLLMBackend(Backend):
     @property
     def max_context(self) -> int:
         if self._max_context is None:
-            from transformers import AutoConfig
-
-            cfg = AutoConfig.from_pretrained(self.model, trust_remote_code=self.trust_remote_code)
-            self._max_context = int(getattr(cfg, "max_position_embeddings", 0) or 0)
+            self._max_context = model_max_context(self.model, self.trust_remote_code)
         return self._max_context
 
     # ---- generation -------------------------------------------------------------------------
