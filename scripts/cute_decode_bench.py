@@ -113,7 +113,7 @@ def run_case(model, ctx, seqs, qlen, args):
         rows.append(dict(case=title, model=model, ctx=ctx, batch=seqs, qlen=qlen, variant=n, ms=med[n],
                          ms_all=v, x_fa3=med[n] / med["fa3"], tbps=kv_bytes / med[n] / 1e9,
                          first_call_s=first.get(n)))
-    del b
+    b.clear()  # free the caches before the next case (the timing closures hold the dict)
     torch.cuda.empty_cache()
     return rows
 
