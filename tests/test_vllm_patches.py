@@ -61,6 +61,10 @@ def _unsupported(self):
     return []
 
 
+def _compute_hash(self):
+    return repr(getattr(self, "additional_config", None))
+
+
 def _init_speculator(vllm_config, device):
     return None
 
@@ -85,7 +89,8 @@ def fake_vllm(monkeypatch, tmp_path, version="0.24.0", runner_imports=True, **re
         FlashAttentionImpl=type("FlashAttentionImpl", (), {"forward": fn("_forward")}))
     mod("vllm.v1.core.sched.scheduler", Scheduler=type("Scheduler", (), {"__init__": fn("_scheduler_init")}))
     config = type("VllmConfig", (), {
-        "__post_init__": fn("_post_init"), "_get_v2_model_runner_unsupported_features": fn("_unsupported")})
+        "__post_init__": fn("_post_init"), "_get_v2_model_runner_unsupported_features": fn("_unsupported"),
+        "compute_hash": fn("_compute_hash")})
     mod("vllm.config", VllmConfig=config)  # a package in vLLM: the class lives in vllm.config.vllm
     mod("vllm.config.vllm", VllmConfig=config)
     runner = {"_get_spec_decode_draft_probs": fn("_draft_probs"), "_bookkeeping_sync": fn("_bookkeeping_sync"),
@@ -104,7 +109,7 @@ def fake_vllm(monkeypatch, tmp_path, version="0.24.0", runner_imports=True, **re
 def test_the_table_matches_vllm_0_24_0(monkeypatch, tmp_path):
     fake_vllm(monkeypatch, tmp_path)
     patches.check_vllm()
-    assert len(patches.PATCHES) == len({p.target for p in patches.PATCHES}) == 10
+    assert len(patches.PATCHES) == len({p.target for p in patches.PATCHES}) == 11
     assert all(p.why and p.params for p in patches.PATCHES)
 
 
@@ -187,3 +192,25 @@ def test_the_runner_is_handed_to_the_proposer_before_it_loads_the_model(monkeypa
     plain = modules["vllm.v1.worker.gpu_model_runner"].GPUModelRunner()  # no drafter: vLLM's load only
     plain.load_model()
     assert plain.loaded
+
+
+def test_the_config_hash_leaves_the_vegas_settings_out(monkeypatch, tmp_path):
+    """Engines that differ only in additional_config["vegas"] hash alike (one compilation);
+    other additional_config keys still count, and the config keeps its settings."""
+    from vegas.vllm_plugin import register
+
+    modules = fake_vllm(monkeypatch, tmp_path)
+    register()
+    config_cls = modules["vllm.config.vllm"].VllmConfig
+
+    def config(extra):
+        c = config_cls()
+        c.additional_config = extra
+        return c
+
+    a = config({"vegas": {"selector": "collect2"}, "other": 1})
+    b = config({"vegas": {"selector": "quest", "kv_budget": 64}, "other": 1})
+    assert a.compute_hash() == b.compute_hash() == config({"other": 1}).compute_hash()
+    assert a.compute_hash() != config({"vegas": {"selector": "collect2"}, "other": 2}).compute_hash()
+    assert a.additional_config == {"vegas": {"selector": "collect2"}, "other": 1}  # restored
+    assert config(None).compute_hash() == "None"

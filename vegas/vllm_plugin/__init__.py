@@ -79,7 +79,8 @@ def register() -> None:
     """``vllm.general_plugins`` entry point: check the installed vLLM against the patch table
     (:func:`~vegas.vllm_plugin.patches.check_vllm`), then install the attention override, the
     scheduler's lookahead allocation, the config check that keeps async scheduling on for the
-    Vegas proposer and the V2 model-runner patches
+    Vegas proposer, the config hash without the Vegas settings (one compilation for engines that
+    differ only in them) and the V2 model-runner patches
     (:func:`~vegas.vllm_plugin.patches.patch_v2_runner`). Safe to call many times, and a no-op
     for engines that do not use the Vegas proposer (the override only acts when it is enabled).
 
@@ -93,6 +94,7 @@ def register() -> None:
     patches.patch_attention()
     patches.patch_scheduler_lookahead()
     patches.patch_config_check()
+    patches.patch_compile_hash()
     patches.patch_v2_runner(_build_v2_speculator)  # opt-in V2 model runner: lets the Vegas speculator through
 
 

@@ -101,6 +101,10 @@ PATCHES: tuple[Patch, ...] = (
           "KV slots for γ lookahead tokens, as vLLM allocates for EAGLE only (patch_scheduler_lookahead)"),
     Patch("vllm.config.vllm:VllmConfig.__post_init__", ("self",),
           "keep async scheduling on for the Vegas proposer; vLLM turns it off for custom_class (patch_config_check)"),
+    Patch("vllm.config.vllm:VllmConfig.compute_hash", ("self",),
+          "leave additional_config['vegas'] out of the config hash that keys vLLM's compile cache: the Vegas "
+          "settings change no compiled graph, so engines that differ only in them share one compilation "
+          "(patch_compile_hash)"),
     Patch(f"{_RUNNER}._get_spec_decode_draft_probs", ("self", "spec_decode_metadata"),
           "one view instead of vLLM's per-request gather of draft probabilities (patch_draft_probs_gather)"),
     Patch(f"{_RUNNER}._bookkeeping_sync",
@@ -371,6 +375,32 @@ def patch_config_check() -> None:
         return __post_init__
 
     _install("vllm.config.vllm:VllmConfig.__post_init__", make)
+
+
+def patch_compile_hash() -> None:
+    """Wrap ``vllm.config.VllmConfig.compute_hash`` (vLLM 0.24.0) so that the hash, which keys
+    vLLM's ``torch.compile`` cache, leaves ``additional_config["vegas"]`` out.
+
+    vLLM hashes the whole ``additional_config``: every selector, budget or other Vegas setting
+    would compile the model anew (20-30 s per engine on an H200). The Vegas settings change no
+    compiled graph: attention (where Vegas acts) is a splitting op that runs outside the
+    compiled pieces, and what Vegas changes in the compilation config (piecewise verification
+    graphs) is hashed with the compilation config. Other ``additional_config`` keys still count.
+    """
+    def make(original):
+        def compute_hash(self):
+            extra = self.additional_config
+            if not isinstance(extra, dict) or "vegas" not in extra:
+                return original(self)
+            self.additional_config = {k: v for k, v in extra.items() if k != "vegas"}
+            try:
+                return original(self)
+            finally:
+                self.additional_config = extra
+
+        return compute_hash
+
+    _install("vllm.config.vllm:VllmConfig.compute_hash", make)
 
 
 def patch_bookkeeping() -> None:
