@@ -150,7 +150,9 @@ def test_tiny_run_writes_schema_plots_tables_and_resumes(counted, tmp_path, clic
     pipe, calls = counted
     source = tmp_path / "src.py"
     source.write_text(pipe.tokenizer.decode(click_ids[:3000]))
+    config_before = pipe.config
     res = run_ablate(_tiny(tmp_path, source), Console(file=io.StringIO()), pipe=pipe)
+    assert pipe.config is config_before  # the caller's pipeline keeps its config (γ, budget, fallback)
     out = tmp_path / "out"
     data = json.loads((out / "points.json").read_text())
     assert data["version"] == 1 and data["settings"]["num_prompts"] == 2 and data["settings"]["temperature"] == 0.8

@@ -257,19 +257,22 @@ def measure(pipe: Pipeline, rows: list[dict], spec: dict, opts: AblateOptions) -
     base = VegasConfig(min_kv_budget=0, fallback=False)
     config = replace(base, num_draft_tokens=spec["num_draft_tokens"], sparsity_ratio=spec["sparsity_ratio"],
                      **VARIANTS.get(spec["variant"], {}))
-    pipe.config = config
     taus, copied, jaccard = [], [], {}
     started = time.monotonic()
-    for i in range(0, len(rows), opts.batch_size):
-        batch = rows[i : i + opts.batch_size]
-        selector = _make_selector(spec["selector"], config, opts)
-        outs = pipe.generate([r["prompt"] for r in batch], max_new_tokens=opts.new_tokens, selector=selector,
-                             temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)
-        taus += [o.stats.acceptance_length for o in outs]
-        copied += [_common_prefix(o.token_ids, r["expected"]) for o, r in zip(outs, batch) if "expected" in r]
-        if isinstance(selector, OverlapProbe):
-            for series, per_prompt in selector.results().items():
-                jaccard.setdefault(series, []).extend(per_prompt)
+    config_before, pipe.config = pipe.config, config
+    try:  # the caller's pipeline keeps its own config afterwards
+        for i in range(0, len(rows), opts.batch_size):
+            batch = rows[i : i + opts.batch_size]
+            selector = _make_selector(spec["selector"], config, opts)
+            outs = pipe.generate([r["prompt"] for r in batch], max_new_tokens=opts.new_tokens, selector=selector,
+                                 temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)
+            taus += [o.stats.acceptance_length for o in outs]
+            copied += [_common_prefix(o.token_ids, r["expected"]) for o, r in zip(outs, batch) if "expected" in r]
+            if isinstance(selector, OverlapProbe):
+                for series, per_prompt in selector.results().items():
+                    jaccard.setdefault(series, []).extend(per_prompt)
+    finally:
+        pipe.config = config_before
     point = {
         **spec,
         "kv_budget": kv_budget_for(config, spec["context"]),
