@@ -214,3 +214,22 @@ def test_the_config_hash_leaves_the_vegas_settings_out(monkeypatch, tmp_path):
     assert a.compute_hash() != config({"vegas": {"selector": "collect2"}, "other": 2}).compute_hash()
     assert a.additional_config == {"vegas": {"selector": "collect2"}, "other": 1}  # restored
     assert config(None).compute_hash() == "None"
+
+
+@pytest.mark.parametrize("method,asked,want", [
+    ("custom_class", None, True),    # Vegas, the user did not decide: one KV-cache group
+    ("custom_class", False, False),  # the user asked for the hybrid manager: kept (the drafter refuses two groups)
+    ("custom_class", True, True),
+    ("ngram", None, None),           # not Vegas: vLLM decides
+])
+def test_vegas_asks_for_one_kv_cache_group_unless_the_user_decided(method, asked, want):
+    from types import SimpleNamespace
+
+    model = "vegas.vllm_plugin.proposer.VegasProposer" if method == "custom_class" else None
+    config = SimpleNamespace(speculative_config=SimpleNamespace(method=method, model=model),
+                             scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=asked))
+    patches.one_kv_group(config)
+    assert config.scheduler_config.disable_hybrid_kv_cache_manager is want
+    plain = SimpleNamespace(speculative_config=None, scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=None))
+    patches.one_kv_group(plain)
+    assert plain.scheduler_config.disable_hybrid_kv_cache_manager is None

@@ -757,11 +757,14 @@ def test_draft_graphs_are_captured_after_vllms_graphs(monkeypatch):
     assert plain.capture_model() == 100 and calls == ["vllm"]
 
 
-def test_draft_engine_runs_gamma_forwards_over_the_selection(monkeypatch):
+@pytest.mark.parametrize("sliding", [False, True])
+def test_draft_engine_runs_gamma_forwards_over_the_selection(monkeypatch, sliding):
     """DraftEngine.run (the body both runners draft with, eager here and captured on a GPU):
     per draft step the active row writes its KV at its own slot and attends its budget plus
     the pages from ctx_sel on, one page more each step; inactive rows write nothing; each
-    step's sampled token is the next step's input; the sampler sees every step."""
+    step's sampled token is the next step's input; the sampler sees every step. With
+    ``sliding``, layer 0 is a sliding-window layer (Gemma 2): it drafts over its own window of
+    the paged cache (the runner's block table, positions 0..p), layer 1 over the selection."""
     import contextlib
     import sys
     import types
@@ -775,10 +778,13 @@ def test_draft_engine_runs_gamma_forwards_over_the_selection(monkeypatch):
     @contextlib.contextmanager
     def set_forward_context(attn_metadata, vllm_config, num_tokens, cudagraph_runtime_mode, batch_descriptor,
                             slot_mapping):
-        md = next(iter(attn_metadata.values()))
+        md = next(m for m in attn_metadata.values() if m.window is None)
         forward_log.append({"seqused": md.seqused_k.tolist(), "slots": next(iter(slot_mapping.values())).tolist(),
                             "layers": sorted(attn_metadata), "width": md.max_seq_len,
-                            "schedules": {id(m.scheduler_metadata) for m in attn_metadata.values()}})
+                            "schedules": {id(m.scheduler_metadata) for m in attn_metadata.values() if m.window is None},
+                            "windows": {name: (m.window, m.seqused_k.tolist(), m.block_table.data_ptr(),
+                                               m.max_seq_len, m.quest)
+                                        for name, m in attn_metadata.items() if m.window is not None}})
         yield
 
     schedules = []
@@ -823,12 +829,14 @@ def test_draft_engine_runs_gamma_forwards_over_the_selection(monkeypatch):
         STATE.reserve(4, 12, 5 * 4 * 8, torch.float32, torch.device("cpu"))
         for layer in range(2):
             STATE.on_layer(layer, torch.randn(10, 4, 8), torch.randn(nb, 2, BS, 2, 8), md, 0.5)
-        impl = SimpleNamespace(num_heads=4, num_kv_heads=2, head_size=8, logits_soft_cap=0.0, vllm_flash_attn_version=3)
+        impl = SimpleNamespace(num_heads=4, num_kv_heads=2, head_size=8, logits_soft_cap=0.0, vllm_flash_attn_version=3,
+                               sliding_window=None)
+        impl0 = SimpleNamespace(**{**vars(impl), "sliding_window": (7, 0) if sliding else (-1, -1)})
         config = SimpleNamespace(
             model_config=SimpleNamespace(max_model_len=4096, get_vocab_size=lambda: vocab, dtype=torch.bfloat16),
             cache_config=SimpleNamespace(cache_dtype="auto"),
             compilation_config=SimpleNamespace(static_forward_context={
-                "layers.0.attn": SimpleNamespace(impl=impl), "layers.1.attn": SimpleNamespace(impl=impl)}),
+                "layers.0.attn": SimpleNamespace(impl=impl0), "layers.1.attn": SimpleNamespace(impl=impl)}),
         )
         engine = DraftEngine(config, GAMMA, VegasConfig().vllm, "cpu", block_table=lambda: table, model=Model)
         engine.set_layers([("layers.0.attn", 0), ("layers.1.attn", 1)])
@@ -852,6 +860,12 @@ def test_draft_engine_runs_gamma_forwards_over_the_selection(monkeypatch):
         assert all(f["layers"] == ["layers.0.attn", "layers.1.attn"] for f in forward_log)
         # one FA3 schedule per step, shared by the layers, with the step's pages and width
         assert len(schedules) == GAMMA and all(len(f["schedules"]) == 1 for f in forward_log)
+        if sliding:  # layer 0: its window (7, 0) of the paged cache, the runner's table, positions 0..p
+            assert engine.windows == {"layers.0.attn": (7, 0)}
+            assert [f["windows"]["layers.0.attn"] for f in forward_log] == [
+                ((7, 0), [70 + j + 1, 1, 1, 1], table.data_ptr(), 4096, None) for j in range(GAMMA)]
+        else:
+            assert engine.windows == {} and all(f["windows"] == {} for f in forward_log)
         assert all(k["page_size"] == 1 and k["max_seqlen_q"] == 1 and k["num_splits"] == 1 and k["batch_size"] == 4
                    and k["max_seqlen_k"] == forward_log[0]["width"] and k["qkv_dtype"] == torch.bfloat16
                    for k in schedules)
@@ -892,3 +906,48 @@ def test_a_prefill_heavy_forward_neither_selects_nor_drafts():
     st.prefill_skip_tokens = 0  # 0: never skips
     forward([60, 50, 40], [5, 5, 400])
     assert not st.take_skip() and st.plan is not None
+
+
+def test_attention_layers_keep_sliding_window_layers_and_refuse_an_all_sliding_model(monkeypatch):
+    """Gemma 2: sliding-window layers are attention layers Vegas drafts through (over their own
+    window, :func:`sliding_windows`); a model with no full-attention layer is refused."""
+    import sys
+    import types
+    from types import SimpleNamespace
+
+    from vegas.vllm_plugin import attention as attention_mod
+    from vegas.vllm_plugin.drafting import attention_layers, sliding_windows
+    from vegas.vllm_plugin.state import STATE
+
+    class FlashAttentionImpl:
+        def __init__(self, window):
+            self.sliding_window = window
+
+    fa = types.ModuleType("vllm.v1.attention.backends.flash_attn")
+    fa.FlashAttentionImpl = FlashAttentionImpl
+    utils = types.ModuleType("vllm.model_executor.models.utils")
+    utils.extract_layer_index = lambda name: int(name.split(".")[2])
+    monkeypatch.setitem(sys.modules, "vllm.v1.attention.backends.flash_attn", fa)
+    monkeypatch.setitem(sys.modules, "vllm.model_executor.models.utils", utils)
+    monkeypatch.setattr(attention_mod, "_layer_idx", {})
+
+    def config(windows):
+        ctx = {f"model.layers.{i}.self_attn.attn": SimpleNamespace(impl=FlashAttentionImpl(w))
+               for i, w in enumerate(windows)}
+        ctx["model.norm"] = SimpleNamespace()  # not an attention layer
+        return SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context=ctx))
+
+    saved = (STATE.first_layer, STATE.last_layer, STATE.layers_ready)
+    try:
+        gemma2 = config([(4095, 0), None, (4095, 0), (-1, -1)])
+        layers = attention_layers(gemma2)
+        assert [idx for _, idx in layers] == [0, 1, 2, 3] and (STATE.first_layer, STATE.last_layer) == (0, 3)
+        assert sliding_windows(gemma2, layers) == {"model.layers.0.self_attn.attn": (4095, 0),
+                                                   "model.layers.2.self_attn.attn": (4095, 0)}
+        with pytest.raises(VegasConfigError, match="every attention layer of this model attends a sliding window"):
+            attention_layers(config([(127, 0), (127, 0)]))
+        with pytest.raises(VegasConfigError, match="FLASH_ATTN"):
+            attention_layers(SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context={
+                "model.layers.0.attn": SimpleNamespace(impl=object())})))
+    finally:
+        STATE.first_layer, STATE.last_layer, STATE.layers_ready = saved

@@ -201,15 +201,15 @@ def plan_serve(
         config: the settings JSON (``{"selector": ..., <VegasConfig fields>, "vllm": {...}}``) or a
             file holding it.
         extra_args: further ``vllm serve`` arguments, placed last.
-        check_model: refuse a model with sliding-window layers (Vegas only).
+        check_model: refuse a model whose every layer is sliding-window (Vegas only).
 
     Raises:
         VegasConfigError: naming the bad option and its allowed values: a missing model path or
             an unknown model name (``Pipeline``'s message), an unknown selector or field, a value
-            out of range, settings the vLLM backend refuses, a sliding-window model, or
+            out of range, settings the vLLM backend refuses, an all-sliding-window model, or
             ``extra_args`` that set what ``vegas serve`` sets.
     """
-    from .backends.vllm import raise_if_sliding_window, verify_cuda_graphs, vllm_engine_kwargs, vllm_missing_message
+    from .backends.vllm import raise_if_only_sliding_window, verify_cuda_graphs, vllm_engine_kwargs, vllm_missing_message
     from .vllm_plugin.settings import ADDITIONAL_CONFIG_KEY, build_selector, settings_json
 
     extra = list(extra_args)
@@ -246,7 +246,7 @@ def plan_serve(
                 "for vLLM's own speculative methods"
             )
         if check_model:
-            raise_if_sliding_window(model)
+            raise_if_only_sliding_window(model)
         settings = json.loads(settings_json(name, sel.config))
         kw = vllm_engine_kwargs(model, dtype=dtype, num_draft_tokens=gamma,
                                 verify_cuda_graphs=verify_cuda_graphs(sel, sel.config))

@@ -217,23 +217,27 @@ def test_plugin_selectors_run_on_vllm_and_equal_plain(selector, tp1_plain):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_soft_capped_model_scores_capped_logits_and_equals_plain(tmp_path_factory, monkeypatch):
-    """A tiny random Gemma 2 whose layers are all full attention (vLLM's Gemma 2 hands
-    ``attn_logit_softcapping`` to FlashAttention as ``logits_soft_cap``): the attention hook
-    passes the cap to the score kernel (the worker reports it), and Vegas greedy equals plain
-    vLLM greedy up to bf16 near-ties. (Gemma 2 with its sliding-window layers stays refused.)"""
+@pytest.mark.parametrize("layer_types", [["full_attention"] * 4, ["sliding_attention", "full_attention"] * 2],
+                         ids=["full", "sliding"])
+def test_soft_capped_model_scores_capped_logits_and_equals_plain(tmp_path_factory, monkeypatch, layer_types):
+    """A tiny random Gemma 2 (vLLM's Gemma 2 hands ``attn_logit_softcapping`` to FlashAttention
+    as ``logits_soft_cap``): the attention hook passes the cap to the score kernel (the worker
+    reports it), and Vegas greedy equals plain vLLM greedy up to bf16 near-ties; with Gemma 2's
+    alternating sliding-window layers (window 256, prompts of 700-2,000 tokens) too, whose
+    drafts attend their own window (plain vLLM keeps its hybrid KV-cache manager, Vegas asks for
+    one KV-cache group)."""
     pytest.importorskip("vllm")
     import transformers
     from vllm import SamplingParams
 
     from vegas.vllm_plugin import register
 
-    path = tmp_path_factory.mktemp("gemma2-full")
+    path = tmp_path_factory.mktemp("gemma2")
     config = transformers.Gemma2Config(
         vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=128, max_position_embeddings=4096, initializer_range=0.1,
-        attn_logit_softcapping=2.0, final_logit_softcapping=30.0, sliding_window=4096,
-        layer_types=["full_attention"] * 4, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        attn_logit_softcapping=2.0, final_logit_softcapping=30.0, sliding_window=256,
+        layer_types=layer_types, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(path)

@@ -22,9 +22,12 @@ selector that is not built in makes a one-GPU engine run its core in this proces
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` while the engine is built), so that the worker's registry
 is this process's and a selector registered by hand is found there by name.
 
-Models with sliding-window layers (Gemma 2/3, Mistral-style ``sliding_window``, Qwen2 with
-``use_sliding_window``) are refused by name before a Vegas engine is built
-(:func:`raise_if_sliding_window`); the HF backend supports them.
+Models whose every layer attends a sliding window (Mistral-style ``sliding_window``) are
+refused by name before a Vegas engine is built (:func:`raise_if_only_sliding_window`): there is
+nothing to select. Models that mix sliding-window and full-attention layers (Gemma 2/3, Qwen2
+with ``use_sliding_window``) run: their sliding-window layers draft over their own window, and
+their KV stays in one cache group (``disable_hybrid_kv_cache_manager``, set by the plugin unless
+the user set it).
 
 Quest's pages are vLLM's KV blocks (``page_size`` must be the engine's ``block_size``, which
 vLLM picks with the attention backend unless ``engine_args`` sets it: checked here when set,
@@ -61,7 +64,7 @@ __all__ = [
     "VLLMBackend",
     "engine_args_from_env",
     "model_max_context",
-    "raise_if_sliding_window",
+    "raise_if_only_sliding_window",
     "shutdown_engine",
     "sliding_window_layers",
     "start_engine",
@@ -148,16 +151,19 @@ def _spans(indices: list[int]) -> str:
     return ", ".join(out)
 
 
-def raise_if_sliding_window(model: str) -> None:
-    """Refuse a model with sliding-window layers before a Vegas engine is built.
+def raise_if_only_sliding_window(model: str) -> None:
+    """Refuse a model whose every layer attends a sliding window before a Vegas engine is built.
 
-    Reads the model's transformers config (``AutoConfig``, ``trust_remote_code`` off, so no
-    code of the model runs). A config that cannot be read that way is let through: vLLM's own
-    loading names the problem, and the proposer checks every attention layer when it starts.
+    Vegas selects KV entries for full-attention layers; a model's sliding-window layers draft
+    over their own window (as they attend in the target), so a model with no full-attention
+    layer leaves nothing to select. Reads the model's transformers config (``AutoConfig``,
+    ``trust_remote_code`` off, so no code of the model runs). A config that cannot be read that
+    way is let through: vLLM's own loading names the problem, and the drafter checks every
+    attention layer when it starts.
 
     Raises:
-        VegasConfigError: naming the model, its sliding-window layers and the window, and
-            pointing to the HF backend, which supports them.
+        VegasConfigError: naming the model, its window and layer count, and pointing to the HF
+            backend and plain vLLM.
     """
     try:
         from transformers import AutoConfig
@@ -167,15 +173,14 @@ def raise_if_sliding_window(model: str) -> None:
         log.debug("vllm backend: config of %r not read for the sliding-window check: %r", model, e)
         return
     layers = sliding_window_layers(config)
-    if not layers:
-        return
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     total = int(getattr(text, "num_hidden_layers", 0) or len(layers))
+    if not layers or len(layers) < total:
+        return
     raise VegasConfigError(
-        f"model {model!r} has sliding-window attention (window {getattr(text, 'sliding_window', None)}) "
-        f"in {len(layers)} of its {total} layers ({_spans(layers)}); the vllm backend drafts over "
-        "compressed page tables that cannot express a sliding window and supports full-attention "
-        "models only. Use backend='hf', which supports sliding-window models."
+        f"model {model!r} attends a sliding window (window {getattr(text, 'sliding_window', None)}) "
+        f"in all {total} of its layers: the vllm backend selects KV entries for full-attention layers "
+        "and has nothing to select here. Use plain vLLM (--selector none), or backend='hf'."
     )
 
 
@@ -364,7 +369,7 @@ class VLLMBackend(Backend):
         self._key: tuple | None = None
         self._tokenizer = None
         self._max_context: int | None = None
-        self._checked_model = False  # sliding-window check done (at the first Vegas generate)
+        self._checked_model = False  # all-sliding-window check done (at the first Vegas generate)
         self._generation_config = None
         self._hf_overrides: dict[str, Any] = {}
         self.engine_args = {**(engine_args or {}), **engine_args_from_env()}
@@ -455,14 +460,14 @@ class VLLMBackend(Backend):
         Raises:
             VegasConfigError: a setting this backend lacks
                 (:func:`vegas.vllm_plugin.settings.raise_if_unsupported`), or (with a selector) a
-                model with sliding-window layers (:func:`raise_if_sliding_window`), before any
+                model whose every layer is sliding-window (:func:`raise_if_only_sliding_window`), before any
                 engine is built.
         """
         selector = as_selector(selector, config)
         if selector is not None:
             vegas_settings.raise_if_unsupported(selector, config, self.engine_args.get("block_size"))
             if not self._checked_model:
-                raise_if_sliding_window(self.model)
+                raise_if_only_sliding_window(self.model)
                 self._checked_model = True
         from vllm import SamplingParams as VllmSamplingParams
 

@@ -57,7 +57,7 @@ from ..sampling import SamplingParams
 from ..vllm_plugin import settings as vegas_settings
 from .vllm import (
     model_max_context,
-    raise_if_sliding_window,
+    raise_if_only_sliding_window,
     shutdown_engine,
     start_engine,
     verify_cuda_graphs,
@@ -469,7 +469,7 @@ def run_vllm_bench(opts: VllmBenchOptions, log: Callable[[str], None] = print,
     for name in vegas:
         vegas_settings.raise_if_unsupported(create_selector(name, config), config, opts.engine_args.get("block_size"))
     if vegas:
-        raise_if_sliding_window(model)
+        raise_if_only_sliding_window(model)
     if importlib.util.find_spec("vllm") is None:
         raise VegasConfigError(vllm_missing_message("vegas bench --backend vllm"))
 

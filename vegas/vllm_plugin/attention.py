@@ -7,7 +7,8 @@ process:
   :func:`draft_attention`, FA3 over
   the same paged cache viewed with page size 1, with this layer's block table of selected
   pages plus the recent/draft pages (``seqused_k`` = budget + recent count); Quest first
-  writes the pages it chooses for this step's query into the table;
+  writes the pages it chooses for this step's query into the table. A sliding-window layer
+  (Gemma 2) drafts over its own window of the paged cache instead, as it attends in the target;
 - **every other call with metadata** (prefill and verification of the runner): the normal FA3
   call, then :meth:`vegas.vllm_plugin.state.SelectionState.on_layer` hands the layer to the
   selector's selection path.
@@ -54,6 +55,10 @@ class DraftMetadata:
         scheduler_metadata: FA3's tile schedule of this draft step (:func:`draft_schedule`),
             shared by every layer (their ``seqused_k`` and table width are the same); None lets
             each layer's FA3 call compute it (one more kernel per layer).
+        window: a sliding-window layer's FA3 window ``(left, right)``: then ``block_table`` is
+            the runner's own ``(num_seqs, max_blocks)`` table of the paged cache, ``seqused_k``
+            the positions ``0..p`` each draft token sees, and the layer attends its window of
+            them, as in the target model; None for the layers that draft over the selection.
     """
 
     block_table: torch.Tensor
@@ -64,6 +69,7 @@ class DraftMetadata:
     quest: QuestDraft | None = None
     quest_row: int = 0
     scheduler_metadata: torch.Tensor | None = None
+    window: tuple[int, int] | None = None
 
 
 def layer_index(layer_name: str) -> int:
@@ -132,7 +138,9 @@ def draft_schedule(impl, seqused_k: torch.Tensor, query_start_loc: torch.Tensor,
 
 def draft_attention(impl, layer, query, kv_cache, md: DraftMetadata, output):
     """FA3 over the page-size-1 view of ``kv_cache`` with the layer's draft table (Quest first
-    writes this step's pages into it); ``impl`` is the layer's ``FlashAttentionImpl``.
+    writes this step's pages into it), or, for a sliding-window layer (``md.window``), FA3 over
+    the paged cache itself with the runner's block table and the layer's window; ``impl`` is the
+    layer's ``FlashAttentionImpl``.
 
     Args:
         query: ``(num_tokens, num_q_heads, head_dim)``, one token per request (then padding).
@@ -141,9 +149,12 @@ def draft_attention(impl, layer, query, kv_cache, md: DraftMetadata, output):
     from vllm.v1.attention.backends.flash_attn import flash_attn_varlen_func
 
     n = md.num_actual_tokens
-    if md.quest is not None:
-        fill_draft_table(md.block_table, query[:n], impl.num_kv_heads, md.quest, md.quest_row)
-    k_view, v_view = page_views(kv_cache)
+    if md.window is not None:  # a sliding-window layer: its own window of the paged cache
+        k_view, v_view = kv_cache.unbind(1)  # [num_blocks, block_size, kv_heads, head_dim] each
+    else:
+        if md.quest is not None:
+            fill_draft_table(md.block_table, query[:n], impl.num_kv_heads, md.quest, md.quest_row)
+        k_view, v_view = page_views(kv_cache)
     descale_shape = (n, impl.num_kv_heads)
     flash_attn_varlen_func(
         q=query[:n],
@@ -157,7 +168,7 @@ def draft_attention(impl, layer, query, kv_cache, md: DraftMetadata, output):
         softmax_scale=impl.scale,
         causal=True,
         alibi_slopes=impl.alibi_slopes,
-        window_size=list(impl.sliding_window) if impl.sliding_window is not None else None,
+        window_size=list(md.window) if md.window is not None else None,
         block_table=md.block_table,
         softcap=impl.logits_soft_cap,
         scheduler_metadata=md.scheduler_metadata,
@@ -165,7 +176,7 @@ def draft_attention(impl, layer, query, kv_cache, md: DraftMetadata, output):
         q_descale=None,
         k_descale=layer._k_scale.expand(descale_shape),
         v_descale=layer._v_scale.expand(descale_shape),
-        num_splits=draft_splits(md.max_seq_len),
+        num_splits=0 if md.window is not None else draft_splits(md.max_seq_len),
         s_aux=impl.sinks,
     )
     return output

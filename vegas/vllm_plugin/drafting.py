@@ -35,6 +35,7 @@ __all__ = [
     "attention_layers",
     "bucket_rows",
     "build_draft_tables",
+    "sliding_windows",
     "draft_graph_key",
     "draft_slots",
     "draft_tables",
@@ -166,9 +167,13 @@ def draft_graph_key(rows: int, *extra) -> tuple:
 def attention_layers(vllm_config) -> list[tuple[str, int]]:
     """``(layer name, layer index)`` of every attention layer of the built model, ascending.
 
+    Sliding-window layers (Gemma 2/3, Qwen2 with ``use_sliding_window``) are kept: they draft
+    over their own window (:func:`sliding_windows`); at least one layer must attend the whole
+    context (the layers Vegas selects for).
+
     Raises:
-        VegasConfigError: a layer not on FLASH_ATTN, a sliding-window layer, or layer indices
-            that are not contiguous.
+        VegasConfigError: a layer not on FLASH_ATTN, every layer sliding-window, or layer
+            indices that are not contiguous.
     """
     from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
 
@@ -185,21 +190,34 @@ def attention_layers(vllm_config) -> list[tuple[str, int]]:
                 f"vegas needs the FLASH_ATTN attention backend, layer {name} uses "
                 f"{type(impl).__name__}; set attention_backend='FLASH_ATTN'"
             )
-        if impl.sliding_window is not None and tuple(impl.sliding_window) != (-1, -1):
-            raise VegasConfigError(
-                f"vegas: layer {name} uses sliding-window attention {impl.sliding_window}, which "
-                "the compressed draft tables cannot express; only full-attention models are supported "
-                "(the HF backend, backend='hf', supports sliding-window models)"
-            )
         layers.append((name, layer_index(name)))
     layers.sort(key=lambda x: x[1])
     if [idx for _, idx in layers] != list(range(layers[0][1], layers[-1][1] + 1)):
         raise VegasConfigError("vegas: attention layer indices must be contiguous, got "
                                f"{[idx for _, idx in layers]}")
+    if len(sliding_windows(vllm_config, layers)) == len(layers):
+        raise VegasConfigError(
+            "vegas: every attention layer of this model attends a sliding window; Vegas selects KV "
+            "entries for full-attention layers, so there is nothing to select (use plain vLLM)"
+        )
     STATE.first_layer = layers[0][1]
     STATE.last_layer = layers[-1][1]
     STATE.layers_ready = True
     return layers
+
+
+def sliding_windows(vllm_config, layers: list[tuple[str, int]]) -> dict[str, tuple[int, int]]:
+    """Layer name -> FA3's ``(left, right)`` window of each sliding-window layer among ``layers``
+    (vLLM's ``FlashAttentionImpl.sliding_window``, ``(window - 1, 0)``); full-attention layers
+    are left out. A sliding layer drafts over its own window of the paged cache, as the layer
+    attends in the target model (exact, ``window`` keys per draft token)."""
+    forward_context = vllm_config.compilation_config.static_forward_context
+    windows = {}
+    for name, _ in layers:
+        window = getattr(forward_context[name].impl, "sliding_window", None)
+        if window is not None and tuple(window) != (-1, -1):
+            windows[name] = tuple(window)
+    return windows
 
 
 @dataclass
@@ -213,6 +231,7 @@ class DraftBuffers:
     temperature: torch.Tensor  # [rows] float32 sampling temperature (1 on inactive rows; V1's sampler)
     seeds: torch.Tensor  # [rows] int64 draft-noise seed of each row's request (V1's sampler; 0 on padding)
     seqused: torch.Tensor  # [rows] int32 pages each request attends in the current draft step
+    context_lens: torch.Tensor  # [rows] int32 positions 0..p the draft token at p sees (sliding-window layers)
     query_start_loc: torch.Tensor  # [rows + 1] int32 arange: one query per request
     slot_mapping: torch.Tensor  # [max(rows, SLOT_MAPPING_MIN_ROWS)] int64 KV slot of each draft token, -1: none
     input_ids: torch.Tensor  # [rows] int32 the draft step's input tokens
@@ -228,6 +247,7 @@ class DraftBuffers:
             temperature=torch.ones(rows, dtype=torch.float32, device=device),
             seeds=torch.zeros(rows, dtype=torch.int64, device=device),
             seqused=torch.ones(rows, dtype=torch.int32, device=device),
+            context_lens=torch.ones(rows, dtype=torch.int32, device=device),
             query_start_loc=torch.arange(rows + 1, dtype=torch.int32, device=device),
             slot_mapping=torch.full((max(rows, SLOT_MAPPING_MIN_ROWS),), -1, dtype=torch.int64, device=device),
             input_ids=torch.zeros(rows, dtype=torch.int32, device=device),
@@ -245,6 +265,7 @@ class DraftBuffers:
             temperature=self.temperature[:rows],
             seeds=self.seeds[:rows],
             seqused=self.seqused[:rows],
+            context_lens=self.context_lens[:rows],
             query_start_loc=self.query_start_loc[: rows + 1],
             slot_mapping=self.slot_mapping[: max(rows, SLOT_MAPPING_MIN_ROWS)],
             input_ids=self.input_ids[:rows],
@@ -311,6 +332,7 @@ class DraftEngine:
         self.layers: list[tuple[str, int]] = []
         #: layer index -> its row in the selection buffers
         self.layer_rows: dict[int, int] = {}
+        self.windows: dict[str, tuple[int, int]] = {}
         self.graph_failed = False
         self._graphs: dict = {}
         self._shared: dict[bool, DraftBuffers] = {}  # with probs? -> buffers of the largest graph
@@ -345,6 +367,8 @@ class DraftEngine:
     def set_layers(self, layers: list[tuple[str, int]]) -> None:
         self.layers = layers
         self.layer_rows = {idx: i for i, (_, idx) in enumerate(layers)}
+        #: layer name -> FA3 window of each sliding-window layer (drafts over its own window)
+        self.windows = sliding_windows(self.vllm_config, layers)
 
     def buffers(self, rows: int, with_probs: bool) -> DraftBuffers:
         """Fresh buffers for an eager draft phase."""
@@ -398,8 +422,13 @@ class DraftEngine:
                     tables[layer_rows[idx]], bufs.seqused, bufs.query_start_loc, width, rows,
                     quest=pages, quest_row=layer_rows[idx], scheduler_metadata=schedule,
                 )
-                for name, idx in self.layers
+                for name, idx in self.layers if name not in self.windows
             }
+            if self.windows:  # sliding-window layers: their own window of the paged cache, positions 0..p
+                bufs.context_lens.copy_(torch.where(active, torch.clamp(pos, max=max_len - 1) + 1, 1))
+                for name, window in self.windows.items():
+                    attn_metadata[name] = DraftMetadata(block_table, bufs.context_lens, bufs.query_start_loc, max_len,
+                                                        rows, window=window)
             with set_forward_context(
                 attn_metadata,
                 self.vllm_config,

@@ -349,13 +349,32 @@ def patch_draft_probs_gather() -> None:
     _install(f"{_RUNNER}._get_spec_decode_draft_probs", make)
 
 
+def one_kv_group(vllm_config) -> None:
+    """For the Vegas proposer, ask vLLM for one KV-cache group when the user has not decided
+    (``disable_hybrid_kv_cache_manager`` None): a model with sliding-window and full-attention
+    layers (Gemma 2) then keeps every layer's KV in one group, as Vegas's draft tables address
+    one group. The sliding-window layers keep KV for every position (vLLM's hybrid manager would
+    drop what falls out of the window): said once in the log. An explicit
+    ``disable_hybrid_kv_cache_manager=False`` stays, and the drafter refuses two groups."""
+    from .async_sched import is_vegas_proposer
+
+    scheduler = getattr(vllm_config, "scheduler_config", None)
+    if (scheduler is None or not is_vegas_proposer(getattr(vllm_config, "speculative_config", None))
+            or getattr(scheduler, "disable_hybrid_kv_cache_manager", False) is not None):
+        return
+    scheduler.disable_hybrid_kv_cache_manager = True
+    _log_once("one_kv_group", "vegas: one KV-cache group (disable_hybrid_kv_cache_manager=True): sliding-window "
+              "layers, if the model has any, keep KV for every position")
+
+
 def patch_config_check() -> None:
     """Wrap ``vllm.config.VllmConfig.__post_init__`` (vLLM 0.24.0) so that the Vegas proposer
     keeps async scheduling (:func:`vegas.vllm_plugin.async_sched.wants_async`); vLLM turns it
     off, or refuses it, for a ``custom_class`` proposer. Applies what vLLM applies with it (no
-    cascade attention)."""
+    cascade attention). Also asks for one KV-cache group (:func:`one_kv_group`)."""
     def make(original):
         def __post_init__(self):
+            one_kv_group(self)
             want = wants_async(self)
             if want:  # vLLM would refuse (True) or switch off (None) async scheduling for custom_class
                 self.scheduler_config.async_scheduling = False

@@ -305,7 +305,8 @@ class VegasProposer:
         if len(groups) > 1:
             raise VegasConfigError(
                 f"vegas: the model has {len(groups)} KV-cache groups (hybrid or mixed attention); "
-                "drafting addresses group 0 only, so only single-group full-attention models are supported"
+                "drafting addresses one group: leave disable_hybrid_kv_cache_manager unset or set it True "
+                "(vllm serve --disable-hybrid-kv-cache-manager)"
             )
 
     # ---- the proposer -----------------------------------------------------------------------

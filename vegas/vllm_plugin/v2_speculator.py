@@ -113,7 +113,8 @@ class VegasSpeculator(DraftModelSpeculator):
         if len(groups) != 1:
             raise ValueError(
                 f"vegas: the model has {len(groups)} KV-cache groups (hybrid or mixed attention); "
-                "only single-group full-attention models are supported"
+                "drafting addresses one group: leave disable_hybrid_kv_cache_manager unset or set it True "
+                "(vllm serve --disable-hybrid-kv-cache-manager)"
             )
         self.model_state = model_state
         self.kv_cache_config = kv_cache_config
