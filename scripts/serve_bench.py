@@ -1,6 +1,6 @@
 """Serving benchmark: vLLM's own ``vllm bench serve`` against an OpenAI-compatible server per
 method (plain vLLM, Vegas collect2, Vegas sliding_window, vLLM's ngram), over request rates up
-to saturation, with long prompts (4K-8K tokens: vLLM's random dataset, or held-out code through
+to saturation, with long prompts (4.8K-7.2K tokens: vLLM's random dataset, or held-out code through
 vLLM's custom dataset). Prints a table (TTFT, TPOT, output tokens/s per method and rate) and
 plots ``throughput_vs_rate.png`` and ``tpot_vs_rate.png``.
 
@@ -16,7 +16,7 @@ starts. On a GPU::
     python scripts/serve_bench.py --dataset code --model /tmp/smollm2-hf --input-len 6000 --range-ratio 0.2
     python scripts/serve_bench.py --report serve-bench        # table and plots again from its JSON
 
-(SmolLM2's context is 8,192 tokens: the default 4K-8K prompts plus 256 output tokens do not fit it.)
+(The defaults, 6,000 ± 20 % prompt tokens plus 256 output tokens, fit SmolLM2's 8,192-token context.)
 
 Results: ``OUT/raw/<method>_r<rate>.json`` (vLLM's result files), ``OUT/summary.json``,
 ``OUT/table.md``, the two PNGs and each server's log in ``OUT/logs``.
@@ -177,7 +177,7 @@ def bench_argv(method: str, rate, args, port: int, result_dir: Path, dataset_pat
 
 def write_code_prompts(path: Path, args) -> Path:
     """Held-out code prompts as vLLM's custom dataset (JSONL, one ``{"prompt": text}`` a line):
-    cuts of ``args.prompts`` (default: the installed click source) of 4K-8K tokens."""
+    cuts of ``args.prompts`` (default: the installed click source) of ``--input-len`` x (1 ± ``--range-ratio``) tokens."""
     import random
 
     from transformers import AutoTokenizer
@@ -282,15 +282,26 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     return written
 
 
-def report(out: Path) -> str:
-    """Table, summary.json, table.md and plots from ``out/raw``; returns the table."""
-    rows = load_results(out / "raw")
+def report(out: Path, dest: Path | None = None) -> str:
+    """Table, summary.json, table.md and plots from ``out/raw``, written to ``dest`` (default
+    ``out``); returns the table.
+
+    Raises:
+        SystemExit: ``out/raw`` holds no results, or a result file that is not vLLM's JSON.
+    """
+    try:
+        rows = load_results(out / "raw")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise SystemExit(f"{out / 'raw'} holds a file that is not a vllm bench serve result: {exc}") from exc
+    rows = [r for r in rows if r.get("output_throughput") is not None]
     if not rows:
         raise SystemExit(f"no vllm bench serve results in {out / 'raw'}")
+    dest = Path(dest or out)
+    dest.mkdir(parents=True, exist_ok=True)
     table = render_table(rows)
-    (out / "table.md").write_text(table + "\n")
-    (out / "summary.json").write_text(json.dumps(rows, indent=1))
-    plot(rows, out)
+    (dest / "table.md").write_text(table + "\n")
+    (dest / "summary.json").write_text(json.dumps(rows, indent=1))
+    plot(rows, dest)
     return table
 
 
@@ -307,7 +318,17 @@ def run(args) -> None:
     starts), each with an equal share of ``--gpu-memory-utilization`` unless
     ``--one-server-at-a-time``; then run ``vllm bench serve`` repeats interleaved over methods
     and rates (repeat 1: rate a: plain, collect2, ...; rate b: ...; repeat 2: ...), so that
-    drifts of the machine fall on every method alike."""
+    drifts of the machine fall on every method alike.
+
+    Raises:
+        SystemExit: vLLM is not installed (before any server starts).
+    """
+    import importlib.util
+
+    from vegas.backends.vllm import vllm_missing_message
+
+    if importlib.util.find_spec("vllm") is None:
+        raise SystemExit(vllm_missing_message("scripts/serve_bench.py"))
     out = Path(args.out)
     (out / "raw").mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(exist_ok=True)
@@ -368,13 +389,15 @@ def run(args) -> None:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=str(ROOT / "vegas" / "model"),
                    help="Model name (smollm2-135m), .gguf file, model directory or hub id.")
     p.add_argument("--methods", default=",".join(METHODS), type=lambda s: [m for m in s.split(",") if m],
-                   help="plain, ngram, or Vegas selector names (collect2, sliding_window, ...).")
-    p.add_argument("--rates", default="1,2,4,8,16,inf", type=lambda s: [rate_value(r) for r in s.split(",") if r],
-                   help="Request rates (requests/s; inf sends all at once: saturation).")
+                   help="plain, ngram, or Vegas selector names (collect2, sliding_window, ...); "
+                        "<selector>-skip: that selector with --prefill-skip-tokens.")
+    p.add_argument("--rates", default="1,2,4,8,16,inf", type=rate_list,
+                   help="Request rates (requests/s, > 0; inf sends all at once: saturation).")
     p.add_argument("--num-prompts", type=int, default=64, help="Requests per rate.")
     p.add_argument("--repeats", type=int, default=3, help="Runs per rate and method (the table gives medians).")
     p.add_argument("--dataset", choices=("random", "code"), default="random",
@@ -401,11 +424,15 @@ def parse_args(argv=None):
     p.add_argument("--start-timeout", type=float, default=600)
     p.add_argument("--bench-timeout", type=float, default=900)
     p.add_argument("--time-budget", type=float, default=None, help="Seconds: skip what would start after it.")
-    p.add_argument("--out", default="serve-bench")
-    p.add_argument("--report", metavar="OUT", default=None, help="Only rebuild table and plots from OUT/raw.")
+    p.add_argument("--out", default=None, help="Results folder [default: serve-bench; with --report: the "
+                                                 "folder read].")
+    p.add_argument("--report", metavar="DIR", default=None,
+                   help="Only rebuild the table and plots from DIR/raw (written to --out when given, else DIR).")
     args = p.parse_args(argv)
     if args.report is None:
+        args.out = args.out or "serve-bench"
         try:
+            raise_if_bad_args(args)
             args.model = resolve_model(args.model)  # names and .gguf files -> a checkpoint directory
             args.max_model_len = max_model_len(args, model_context(args.model))
         except VegasConfigError as exc:
@@ -413,10 +440,44 @@ def parse_args(argv=None):
     return args
 
 
+def rate_list(raw: str) -> list[float]:
+    """``--rates``: comma-separated positive numbers or ``inf``."""
+    try:
+        rates = [rate_value(r) for r in raw.split(",") if r.strip()]
+    except ValueError:
+        rates = []
+    if not rates or any(not r > 0 for r in rates):
+        raise argparse.ArgumentTypeError(f"must be comma-separated request rates > 0 or inf, got {raw!r}")
+    return rates
+
+
+def raise_if_bad_args(args) -> None:
+    """Refuse, before any server starts: unknown methods, counts below 1, a sparsity ratio
+    outside (0, 1].
+
+    Raises:
+        VegasConfigError: naming the option and what it allows.
+    """
+    from vegas.plugins import selector_names
+
+    allowed = ["plain", "ngram"] + [n for n in selector_names() if n != "none"]
+    bad = [m for m in args.methods if m not in allowed and m.removesuffix(SKIP_SUFFIX) not in allowed[2:]]
+    if bad or not args.methods:
+        raise VegasConfigError(f"--methods: unknown {', '.join(bad) or '(none given)'}; allowed: "
+                               f"{', '.join(allowed)}, and <selector>{SKIP_SUFFIX}")
+    for flag, value, least in (("--num-prompts", args.num_prompts, 1), ("--repeats", args.repeats, 1),
+                               ("--gamma", args.gamma, 1), ("--output-len", args.output_len, 1),
+                               ("--input-len", args.input_len, 1), ("--prefill-skip-tokens", args.prefill_skip_tokens, 0)):
+        if value < least:
+            raise VegasConfigError(f"{flag} must be an integer >= {least}, got {value}")
+    if not 0 < args.sparsity_ratio <= 1:
+        raise VegasConfigError(f"--sparsity-ratio must be in (0, 1], got {args.sparsity_ratio}")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.report:
-        print(report(Path(args.report)))
+        print(report(Path(args.report), Path(args.out) if args.out else None))
     else:
         run(args)
 

@@ -268,3 +268,14 @@ def test_without_vllm_the_backend_install_hint_in_one_line(monkeypatch):
     result = CliRunner().invoke(main, ["serve", MODEL, "--dry-run"])
     assert result.exit_code == 0 and vllm_backend.VLLM_INSTALL_HINT in result.output
     assert "command: " in result.output
+
+
+def test_quest_page_size_is_checked_against_the_engine_block_size_before_start():
+    """Quest's pages are vLLM's KV blocks: a page size other than the engine's block size (16,
+    or --block-size after --) is refused before any process starts."""
+    with pytest.raises(VegasConfigError, match="page_size must be the engine's block_size 16, got 32"):
+        vegas_serve.plan_serve(MODEL, config='{"selector": "quest", "page_size": 32}')
+    plan = vegas_serve.plan_serve(MODEL, config='{"selector": "quest", "page_size": 32}', extra_args=["--block-size", "32"])
+    assert plan.argv[-2:] == ["--block-size", "32"]
+    with pytest.raises(VegasConfigError, match="--block-size must be a positive integer"):
+        vegas_serve.plan_serve(MODEL, selector="quest", extra_args=["--block-size=x"])

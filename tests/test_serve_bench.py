@@ -165,3 +165,28 @@ def test_skip_methods_and_shared_gpu(sb, tmp_path):
     log = tmp_path / "server.log"
     log.write_text("INFO ... GPU KV cache size: 1,234,567 tokens\n")
     assert sb.kv_cache_tokens(log) == 1234567 and sb.kv_cache_tokens(tmp_path / "none.log") is None
+
+
+def test_bad_arguments_fail_before_any_server(sb, tmp_path, capsys):
+    model = _model(tmp_path, 8192)
+    for argv, text in ((["--methods", "bogus"], "--methods: unknown bogus; allowed: plain, ngram"),
+                       (["--rates", "0,abc"], "must be comma-separated request rates > 0 or inf"),
+                       (["--repeats", "0"], "--repeats must be an integer >= 1"),
+                       (["--num-prompts", "0"], "--num-prompts must be an integer >= 1"),
+                       (["--sparsity-ratio", "1.5"], "--sparsity-ratio must be in (0, 1]")):
+        with pytest.raises(SystemExit):
+            sb.parse_args(["--model", model, *argv])
+        assert text in capsys.readouterr().err
+    assert sb.parse_args(["--model", model, "--methods", "plain,collect2-skip,ngram"]).methods[1] == "collect2-skip"
+
+
+def test_report_writes_to_out_and_refuses_files_that_are_not_results(sb, tmp_path):
+    raw = tmp_path / "src" / "raw"
+    raw.mkdir(parents=True)
+    (raw / "plain_rinf_k0.json").write_text(json.dumps(_fake_result("plain", "inf", 10.0, 500.0)))
+    table = sb.report(tmp_path / "src", tmp_path / "dest")
+    assert "| plain | inf |" in table and (tmp_path / "dest" / "table.md").exists()
+    assert not (tmp_path / "src" / "table.md").exists()  # the folder read is left as it was
+    (raw / "broken.json").write_text("{not json")
+    with pytest.raises(SystemExit, match="not a vllm bench serve result"):
+        sb.report(tmp_path / "src")

@@ -63,16 +63,26 @@ def test_bad_options_name_their_field(change, field, text):
     (["--context", "64,128"], "Invalid value for '--context': takes one value with --backend hf"),
     (["--open", "2"], "Invalid value for '--open': is for --backend vllm only"),
 ])
-def test_cli_names_the_bad_flag_before_any_engine(args, message):
+def test_cli_names_the_bad_flag_before_any_engine(args, message, monkeypatch):
+    monkeypatch.setattr(vb, "vllm_installed", lambda: True)  # as on a GPU machine: the options decide
     result = CliRunner().invoke(main, ["bench", *args])
     assert result.exit_code == 2, result.output
     assert message in " ".join(result.output.split())
 
 
 def test_cli_says_vllm_is_missing_after_the_options_pass(monkeypatch):
-    monkeypatch.setattr(vb.importlib.util, "find_spec", lambda name: None)
-    result = CliRunner().invoke(main, ["bench", "--backend", "vllm", "--selectors", "collect2", "--context", "512"])
+    monkeypatch.setattr(vb, "vllm_installed", lambda: False)
+    resolved = []
+    monkeypatch.setattr("vegas.models.resolve_model", lambda m: resolved.append(m) or m)
+    result = CliRunner().invoke(main, ["bench", "--backend", "vllm", "--selectors", "collect2", "--context", "512",
+                                       "--model", "smollm2-135m"])
     assert result.exit_code == 2 and "needs vLLM 0.24.0 and a CUDA GPU" in " ".join(result.output.split())
+    assert resolved == []  # no model converted or read before that
+    result = CliRunner().invoke(main, ["bench", "--backend", "vllm", "--repeats", "0"])  # options first
+    assert "Invalid value for '--repeats'" in " ".join(result.output.split())
+    result = CliRunner().invoke(main, ["bench", "--backend", "vllm", "--dtype", "float32"])
+    assert result.exit_code == 2 and "'--dtype': must be bfloat16 or float16 with --backend vllm" in " ".join(
+        result.output.split())
 
 
 # ---- plan and engine arguments ----------------------------------------------------------------

@@ -207,6 +207,10 @@ def _bench_vllm(names, json_path, plot_path, vllm_only: dict, kwargs: dict) -> N
             raise VegasConfigError(f"{flag} is for --backend hf only: vegas bench --backend vllm has no {flag}")
     if kwargs["device"] is not None and not str(kwargs["device"]).startswith("cuda"):
         raise VegasConfigError.bad("device", f"must be cuda with --backend vllm, got {kwargs['device']!r}")
+    source = click.get_current_context().get_parameter_source("dtype")
+    if kwargs["dtype"] == "float32" and source is not click.core.ParameterSource.DEFAULT:
+        raise VegasConfigError.bad("dtype", "must be bfloat16 or float16 with --backend vllm (FA3 has no float32 "
+                                   "path), got 'float32'")
     if json_path:
         _check_writable(Path(json_path))
     engine_args = vllm_only["engine_args"]
@@ -220,7 +224,7 @@ def _bench_vllm(names, json_path, plot_path, vllm_only: dict, kwargs: dict) -> N
         check_tokens=kwargs["check_tokens"],
         exact_prompts=8 if vllm_only["exact_prompts"] is None else vllm_only["exact_prompts"],
         prompts=kwargs["prompts"],
-        dtype="bfloat16" if kwargs["dtype"] == "float32" else kwargs["dtype"],  # FA3 has no float32 path
+        dtype="bfloat16" if kwargs["dtype"] == "float32" else kwargs["dtype"],  # the default float32: bf16 (FA3)
         engine_args=parse_json_object(engine_args, "--engine-args") if engine_args else {},
     )
 

@@ -178,7 +178,7 @@ def _cli(kwargs: dict[str, Any]) -> list[str]:
 def plan_serve(
     model: str,
     *,
-    selector: str | None = "collect2",
+    selector: str | None = None,
     num_draft_tokens: int | None = None,
     sparsity_ratio: float | None = None,
     kv_budget: int | None = None,
@@ -239,7 +239,7 @@ def plan_serve(
         if kv_budget is not None:
             values["kv_budget"] = kv_budget
         cfg = VegasConfig.from_dict(values, "vegas serve options")
-        sel = build_selector(name, cfg, gamma)
+        sel = build_selector(name, cfg, gamma, _block_size(extra))
         for start, end, _ in _option_values(extra, _OWNED):
             raise VegasConfigError(
                 f"vllm serve argument {extra[start]} is set by vegas serve for Vegas; use --selector none "
@@ -276,6 +276,28 @@ def plan_serve(
             "(pip install -e .) for the full speed"
         )
     return ServePlan(argv=argv, env={}, settings=settings, model=model, port=port, notes=notes)
+
+
+#: vLLM's KV block size with FlashAttention when ``--block-size`` is not given (vLLM 0.24.0)
+VLLM_DEFAULT_BLOCK_SIZE = 16
+
+
+def _block_size(extra: list[str]) -> int:
+    """The engine's KV block size: ``--block-size`` among the ``vllm serve`` arguments, else
+    :data:`VLLM_DEFAULT_BLOCK_SIZE` (Quest's pages are vLLM's blocks).
+
+    Raises:
+        VegasConfigError: ``--block-size`` is not a positive integer.
+    """
+    for start, end, value in _option_values(extra, ("--block-size",)):
+        try:
+            size = int(value)
+        except ValueError:
+            size = 0
+        if size < 1:
+            raise VegasConfigError(f"vllm serve argument --block-size must be a positive integer, got {value!r}")
+        return size
+    return VLLM_DEFAULT_BLOCK_SIZE
 
 
 def exec_plan(plan: ServePlan) -> None:  # pragma: no cover - replaces the process

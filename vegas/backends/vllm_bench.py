@@ -159,8 +159,14 @@ def vegas_config(opts: VllmBenchOptions) -> VegasConfig:
                        kv_budget=opts.kv_budget, min_kv_budget=opts.min_kv_budget, fallback=False)
 
 
-def raise_if_bad_options(opts: VllmBenchOptions, max_context: int) -> None:
-    """Refuse bad counts and contexts that do not fit a model of ``max_context`` tokens.
+def vllm_installed() -> bool:
+    """Whether vLLM can be imported (looked up, not imported)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def raise_if_bad_options(opts: VllmBenchOptions, max_context: int | None) -> None:
+    """Refuse bad counts and contexts that do not fit a model of ``max_context`` tokens (None:
+    the model is not read yet; the context range is then checked against no model).
 
     Raises:
         VegasConfigError: with the field at fault (``batch_size`` for a batch, ``context`` for a
@@ -175,6 +181,10 @@ def raise_if_bad_options(opts: VllmBenchOptions, max_context: int) -> None:
             raise VegasConfigError.bad(name, f"must be an integer >= {low}, got {value!r}")
     if not opts.batches or not opts.contexts:
         raise VegasConfigError.bad("batch_size" if not opts.batches else "context", "must name at least one value")
+    if max_context is None:
+        if any(isinstance(c, bool) or not isinstance(c, int) or c < 2 for c in opts.contexts):
+            raise VegasConfigError.bad("context", f"must be integers >= 2, got {opts.contexts!r}")
+        return
     room = max_context - max(opts.new_tokens, opts.check_tokens) - opts.num_draft_tokens - 1
     for context in opts.contexts:
         if isinstance(context, bool) or not isinstance(context, int) or not 2 <= context <= room:
@@ -463,6 +473,9 @@ def run_vllm_bench(opts: VllmBenchOptions, log: Callable[[str], None] = print,
     SamplingParams(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)  # checks them
     if opts.dtype not in ("bfloat16", "float16"):
         raise VegasConfigError.bad("dtype", f"must be bfloat16 or float16 with the vllm backend, got {opts.dtype!r}")
+    raise_if_bad_options(opts, None)  # what needs no model, before vLLM is looked for
+    if not vllm_installed():  # before a model is converted or read
+        raise VegasConfigError(vllm_missing_message("vegas bench --backend vllm"))
     model = resolve_model(opts.model)
     raise_if_bad_options(opts, model_max_context(model))
     vegas = [m for m in methods if m not in (PLAIN_ROW, NGRAM)]
@@ -470,8 +483,6 @@ def run_vllm_bench(opts: VllmBenchOptions, log: Callable[[str], None] = print,
         vegas_settings.raise_if_unsupported(create_selector(name, config), config, opts.engine_args.get("block_size"))
     if vegas:
         raise_if_only_sliding_window(model)
-    if importlib.util.find_spec("vllm") is None:
-        raise VegasConfigError(vllm_missing_message("vegas bench --backend vllm"))
 
     n_prompts = max([requests_of(opts, b) for b in opts.batches] + [opts.exact_prompts])
     longest = load_prompts(model, n_prompts, max(opts.contexts), opts.prompts)
