@@ -45,11 +45,16 @@ def test_cache_root_follows_the_environment(monkeypatch, tmp_path):
 def test_resolve_passes_directories_and_hub_ids(tmp_path, monkeypatch):
     assert resolve_model(None) == DEFAULT_MODEL
     assert resolve_model(DEFAULT_MODEL) == DEFAULT_MODEL
+    (tmp_path / "config.json").write_text("{}")
     assert resolve_model(str(tmp_path)) == str(tmp_path)
     home = tmp_path / "home"
     (home / "m").mkdir(parents=True)
+    (home / "m" / "config.json").write_text("{}")
     monkeypatch.setenv("HOME", str(home))
     assert resolve_model("~/m") == str(home / "m")
+    (home / "empty").mkdir()
+    with pytest.raises(VegasConfigError, match="has no config.json: not a transformers checkpoint"):
+        resolve_model(str(home / "empty"))
     assert resolve_model("HuggingFaceTB/SmolLM2-135M") == "HuggingFaceTB/SmolLM2-135M"
 
 

@@ -121,9 +121,9 @@ def resolve_model(model: str | os.PathLike | None) -> str:
         a directory path (str), or the hub id unchanged.
 
     Raises:
-        VegasConfigError: an unknown name, a path that does not exist, a named model whose
-            package is not installed, or a GGUF that cannot be converted (see
-            :func:`convert_gguf`).
+        VegasConfigError: an unknown name, a path that does not exist, a directory without
+            ``config.json``, a named model whose package is not installed, or a GGUF that cannot
+            be converted (see :func:`convert_gguf`).
     """
     if model is None:
         return DEFAULT_MODEL
@@ -134,6 +134,9 @@ def resolve_model(model: str | os.PathLike | None) -> str:
     if path.suffix.lower() == ".gguf" or path.is_file():
         return str(convert_gguf(path))
     if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise VegasConfigError(f"model directory {text!r} has no config.json: not a transformers checkpoint; "
+                                   f"model must be {_allowed()}")
         return str(path)
     if _HUB_ID.fullmatch(text) and not text.startswith((".", "~")):
         return text  # transformers looks for it in the local Hugging Face cache
