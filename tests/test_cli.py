@@ -189,3 +189,17 @@ def test_bench_repeats_interleave_and_failing_plugin_selectors_are_skipped(tmp_p
         assert result.exit_code == 2 and "selector 'initraise' (plugin 'failing') failed to build" in result.output
     finally:
         plugins.unregister("failing")
+
+
+def test_import_and_help_do_not_load_torch():
+    """``import vegas`` and ``vegas --help`` stay light: torch and transformers load on first use
+    of what needs them (``vegas.Pipeline`` ...)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, vegas, vegas.cli; from click.testing import CliRunner; "
+            "r = CliRunner().invoke(vegas.cli.main, ['--help']); assert r.exit_code == 0, r.output; "
+            "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not heavy, heavy; "
+            "vegas.Pipeline; assert 'torch' in sys.modules")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
