@@ -323,11 +323,9 @@ def run(args) -> None:
     Raises:
         SystemExit: vLLM is not installed (before any server starts).
     """
-    import importlib.util
+    from vegas.backends.vllm import vllm_installed, vllm_missing_message
 
-    from vegas.backends.vllm import vllm_missing_message
-
-    if importlib.util.find_spec("vllm") is None:
+    if not vllm_installed():
         raise SystemExit(vllm_missing_message("scripts/serve_bench.py"))
     out = Path(args.out)
     (out / "raw").mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,7 @@ from .progress import LoggedProgress
 from .prompts import cut_contexts, package_source, read_text_source
 from .sampling import SamplingParams
 
-__all__ = ["BenchOptions", "clearly_faster", "median_row", "run_bench", "summarize", "verdict"]
+__all__ = ["BenchOptions", "bench_config", "clearly_faster", "median_row", "run_bench", "summarize", "verdict"]
 
 
 @dataclass
@@ -50,6 +50,15 @@ class BenchOptions:
     device: str | None = None
     seed: int = 0
     repeats: int = 1  # timed runs per method, interleaved across methods; rows report the median
+
+
+def bench_config(opts) -> dict:
+    """The :class:`~vegas.config.VegasConfig` fields of a benchmark's Vegas runs, on either
+    backend (``opts``: :class:`BenchOptions` or the vLLM bench's options): γ, sparsity ratio, KV
+    budget and its floor as given, and no fallback to plain steps (:mod:`vegas.draft_policy`), so
+    that each selector's own τ and speed are measured."""
+    return {"num_draft_tokens": opts.num_draft_tokens, "sparsity_ratio": opts.sparsity_ratio,
+            "kv_budget": opts.kv_budget, "min_kv_budget": opts.min_kv_budget, "fallback": False}
 
 
 def summarize(outputs: list[RequestOutput]) -> dict:
@@ -106,14 +115,9 @@ def run_bench(opts: BenchOptions, console: Console | None = None) -> dict:
     """
     console = console or Console(stderr=True)
     SamplingParams(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)  # before any work
-    # each selector's own τ and speed: no fallback to plain steps (vegas.draft_policy) mixed in
-    config = {"num_draft_tokens": opts.num_draft_tokens, "sparsity_ratio": opts.sparsity_ratio,
-              "min_kv_budget": opts.min_kv_budget, "fallback": False}
-    if opts.kv_budget is not None:
-        config["kv_budget"] = opts.kv_budget
     pipe = Pipeline(
         opts.model, selector=None, backend=opts.backend, dtype=opts.dtype, device=opts.device,
-        rope_scaling=opts.rope_scaling, **config,
+        rope_scaling=opts.rope_scaling, **bench_config(opts),
     )
     _raise_if_bad_options(opts, pipe)
     every = opts.selectors is None  # "all": a failing plugin selector is skipped, not fatal

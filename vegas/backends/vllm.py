@@ -65,6 +65,7 @@ __all__ = [
     "engine_args_from_env",
     "model_max_context",
     "raise_if_only_sliding_window",
+    "vllm_installed",
     "shutdown_engine",
     "sliding_window_layers",
     "start_engine",
@@ -193,12 +194,17 @@ def vllm_missing_message(what: str) -> str:
     return f"{what} needs vLLM 0.24.0 and a CUDA GPU: vllm is not installed ({VLLM_INSTALL_HINT})"
 
 
-def _raise_if_unavailable() -> None:
+def vllm_installed() -> bool:
+    """Whether vLLM can be imported (looked up, not imported)."""
     import importlib.util
 
+    return importlib.util.find_spec("vllm") is not None
+
+
+def _raise_if_unavailable() -> None:
     import torch
 
-    if importlib.util.find_spec("vllm") is None:
+    if not vllm_installed():
         raise VegasConfigError(vllm_missing_message("backend 'vllm'") + ", or use backend='hf'")
     if not torch.cuda.is_available():
         raise VegasConfigError("backend 'vllm' needs a CUDA GPU and none is visible; use backend='hf'")

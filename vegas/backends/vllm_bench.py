@@ -42,14 +42,13 @@ Everything but the engines (options, plan, byte floor, table, medians) runs on t
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..bench import median_row
+from ..bench import bench_config, median_row
 from ..config import VegasConfig, VegasConfigError, kv_budget_for
 from ..plugins import PLAIN, create_selector, selector_names
 from ..prompts import cut_contexts, heldout_path, package_source, read_text_source
@@ -62,6 +61,7 @@ from .vllm import (
     start_engine,
     verify_cuda_graphs,
     vllm_engine_kwargs,
+    vllm_installed,
     vllm_missing_message,
 )
 
@@ -154,14 +154,9 @@ def methods_of(selectors: list[str]) -> list[str]:
 
 
 def vegas_config(opts: VllmBenchOptions) -> VegasConfig:
-    """The Vegas settings of every Vegas engine of the run (checked by :class:`VegasConfig`)."""
-    return VegasConfig(num_draft_tokens=opts.num_draft_tokens, sparsity_ratio=opts.sparsity_ratio,
-                       kv_budget=opts.kv_budget, min_kv_budget=opts.min_kv_budget, fallback=False)
-
-
-def vllm_installed() -> bool:
-    """Whether vLLM can be imported (looked up, not imported)."""
-    return importlib.util.find_spec("vllm") is not None
+    """The Vegas settings of every Vegas engine of the run (:func:`vegas.bench.bench_config`,
+    checked by :class:`VegasConfig`)."""
+    return VegasConfig(**bench_config(opts))
 
 
 def raise_if_bad_options(opts: VllmBenchOptions, max_context: int | None) -> None:
