@@ -6,8 +6,9 @@
 #   bash scripts/device_serving.sh greedy    # greedy Vegas (V2 runner) against plain vLLM (tests/gpu/test_vllm_v2.py)
 #   bash scripts/device_serving.sh serve-start          # the serve run detached (outlives the device call)
 #   bash scripts/device_serving.sh serve-wait [SECONDS]  # wait for it (default 540 s); when done, $OUT/serve.tgz
-# A serve run with three servers takes ~6 min of starts plus ~20 s per vllm bench serve run: longer than one
-# 10-minute device call, hence serve-start + serve-wait in calls made back to back.
+# A serve run with servers started one after another takes ~2 min per server start plus the runs; with
+# --kv-cache-gib (fixed KV pools) the servers start side by side. Longer than one 10-minute device call:
+# serve-start + serve-wait in calls made back to back.
 # GREEDY_K selects tests of the greedy run (pytest -k), e.g. GREEDY_K="not sampling".
 # PROFILE_METHODS (default "plain vegas"; also vegas-v1, vegas-v2), PROFILE_ARGS, SERVE_ARGS adjust the runs; logs and JSON land in $OUT.
 set -u
@@ -33,7 +34,7 @@ case ${1:-} in
     ;;
   serve)
     timeout ${SERVE_S:-560} python3 scripts/serve_bench.py --model "$MODEL" --out "$OUT/serve" \
-      ${SERVE_ARGS:---methods plain,collect2 --rates 16,inf --repeats 3 --max-model-len 8192} 2>&1 | tail -40
+      ${SERVE_ARGS:---methods plain,collect2 --rates 16,inf --repeats 3 --max-model-len 8192 --kv-cache-gib 16} 2>&1 | tail -40
     ;;
   serve-start)  # detached: a new session survives the device call; results under /tmp/vegas_serve
     mkdir -p /tmp/vegas_serve

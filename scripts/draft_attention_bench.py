@@ -12,7 +12,7 @@ allocations alternating so that no layer hits L2), interleaved repeats (CUDA eve
   ``prepare_varlen_num_blocks`` per call);
 - ``paged1/s1``: the same with one split (``num_splits=1``, what the draft now uses up to
   :data:`~vegas.vllm_plugin.attention.ONE_SPLIT_MAX_KEYS` keys);
-- ``paged1/sched``: one split plus one tile schedule per step shared by every layer
+- ``paged1/sched``: the draft's own split count (:func:`~vegas.vllm_plugin.attention.draft_splits`) plus one tile schedule per step shared by every layer
   (:func:`~vegas.vllm_plugin.attention.draft_schedule`, the draft's call now);
 - ``paged1/sN``: N splits (``--splits``), to see whether parallelism over keys pays at this width;
 - ``contig``: the same keys gathered into a contiguous ``[rows, width, kv_heads, head_dim]``
@@ -72,7 +72,7 @@ def variants(s, layers, splits):
     """``{name: fn}``: one draft step's attention (every layer) per variant."""
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
-    from vegas.vllm_plugin.attention import draft_schedule, page_views
+    from vegas.vllm_plugin.attention import draft_schedule, draft_splits, page_views
 
     views = [page_views(c) for c in s["caches"]]
     out = torch.empty_like(s["q"])
@@ -114,10 +114,66 @@ def variants(s, layers, splits):
             torch.index_select(k, 0, idx, out=ck.view(-1, 1, s["hkv"], d))
             torch.index_select(v, 0, idx, out=cv.view(-1, 1, s["hkv"], d))
 
-    fns = {"paged1": paged(0), "paged1/s1": paged(1), "paged1/sched": paged(1, schedule=True)}
+    # vLLM's Triton split-KV decode kernel (page size 1, GQA grouped) over the same table
+    from vllm.v1.attention.ops.triton_decode_attention import decode_attention_fwd
+
+    lse = torch.empty(rows, s["hq"], dtype=torch.float32, device=s["q"].device)
+    unit = torch.ones(1, dtype=torch.float32, device=s["q"].device)
+
+    def triton_split(n):
+        logits = torch.empty(rows, s["hq"], n, d + 1, dtype=torch.float32, device=s["q"].device)
+
+        def step():
+            for layer in range(layers):
+                k, v = views[layer % 2]
+                decode_attention_fwd(s["q"], k, v, out, lse, s["tables"][layer], s["used"], logits, n,
+                                     d**-0.5, page_size=1, k_scale=unit, v_scale=unit)
+        return step
+
+    fns = {"paged1": paged(0), "paged1/s1": paged(1), "paged1/sched": paged(draft_splits(width), schedule=True)}
     fns.update({f"paged1/s{n}": paged(n) for n in splits if n > 1})
     fns.update({"contig": contig, "gather": gather})
+    fns.update({f"triton/s{n}": triton_split(n) for n in (1, 2, 4, 8, 16)})
     return fns
+
+
+def max_error(s):
+    """Largest |triton - FA3| over one layer's output (bf16), the Triton kernel with 4 splits."""
+    from vllm.v1.attention.ops.triton_decode_attention import decode_attention_fwd
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    from vegas.vllm_plugin.attention import page_views
+
+    k, v = page_views(s["caches"][0])
+    d, rows = s["d"], s["rows"]
+    ref = torch.empty_like(s["q"])
+    flash_attn_varlen_func(q=s["q"], k=k, v=v, out=ref, cu_seqlens_q=s["qsl"], max_seqlen_q=1, seqused_k=s["used"],
+                           max_seqlen_k=s["width"], softmax_scale=d**-0.5, causal=True,
+                           block_table=s["tables"][0], fa_version=3)
+    out = torch.empty_like(s["q"])
+    lse = torch.empty(rows, s["hq"], dtype=torch.float32, device=s["q"].device)
+    logits = torch.empty(rows, s["hq"], 4, d + 1, dtype=torch.float32, device=s["q"].device)
+    unit = torch.ones(1, dtype=torch.float32, device=s["q"].device)
+    decode_attention_fwd(s["q"], k, v, out, lse, s["tables"][0], s["used"], logits, 4, d**-0.5, page_size=1,
+                         k_scale=unit, v_scale=unit)
+    return (out.float() - ref.float()).abs().max().item()
+
+
+def as_graphs(fns):
+    """Each variant captured in a CUDA graph (as the draft step runs in vLLM), so that the times
+    are the GPU's and not Python's launch cost (~25 µs per FA3 call)."""
+    graphs = {}
+    for name, fn in fns.items():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        graphs[name] = g.replay
+    return graphs
 
 
 def main() -> int:
@@ -140,7 +196,8 @@ def main() -> int:
         for rows in [int(r) for r in args.rows.split(",")] if args.rows else row_counts:
             torch.manual_seed(0)
             s = make_step(layers, hq, hkv, d, width, rows)
-            res = interleaved(variants(s, layers, splits), args.reps, args.iters)
+            print(f"<!-- {case} rows {rows}: max |triton - FA3| = {max_error(s):.3g} -->", flush=True)
+            res = interleaved(as_graphs(variants(s, layers, splits)), args.reps, args.iters)
             base = statistics.median(res["paged1"])
             for name, times in res.items():
                 per_call = [t * 1e3 / layers for t in times]  # ms per step -> µs per layer call

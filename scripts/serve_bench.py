@@ -28,7 +28,6 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -147,14 +146,83 @@ def method_args(method: str, args) -> tuple[list[str], list[str]]:
 
 def server_argv(method: str, args, port: int, gpu_memory_utilization: float | None = None) -> list[str]:
     """The ``vegas serve`` command of a method's server (``gpu_memory_utilization`` defaults to
-    ``--gpu-memory-utilization``)."""
+    ``--gpu-memory-utilization``; with ``--kv-cache-gib`` the KV pool is that size,
+    ``--kv-cache-memory-bytes``, instead of what vLLM measures free)."""
     opts, extra = method_args(method, args)
     util = args.gpu_memory_utilization if gpu_memory_utilization is None else gpu_memory_utilization
+    kv = ["--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30))] if args.kv_cache_gib else []
     return [sys.executable, "-c", "from vegas.cli import main; main()", "serve", args.model, *opts,
             "--port", str(port), "--host", "127.0.0.1", "--",
             "--served-model-name", NAME, "--max-model-len", str(args.max_model_len),
-            "--gpu-memory-utilization", f"{util:.3f}", "--max-num-seqs", str(args.max_num_seqs),
+            "--gpu-memory-utilization", f"{util:.3f}", *kv, "--max-num-seqs", str(args.max_num_seqs),
             "--seed", "0", *extra, *args.serve_arg]
+
+
+def compile_family(method: str) -> str:
+    """Methods of one family share vLLM's ``torch.compile`` cache entry (every Vegas selector:
+    :func:`vegas.vllm_plugin.patches.patch_compile_hash`); the first of a family compiles and
+    writes it, so two of a family never start at once."""
+    return method if method in ("plain", "ngram") else "vegas"
+
+
+def start_waves(methods: list[str], concurrent: bool) -> list[list[str]]:
+    """Groups of servers started together, each group after the previous one is ready: one
+    server per group (one after another: vLLM sizes its KV pool from the free memory it measures
+    at start, so nothing else may start meanwhile), or with ``concurrent`` (fixed KV pools,
+    ``--kv-cache-gib``) the first server of each :func:`compile_family` together, then the next
+    of each, and so on."""
+    if not concurrent:
+        return [[m] for m in methods]
+    waves: list[list[str]] = []
+    seen: dict[str, int] = {}
+    for m in methods:
+        i = seen[compile_family(m)] = seen.get(compile_family(m), -1) + 1
+        if i == len(waves):
+            waves.append([])
+        waves[i].append(m)
+    return waves
+
+
+def bench_timeout(rate, args) -> float:
+    """Seconds one ``vllm bench serve`` run may take: ``--bench-timeout``, else the time to send
+    the requests at ``rate`` plus 240 s."""
+    if args.bench_timeout:
+        return args.bench_timeout
+    r = rate_value(rate)
+    return 240.0 + (0.0 if math.isinf(r) else args.num_prompts / r)
+
+
+def run_client(argv: list[str], log: Path, timeout: float) -> int:
+    """One ``vllm bench serve`` run (``argv``: its command, as :func:`bench_argv` gives it) in this
+    process: ``vllm.benchmarks.serve.main_async`` with the arguments the command parses to, the
+    same code the command runs, without its ~25 s of start-up (importing vLLM, loading the
+    tokenizer) per run. Output goes to ``log``.
+
+    Returns:
+        0 when the run finished, 1 when it raised (the traceback is in ``log``), 124 when it took
+        longer than ``timeout`` seconds (cancelled).
+    """
+    import asyncio
+    import contextlib
+    import traceback
+
+    from vllm.benchmarks.serve import add_cli_args, main_async
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    ns = parser.parse_args(argv[argv.index("serve") + 1:])
+    with Path(log).open("w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+        print("$", " ".join(argv), flush=True)
+        try:
+            asyncio.run(asyncio.wait_for(main_async(ns), timeout))
+        except (asyncio.TimeoutError, TimeoutError):
+            print(f"vllm bench serve: no result within {timeout:.0f} s; cancelled", flush=True)
+            return 124
+        except Exception:  # noqa: BLE001 - a failed run is logged and the benchmark goes on
+            traceback.print_exc(file=f)
+            return 1
+    return 0
 
 
 def bench_argv(method: str, rate, args, port: int, result_dir: Path, dataset_path: Path | None,
@@ -315,10 +383,12 @@ def kv_cache_tokens(log: Path) -> int | None:
 
 def run(args) -> None:
     """Start every method's server, one after another (nothing else on the GPU while one
-    starts), each with an equal share of ``--gpu-memory-utilization`` unless
-    ``--one-server-at-a-time``; then run ``vllm bench serve`` repeats interleaved over methods
-    and rates (repeat 1: rate a: plain, collect2, ...; rate b: ...; repeat 2: ...), so that
-    drifts of the machine fall on every method alike.
+    starts) or, with ``--kv-cache-gib``, side by side (:func:`start_waves`), each with an equal
+    share of ``--gpu-memory-utilization`` unless ``--one-server-at-a-time``; then run
+    ``vllm bench serve`` repeats interleaved over methods and rates (repeat 1: rate a: plain,
+    collect2, ...; rate b: ...; repeat 2: ...), so that drifts of the machine fall on every method
+    alike. Each run goes through :func:`run_client` (in this process, with a timeout: a run that
+    hangs costs :func:`bench_timeout`, not the session); a server that exited is skipped.
 
     Raises:
         SystemExit: vLLM is not installed (before any server starts).
@@ -340,39 +410,46 @@ def run(args) -> None:
     for methods in groups:
         servers = {}
         try:
-            for method in methods:
+            for wave in start_waves(methods, concurrent=bool(args.kv_cache_gib)):
                 if time.monotonic() > t_end:
-                    print(f"[time budget] {method} not started", flush=True)
+                    print(f"[time budget] {', '.join(wave)} not started", flush=True)
                     break
-                port = free_port()
-                server = ServerProcess(method, server_argv(method, args, port, util),
-                                       out / "logs" / f"{method}.log", port, env=env, cwd=ROOT)
-                print(f"[{method}] {' '.join(server.argv)}", flush=True)
-                try:
-                    print(f"[{method}] ready after {server.wait_ready(args.start_timeout):.0f} s", flush=True)
-                except ServerError as e:
-                    print(f"[{method}] failed: {e}\n{log_tail(server.log, 5)}", flush=True)
-                    server.stop()
-                    continue
-                servers[method] = (server, port)
-                memory[method] = kv_cache_tokens(server.log)
-                print(f"[{method}] KV cache: {memory[method]} tokens", flush=True)
+                starting = {}
+                for method in wave:
+                    port = free_port()
+                    server = ServerProcess(method, server_argv(method, args, port, util),
+                                           out / "logs" / f"{method}.log", port, env=env, cwd=ROOT)
+                    print(f"[{method}] {' '.join(server.argv)}", flush=True)
+                    starting[method] = (server, port)
+                t0 = time.monotonic()
+                for method, (server, port) in starting.items():
+                    try:
+                        server.wait_ready(max(1.0, args.start_timeout - (time.monotonic() - t0)))
+                    except ServerError as e:
+                        print(f"[{method}] failed: {e}\n{log_tail(server.log, 5)}", flush=True)
+                        server.stop()
+                        continue
+                    print(f"[{method}] ready after {time.monotonic() - t0:.0f} s", flush=True)
+                    servers[method] = (server, port)
+                    memory[method] = kv_cache_tokens(server.log)
+                    print(f"[{method}] KV cache: {memory[method]} tokens", flush=True)
             for rep, rate, method in ((rep, rate, m) for rep in range(args.repeats) for rate in args.rates
                                       for m in servers):
                 if time.monotonic() > t_end:
                     print(f"[time budget] rate {rate_label(rate)} #{rep} and later skipped", flush=True)
                     break
-                cmd = bench_argv(method, rate, args, servers[method][1], out / "raw", dataset, rep)
-                try:
-                    r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True,
-                                       timeout=args.bench_timeout)
-                except subprocess.TimeoutExpired as e:
-                    print(f"[{method}] rate {rate_label(rate)} #{rep}: {e}", flush=True)
+                server = servers[method][0]
+                if server.proc.poll() is not None:
+                    print(f"[{method}] rate {rate_label(rate)} #{rep}: skipped, the server exited with "
+                          f"{server.proc.returncode}", flush=True)
                     continue
-                (out / "logs" / f"bench_{method}_r{rate_label(rate)}_k{rep}.log").write_text(r.stdout + r.stderr)
-                print(f"[{method}] rate {rate_label(rate)} #{rep}: rc={r.returncode}", flush=True)
-                if r.returncode:
-                    print((r.stdout + r.stderr)[-2000:], flush=True)
+                cmd = bench_argv(method, rate, args, servers[method][1], out / "raw", dataset, rep)
+                log = out / "logs" / f"bench_{method}_r{rate_label(rate)}_k{rep}.log"
+                t0 = time.monotonic()
+                rc = run_client(cmd, log, bench_timeout(rate, args))
+                print(f"[{method}] rate {rate_label(rate)} #{rep}: rc={rc} ({time.monotonic() - t0:.0f} s)", flush=True)
+                if rc:
+                    print(log_tail(log, 20), flush=True)
         finally:
             for method, (server, _) in servers.items():
                 try:
@@ -420,7 +497,13 @@ def parse_args(argv=None):
                    help="vllm.prefill_skip_tokens of the '<selector>-skip' methods.")
     p.add_argument("--serve-arg", action="append", default=[], help="One more vllm serve argument (repeatable).")
     p.add_argument("--start-timeout", type=float, default=600)
-    p.add_argument("--bench-timeout", type=float, default=900)
+    p.add_argument("--bench-timeout", type=float, default=None,
+                   help="Seconds one vllm bench serve run may take [default: num-prompts / rate + 240].")
+    p.add_argument("--kv-cache-gib", type=float, default=None,
+                   help="KV pool of every server in GiB (vLLM's --kv-cache-memory-bytes): equal pools, and the "
+                        "servers start side by side (the first of each compile family together) instead of one "
+                        "after another [default: each server's pool is what vLLM measures free in its "
+                        "--gpu-memory-utilization share].")
     p.add_argument("--time-budget", type=float, default=None, help="Seconds: skip what would start after it.")
     p.add_argument("--out", default=None, help="Results folder [default: serve-bench; with --report: the "
                                                  "folder read].")
@@ -468,6 +551,9 @@ def raise_if_bad_args(args) -> None:
                                ("--input-len", args.input_len, 1), ("--prefill-skip-tokens", args.prefill_skip_tokens, 0)):
         if value < least:
             raise VegasConfigError(f"{flag} must be an integer >= {least}, got {value}")
+    for flag, value in (("--kv-cache-gib", args.kv_cache_gib), ("--bench-timeout", args.bench_timeout)):
+        if value is not None and not value > 0:
+            raise VegasConfigError(f"{flag} must be a number > 0, got {value}")
     if not 0 < args.sparsity_ratio <= 1:
         raise VegasConfigError(f"--sparsity-ratio must be in (0, 1], got {args.sparsity_ratio}")
 

@@ -173,7 +173,9 @@ def test_bad_arguments_fail_before_any_server(sb, tmp_path, capsys):
                        (["--rates", "0,abc"], "must be comma-separated request rates > 0 or inf"),
                        (["--repeats", "0"], "--repeats must be an integer >= 1"),
                        (["--num-prompts", "0"], "--num-prompts must be an integer >= 1"),
-                       (["--sparsity-ratio", "1.5"], "--sparsity-ratio must be in (0, 1]")):
+                       (["--sparsity-ratio", "1.5"], "--sparsity-ratio must be in (0, 1]"),
+                       (["--kv-cache-gib", "0"], "--kv-cache-gib must be a number > 0"),
+                       (["--bench-timeout", "-1"], "--bench-timeout must be a number > 0")):
         with pytest.raises(SystemExit):
             sb.parse_args(["--model", model, *argv])
         assert text in capsys.readouterr().err
@@ -190,3 +192,74 @@ def test_report_writes_to_out_and_refuses_files_that_are_not_results(sb, tmp_pat
     (raw / "broken.json").write_text("{not json")
     with pytest.raises(SystemExit, match="not a vllm bench serve result"):
         sb.report(tmp_path / "src")
+
+
+def test_fixed_kv_pools_start_servers_side_by_side_one_per_compile_family(sb, tmp_path):
+    """With --kv-cache-gib every server gets that KV pool (vLLM's --kv-cache-memory-bytes) and the
+    servers start in waves: the first of each compile family together (Vegas selectors share one
+    torch.compile cache entry, so two of them never compile at once); without it, one by one."""
+    methods = ["plain", "collect2", "ngram", "sliding_window", "quest"]
+    assert sb.start_waves(methods, concurrent=False) == [[m] for m in methods]
+    assert sb.start_waves(methods, concurrent=True) == [["plain", "collect2", "ngram"], ["sliding_window"], ["quest"]]
+    assert sb.start_waves(["collect2", "collect2-skip", "plain"], concurrent=True) == [
+        ["collect2", "plain"], ["collect2-skip"]]
+    args = sb.parse_args(["--model", _model(tmp_path, 8192), "--kv-cache-gib", "1.5"])
+    argv = sb.server_argv("collect2", args, 8000)
+    assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(int(1.5 * 2**30))
+    assert "--kv-cache-memory-bytes" not in sb.server_argv("plain", sb.parse_args(["--model", args.model]), 8000)
+
+
+def test_bench_timeout_follows_the_rate(sb, tmp_path):
+    args = sb.parse_args(["--model", _model(tmp_path, 8192), "--num-prompts", "64"])
+    assert sb.bench_timeout(4.0, args) == 240 + 16 and sb.bench_timeout(math.inf, args) == 240
+    args = sb.parse_args(["--model", args.model, "--bench-timeout", "30"])
+    assert sb.bench_timeout(4.0, args) == 30
+
+
+def _fake_vllm_bench(monkeypatch, behaviour):
+    """vllm.benchmarks.serve and vllm.utils.argparse_utils as the client needs them (CI has no vLLM)."""
+    import argparse
+    import types
+
+    serve = types.ModuleType("vllm.benchmarks.serve")
+
+    def add_cli_args(parser):
+        parser.add_argument("--request-rate")
+        parser.add_argument("--seed")
+
+    async def main_async(ns):
+        print(f"rate={ns.request_rate}")
+        await behaviour()
+        return {}
+
+    serve.add_cli_args, serve.main_async = add_cli_args, main_async
+    utils = types.ModuleType("vllm.utils.argparse_utils")
+    utils.FlexibleArgumentParser = argparse.ArgumentParser
+    for name, mod in (("vllm", types.ModuleType("vllm")), ("vllm.benchmarks", types.ModuleType("vllm.benchmarks")),
+                      ("vllm.benchmarks.serve", serve), ("vllm.utils", types.ModuleType("vllm.utils")),
+                      ("vllm.utils.argparse_utils", utils)):
+        monkeypatch.setitem(sys.modules, name, mod)
+
+
+@pytest.mark.parametrize("outcome", ["done", "raises", "hangs"])
+def test_a_client_run_is_logged_and_a_hanging_one_is_cancelled(sb, tmp_path, monkeypatch, outcome):
+    """The serve benchmark runs vllm bench serve's own main_async in its process; a run that
+    raises returns 1 with its traceback in the log, one that hangs is cancelled at its timeout
+    (124) instead of holding the benchmark (a sliding_window run hung for 11 minutes on an H200)."""
+    import asyncio
+
+    async def behaviour():
+        if outcome == "raises":
+            raise RuntimeError("server went away")
+        if outcome == "hangs":
+            await asyncio.sleep(30)
+
+    _fake_vllm_bench(monkeypatch, behaviour)
+    log = tmp_path / "bench.log"
+    argv = ["python", "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--request-rate", "16", "--seed", "0"]
+    rc = sb.run_client(argv, log, timeout=0.3)
+    text = log.read_text()
+    assert rc == {"done": 0, "raises": 1, "hangs": 124}[outcome]
+    assert text.startswith("$ python -m vllm.entrypoints.cli.main bench serve") and "rate=16" in text
+    assert ("RuntimeError: server went away" in text) == (outcome == "raises")
+    assert ("no result within 0 s; cancelled" in text) == (outcome == "hangs")
