@@ -183,6 +183,10 @@ def start_waves(methods: list[str], concurrent: bool) -> list[list[str]]:
     return waves
 
 
+#: runs of one method that may time out before its remaining runs are skipped
+MAX_TIMEOUTS = 2
+
+
 def bench_timeout(rate, args) -> float:
     """Seconds one ``vllm bench serve`` run may take: ``--bench-timeout``, else the time to send
     the requests at ``rate`` plus 240 s."""
@@ -204,6 +208,7 @@ def run_client(argv: list[str], log: Path, timeout: float) -> int:
     """
     import asyncio
     import contextlib
+    import gc
     import traceback
 
     from vllm.benchmarks.serve import add_cli_args, main_async
@@ -222,6 +227,9 @@ def run_client(argv: list[str], log: Path, timeout: float) -> int:
         except Exception:  # noqa: BLE001 - a failed run is logged and the benchmark goes on
             traceback.print_exc(file=f)
             return 1
+        finally:
+            gc.unfreeze()  # main_async freezes the heap (gc.freeze) for its run; later runs collect it
+            gc.collect()
     return 0
 
 
@@ -407,6 +415,7 @@ def run(args) -> None:
     groups = [[m] for m in args.methods] if args.one_server_at_a_time else [list(args.methods)]
     util = args.gpu_memory_utilization / (1 if args.one_server_at_a_time else len(args.methods))
     memory = {}
+    timeouts: dict[str, int] = {}
     for methods in groups:
         servers = {}
         try:
@@ -439,6 +448,8 @@ def run(args) -> None:
                     print(f"[time budget] rate {rate_label(rate)} #{rep} and later skipped", flush=True)
                     break
                 server = servers[method][0]
+                if timeouts.get(method, 0) >= MAX_TIMEOUTS:
+                    continue
                 if server.proc.poll() is not None:
                     print(f"[{method}] rate {rate_label(rate)} #{rep}: skipped, the server exited with "
                           f"{server.proc.returncode}", flush=True)
@@ -448,6 +459,10 @@ def run(args) -> None:
                 t0 = time.monotonic()
                 rc = run_client(cmd, log, bench_timeout(rate, args))
                 print(f"[{method}] rate {rate_label(rate)} #{rep}: rc={rc} ({time.monotonic() - t0:.0f} s)", flush=True)
+                if rc == 124:
+                    timeouts[method] = timeouts.get(method, 0) + 1
+                    if timeouts[method] >= MAX_TIMEOUTS:
+                        print(f"[{method}] {MAX_TIMEOUTS} runs timed out: its remaining runs are skipped", flush=True)
                 if rc:
                     print(log_tail(log, 20), flush=True)
         finally:
