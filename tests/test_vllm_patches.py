@@ -233,3 +233,34 @@ def test_vegas_asks_for_one_kv_cache_group_unless_the_user_decided(method, asked
     plain = SimpleNamespace(speculative_config=None, scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=None))
     patches.one_kv_group(plain)
     assert plain.scheduler_config.disable_hybrid_kv_cache_manager is None
+
+
+def test_vegas_log_lines_go_where_vllms_go(monkeypatch):
+    """vLLM configures only its own logger: Vegas' INFO lines ("vegas: asynchronous scheduling
+    on") reached no vllm serve log. register() hands vLLM's handlers and level to ``vegas.vllm``,
+    unless logging was configured by the program (root handlers) or for vegas already."""
+    import io
+    import logging
+
+    from vegas.vllm_plugin import log_with_vllm
+
+    ours, theirs, root = logging.getLogger("vegas.vllm"), logging.getLogger("vllm"), logging.getLogger()
+    for logger in (ours, theirs, root):
+        monkeypatch.setattr(logger, "handlers", [])
+    monkeypatch.setattr(ours, "propagate", True)
+    monkeypatch.setattr(ours, "level", logging.NOTSET)
+    monkeypatch.setattr(theirs, "level", logging.INFO)
+    log_with_vllm()  # vLLM has no handler (VLLM_CONFIGURE_LOGGING=0): nothing to share
+    assert ours.handlers == []
+    out = io.StringIO()
+    theirs.handlers = [logging.StreamHandler(out)]
+    root.handlers = [logging.NullHandler()]
+    log_with_vllm()  # the program configured logging: left alone
+    assert ours.handlers == []
+    root.handlers = []
+    log_with_vllm()
+    log_with_vllm()  # idempotent
+    ours.info("vegas: asynchronous scheduling on")
+    ours.debug("not at vLLM's level")
+    assert out.getvalue() == "vegas: asynchronous scheduling on\n" and ours.handlers == theirs.handlers
+    assert not ours.propagate

@@ -67,7 +67,8 @@ Nothing here imports vLLM at module import time.
 
 from __future__ import annotations
 
-__all__ = ["CLASS_PATH", "WORKER_EXTENSION", "VegasWorkerExtension", "configure", "get_stats", "register"]
+__all__ = ["CLASS_PATH", "WORKER_EXTENSION", "VegasWorkerExtension", "configure", "get_stats", "log_with_vllm",
+           "register"]
 
 CLASS_PATH = "vegas.vllm_plugin.proposer.VegasProposer"
 #: vLLM's ``worker_extension_cls`` engine argument that gives every worker the methods
@@ -90,12 +91,33 @@ def register() -> None:
     """
     from . import patches
 
+    log_with_vllm()
     patches.check_vllm()
     patches.patch_attention()
     patches.patch_scheduler_lookahead()
     patches.patch_config_check()
     patches.patch_compile_hash()
     patches.patch_v2_runner(_build_v2_speculator)  # opt-in V2 model runner: lets the Vegas speculator through
+
+
+def log_with_vllm() -> None:
+    """Send Vegas' log lines (logger ``vegas.vllm``) where vLLM's go, at vLLM's level.
+
+    vLLM configures its own ``vllm`` logger (handler, format, ``VLLM_LOGGING_LEVEL``) and nothing
+    else, so without this no INFO line of Vegas ("vegas: asynchronous scheduling on", the V2
+    speculator's settings) reaches a ``vllm serve`` log. A no-op when ``vegas.vllm`` already has
+    handlers or the root logger has any (a program that configured logging keeps its own), and
+    when vLLM's logger has none (``VLLM_CONFIGURE_LOGGING=0``).
+    """
+    import logging
+
+    ours, theirs = logging.getLogger("vegas.vllm"), logging.getLogger("vllm")
+    if ours.handlers or logging.getLogger().handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.getEffectiveLevel())
+    ours.propagate = False
 
 
 def _build_v2_speculator(vllm_config, device):
