@@ -257,9 +257,13 @@ def patch_attention() -> None:
     selection hook :meth:`vegas.vllm_plugin.state.SelectionState.on_layer`, unless
     :meth:`~vegas.vllm_plugin.state.SelectionState.verify_layer` ran the layer through FA3 with
     the score output (the optional ``_vegas_fa3_C`` extension, :mod:`vegas.vllm_plugin.fa3_verify`).
+    The selection state is the one the drafter attached to the attention layer (``layer``,
+    attribute :data:`~vegas.vllm_plugin.state.LAYER_ATTR`, set by
+    :func:`~vegas.vllm_plugin.drafting.attention_layers`); a layer without one, or whose state is
+    not enabled, runs vLLM's FA3 call only.
     """
     from .attention import DraftMetadata, draft_attention, layer_index
-    from .state import STATE
+    from .state import LAYER_ATTR
 
     def make(original):
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
@@ -268,18 +272,20 @@ def patch_attention() -> None:
                 attn_metadata = attn_metadata.get(layer.layer_name)
             if isinstance(attn_metadata, DraftMetadata):
                 return draft_attention(self, layer, query, kv_cache, attn_metadata, output)
+            state = getattr(layer, LAYER_ATTR, None)  # the drafter's SelectionState; None: no Vegas drafter
             if (
-                STATE.enabled
+                state is not None
+                and state.enabled
                 and attn_metadata is not None
                 and kv_cache.numel() > 0
-                and STATE.verify_layer(self, layer_index(layer.layer_name), query, kv_cache, attn_metadata, output)
+                and state.verify_layer(self, layer_index(layer.layer_name), query, kv_cache, attn_metadata, output)
             ):
                 return output  # FA3 with the score output ran instead (vegas.vllm_plugin.fa3_verify)
             out = original(
                 self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
             )
-            if STATE.enabled and attn_metadata is not None and kv_cache.numel() > 0:
-                STATE.on_layer(
+            if state is not None and state.enabled and attn_metadata is not None and kv_cache.numel() > 0:
+                state.on_layer(
                     layer_index(layer.layer_name), query, kv_cache, attn_metadata, self.scale, self.logits_soft_cap
                 )
             return out

@@ -37,7 +37,7 @@ from .async_sched import draft_start_positions, next_tokens_and_counts
 from .drafting import DraftEngine, DraftSampler, attention_layers, draft_graph_key
 from .seeds import RequestSeeds, seeded_sampler
 from .settings import build_selector, path_class, read_settings, settings_json
-from .state import STATE
+from .state import SelectionState
 from .stats import StatsRecorder
 
 __all__ = [
@@ -92,11 +92,12 @@ def _apply_graph_mode(vllm_config, selector, verify_cuda_graphs: str) -> bool:
     return bool(mode is not None and mode.has_full_cudagraphs())
 
 
-def start_drafter(vllm_config, gamma: int) -> tuple[Selector, str]:
+def start_drafter(state: SelectionState, vllm_config, gamma: int) -> tuple[Selector, str]:
     """What every Vegas drafter does when vLLM builds it (the V1 proposer and the V2
     speculator alike): refuse unsupported engine settings, build the selector of
-    ``additional_config["vegas"]`` with vLLM's γ, set up :data:`STATE` (γ, enabled, full or piecewise verification
-    graphs, the TP all-reduce) and apply the attention and scheduler patches.
+    ``additional_config["vegas"]`` with vLLM's γ, set up the drafter's selection ``state`` (γ,
+    enabled, full or piecewise verification graphs, the TP all-reduce) and apply the attention
+    and scheduler patches.
 
     Returns:
         ``(selector, settings JSON)``; the selection path is made with the device
@@ -109,32 +110,33 @@ def start_drafter(vllm_config, gamma: int) -> tuple[Selector, str]:
     _raise_if_unsupported(vllm_config)
     name, config = read_settings(vllm_config)
     selector = build_selector(name, config, gamma, vllm_config.cache_config.block_size)
-    STATE.gamma = gamma
-    STATE.enabled = True
-    STATE.frozen = _apply_graph_mode(vllm_config, selector, selector.config.vllm.verify_cuda_graphs)
+    state.gamma = gamma
+    state.enabled = True
+    state.frozen = _apply_graph_mode(vllm_config, selector, selector.config.vllm.verify_cuda_graphs)
     if int(vllm_config.parallel_config.tensor_parallel_size) > 1:
         from vllm.distributed import tensor_model_parallel_all_reduce
 
-        STATE.all_reduce = tensor_model_parallel_all_reduce
+        state.all_reduce = tensor_model_parallel_all_reduce
     patches.patch_attention()
     patches.patch_scheduler_lookahead()
     return selector, settings_json(name, selector.config)
 
 
-def use_path(selector: Selector, settings: str, gamma: int, device) -> None:
-    """Put the selector's selection path (its fast path, else the generic one) in force."""
-    STATE.use(path_class(selector)(selector, gamma, device), settings)
-    STATE.prefill_skip_tokens = selector.config.vllm.prefill_skip_tokens
+def use_path(state: SelectionState, selector: Selector, settings: str, gamma: int, device) -> None:
+    """Put the selector's selection path (its fast path, else the generic one) in force in ``state``."""
+    state.use(path_class(selector)(selector, gamma, device), settings)
+    state.prefill_skip_tokens = selector.config.vllm.prefill_skip_tokens
 
 
-def reserve_selection_buffers(vllm_config, selector: Selector, gamma: int, max_seqs: int, device) -> None:
-    """The selection buffers at their largest, before vLLM captures CUDA graphs."""
+def reserve_selection_buffers(state: SelectionState, vllm_config, selector: Selector, gamma: int, max_seqs: int,
+                              device) -> None:
+    """``state``'s selection buffers at their largest, before vLLM captures CUDA graphs."""
     from .plan import budget_cap
 
     model_config, parallel = vllm_config.model_config, vllm_config.parallel_config
     q_elems = (gamma + 1) * model_config.get_num_attention_heads(parallel) * model_config.get_head_size()
     k_cap = budget_cap(selector, model_config.max_model_len)
-    STATE.reserve(max_seqs, k_cap, q_elems, model_config.dtype, device)
+    state.reserve(max_seqs, k_cap, q_elems, model_config.dtype, device)
 
 
 class VegasProposer:
@@ -151,7 +153,10 @@ class VegasProposer:
     def __init__(self, vllm_config):
         self.vllm_config = vllm_config
         self.gamma = int(vllm_config.speculative_config.num_speculative_tokens)
-        self.selector, self._settings = start_drafter(vllm_config, self.gamma)
+        #: this worker's selection state: written by the attention override (it finds the state
+        #: on each attention layer, :data:`~vegas.vllm_plugin.state.LAYER_ATTR`), read by the drafting
+        self.state = SelectionState()
+        self.selector, self._settings = start_drafter(self.state, vllm_config, self.gamma)
         #: vLLM's V1 ``GPUModelRunner``: handed over by :meth:`bind_runner` before ``load_model``
         self.runner = None
         name = self.selector.name
@@ -172,7 +177,7 @@ class VegasProposer:
         self.seeds = RequestSeeds()
         self._samplers: dict[bool, DraftSampler] = {}
         self.drafting = DraftEngine(
-            vllm_config, self.gamma, self.config.vllm, None,  # the device: at load_model
+            vllm_config, self.state, self.gamma, self.config.vllm, None,  # the device: at load_model
             block_table=lambda: self.runner.input_batch.block_table[0].block_table.gpu,  # [max_reqs, max_blocks] int32
             model=lambda: self.runner.model,
         )
@@ -211,23 +216,23 @@ class VegasProposer:
             raise RuntimeError("vegas: vLLM's GPU model runner was not handed to the proposer "
                                "(vegas.vllm_plugin.patches.patch_runner_binding did not run)")
         self.drafting.device = self.runner.device
-        use_path(self.selector, self._settings, self.gamma, self.runner.device)
+        use_path(self.state, self.selector, self._settings, self.gamma, self.runner.device)
         # the layers are registered once the model is built: learn them before the first
         # forward (the prefill), whose last queries give the first selection
         self._init_layers()
         self._reserve_buffers()
         patches.time_runner_forward(
-            self.runner, lambda start, end: self.recorder.add_forward(STATE.fwd_events, start, end)
+            self.runner, lambda start, end: self.recorder.add_forward(self.state.fwd_events, start, end)
         )
 
     # ---- helpers ----------------------------------------------------------------------------
     def _reserve_buffers(self) -> None:
         """Selection buffers at their largest (before vLLM captures CUDA graphs)."""
         max_seqs = self.vllm_config.scheduler_config.max_num_seqs
-        reserve_selection_buffers(self.vllm_config, self.selector, self.gamma, max_seqs, self.runner.device)
+        reserve_selection_buffers(self.state, self.vllm_config, self.selector, self.gamma, max_seqs, self.runner.device)
 
     def _init_layers(self) -> None:
-        self.drafting.set_layers(attention_layers(self.vllm_config))
+        self.drafting.set_layers(attention_layers(self.vllm_config, self.state))
         self._layers_known = True
 
     def capture_draft_graphs(self) -> int:
@@ -249,7 +254,7 @@ class VegasProposer:
 
     def _graph_cap(self) -> int:
         """Rows a draft graph can have: the block table's and the selection buffers' rows."""
-        return min(self.drafting.block_table().shape[0], STATE.sel_buf.shape[1])
+        return min(self.drafting.block_table().shape[0], self.state.sel_buf.shape[1])
 
     def _draft(self, num_reqs: int, sampling: bool, step_inputs: torch.Tensor, temperature, seeds):
         """Draft γ tokens for ``num_reqs`` requests: the draft graph of the batch's row count,
@@ -267,7 +272,7 @@ class VegasProposer:
         rows = engine.graph_rows(num_reqs, self._graph_cap())
         if rows is not None:
             try:
-                graph, bufs = engine.graph(rows, draft_graph_key(rows, sampling), sample, sampling)
+                graph, bufs = engine.graph(rows, draft_graph_key(self.state, rows, sampling), sample, sampling)
                 bufs.fill(num_reqs, step_inputs, temperature, seeds=seeds)
                 graph.replay()
                 return bufs.tokens, bufs.probs
@@ -293,7 +298,7 @@ class VegasProposer:
 
     def resolve_events(self, wait: bool = False) -> None:
         """Fold finished timings and acceptance counts into the stats (see :class:`StatsRecorder`)."""
-        self.recorder.resolve(STATE, wait)
+        self.recorder.resolve(self.state, wait)
 
     def _event(self):
         event = torch.cuda.Event(enable_timing=True)
@@ -330,14 +335,15 @@ class VegasProposer:
             self._checked_groups = True
 
         req_ids = input_batch.req_ids[:num_reqs]
-        prefill_heavy = STATE.take_skip()  # the forward carried a prefill chunk and selected nothing
+        state = self.state
+        prefill_heavy = state.take_skip()  # the forward carried a prefill chunk and selected nothing
         if self.async_scheduling:
             step_inputs = self._async_step_inputs(req_ids)
         else:
             num_blocks = input_batch.block_table[0].num_blocks_per_row[:num_reqs].astype(np.int64)
             step_inputs = self._sync_step_inputs(sampled_token_ids, num_tokens_no_spec, req_ids, num_blocks)
-        if (prefill_heavy or step_inputs is None or not STATE.has_selection or STATE.sel_buf is None
-                or num_reqs > STATE.sel_buf.shape[1]):
+        if (prefill_heavy or step_inputs is None or not state.has_selection or state.sel_buf is None
+                or num_reqs > state.sel_buf.shape[1]):
             self.stats.prefill_skips += prefill_heavy
             self._drafted = set()
             if self.async_scheduling:  # vLLM's async path scatters drafts from a device tensor

@@ -1,10 +1,15 @@
-"""The selection state of one vLLM worker process (pure PyTorch, no vLLM).
+"""The selection state of a Vegas drafter in a vLLM worker (pure PyTorch, no vLLM).
 
-One :class:`SelectionState` per worker process (:data:`STATE`), written by the attention
-override during each full-attention forward of the runner (prefill or verification) and read by
-the proposer's drafting in the same ``execute_model`` call, so batch rows line up. What is
-selected, and how, is the :class:`~vegas.vllm_plugin.selectors.base.SelectionPath` in
-:attr:`SelectionState.path`: a built-in selector's fast path or the generic path.
+One :class:`SelectionState` per Vegas drafter (the V1 proposer or the V2 speculator, which
+creates it and hands it to what needs it: its draft engine, the draft tables), written by the
+attention override during each full-attention forward of the runner (prefill or verification)
+and read by the drafter in the same ``execute_model`` call, so batch rows line up. vLLM calls
+the override with the attention layer only, so the drafter attaches its state to every attention
+layer of the model under :data:`LAYER_ATTR` when it learns the layers
+(:func:`~vegas.vllm_plugin.drafting.attention_layers`); a layer without it (an engine without
+the Vegas drafter) runs plain vLLM. What is selected, and how, is the
+:class:`~vegas.vllm_plugin.selectors.base.SelectionPath` in :attr:`SelectionState.path`: a
+built-in selector's fast path or the generic path.
 """
 
 from __future__ import annotations
@@ -18,12 +23,17 @@ import torch
 from ..config import VegasConfigError
 from .plan import CollectPlan, make_plan
 
-__all__ = ["STATE", "SelectionState"]
+__all__ = ["LAYER_ATTR", "SelectionState"]
+
+#: the attribute of each vLLM attention layer (``Attention`` module, the ``layer`` argument of
+#: ``FlashAttentionImpl.forward``) that holds the :class:`SelectionState` of the drafter that
+#: drafts with the layer's model; absent on the layers of an engine without the Vegas drafter
+LAYER_ATTR = "vegas_state"
 
 
 @dataclass
 class SelectionState:
-    """Per-process selection buffers and what the attention override needs to fill them.
+    """A drafter's selection buffers and what the attention override needs to fill them.
 
     Every full-attention forward writes its selection into persistent buffers
     (:meth:`reserve`): ``sel_buf`` rows ``[0, num_seqs)`` hold each request's selected slot ids
@@ -288,7 +298,3 @@ class SelectionState:
         ``(L or 1, num_seqs, k_cap)`` int32 slot ids and ``(num_seqs,)`` int64 twice."""
         sel = self.sel_buf[:1] if self.path.shared_across_layers else self.sel_buf
         return sel[:, :num_seqs], self.ctx_sel_buf[:num_seqs], self.budget_buf[:num_seqs]
-
-
-#: the process-wide state (one model runner per worker process)
-STATE = SelectionState()
