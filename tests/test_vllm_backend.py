@@ -96,7 +96,7 @@ def _worker_with_state(state, runner_attr="drafter"):
 
 def test_configure_refuses_a_new_selector_under_full_graphs():
     from vegas.vllm_plugin import configure
-    from vegas.vllm_plugin.state import SelectionState
+    from vegas.vllm_plugin.selection.state import SelectionState
 
     same = settings_json("collect2", VegasConfig())
     state = SelectionState(settings=same, gamma=4, frozen=True)
@@ -111,7 +111,7 @@ def test_configure_changes_the_state_of_the_workers_own_drafter():
     """Each worker's drafter owns its selection state: configure() changes that one, and a
     worker without a Vegas drafter has none to change."""
     from vegas.vllm_plugin import configure
-    from vegas.vllm_plugin.state import SelectionState
+    from vegas.vllm_plugin.selection.state import SelectionState
 
     v1, v2 = SelectionState(gamma=4), SelectionState(gamma=4)
     settings = settings_json("sliding_window", VegasConfig())
@@ -194,7 +194,7 @@ def test_configure_builds_the_path_of_any_registered_selector():
     from vegas.vllm_plugin import configure
     from vegas.vllm_plugin.selectors import ScoreTopKFastPath
     from vegas.vllm_plugin.selectors.generic import GenericPath
-    from vegas.vllm_plugin.state import SelectionState
+    from vegas.vllm_plugin.selection.state import SelectionState
 
     state = SelectionState(gamma=4)
     worker = _worker_with_state(state)

@@ -203,7 +203,7 @@ def test_the_attention_override_selects_into_the_state_on_its_layer(monkeypatch,
 
     import torch
 
-    from vegas.vllm_plugin.state import LAYER_ATTR
+    from vegas.vllm_plugin.selection.state import LAYER_ATTR
 
     modules = fake_vllm(monkeypatch, tmp_path)
     utils = types.ModuleType("vllm.model_executor.models.utils")
@@ -232,7 +232,8 @@ def test_the_attention_override_selects_into_the_state_on_its_layer(monkeypatch,
     plain = SimpleNamespace(layer_name="layers.0.attn")
     assert forward(plain) == "vllm-forward"
     states = {i: State(**kw) for i, kw in enumerate([{}, {"verifies": True}, {"enabled": False}], start=1)}
-    layers = {i: SimpleNamespace(layer_name=f"layers.{i}.attn", **{LAYER_ATTR: st}) for i, st in states.items()}
+    layers = {i: SimpleNamespace(layer_name=f"layers.{i}.attn", **{LAYER_ATTR: st})
+              for i, st in states.items()}
     assert forward(layers[1]) == "vllm-forward"
     assert states[1].calls == [("verify_layer", 1), ("on_layer", 1, 0.5, 0.0)]
     assert torch.equal(forward(layers[2]), torch.ones(2, 1, 4))  # verify_layer ran it: its output, no vLLM call

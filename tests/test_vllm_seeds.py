@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from vegas.vllm_plugin.drafting import DraftBuffers
-from vegas.vllm_plugin.seeds import RequestSeeds, request_seed, seeded_sampler
+from vegas.vllm_plugin.drafting.engine import DraftBuffers
+from vegas.vllm_plugin.runners.seeds import RequestSeeds, request_seed, seeded_sampler
 
 GAMMA, VOCAB, MAX_LEN = 3, 50, 4096
 
@@ -177,7 +177,7 @@ def test_the_v1_proposer_hands_each_row_its_requests_seed():
     batch's requests' own (by request id, batch order), across a reorder and new neighbours;
     an all-greedy batch gets none."""
     from vegas.vllm_plugin import proposer as proposer_mod
-    from vegas.vllm_plugin.state import SelectionState
+    from vegas.vllm_plugin.selection.state import SelectionState
     from vegas.vllm_plugin.stats import StatsRecorder
 
     n_max = 4

@@ -22,7 +22,7 @@ from vegas.interfaces import SelectionInput
 from vegas.plugins import create_selector
 from vegas.vllm_plugin.selectors import QuestFastPath, ScoreTopKFastPath, SlidingWindowFastPath
 from vegas.vllm_plugin.settings import path_class
-from vegas.vllm_plugin.state import SelectionState
+from vegas.vllm_plugin.selection.state import SelectionState
 
 GAMMA = 4
 LAYERS = 2

@@ -9,11 +9,11 @@ import torch
 from vegas.config import VegasConfig, VegasConfigError
 from vegas.kernels import collect_scores, collect_scores_reference, select_topk, select_topk_layers
 from vegas.plugins import create_selector
-from vegas.vllm_plugin.drafting import build_draft_tables, draft_tables
-from vegas.vllm_plugin.plan import make_plan
+from vegas.vllm_plugin.drafting.engine import build_draft_tables, draft_tables
+from vegas.vllm_plugin.selectors.plan import make_plan
 from vegas.vllm_plugin.selectors.sliding_window import sliding_window_slots
 from vegas.vllm_plugin.settings import path_class
-from vegas.vllm_plugin.state import LAYER_ATTR, SelectionState
+from vegas.vllm_plugin.selection.state import LAYER_ATTR, SelectionState
 
 BS = 16
 GAMMA = 4
@@ -396,7 +396,7 @@ def test_selection_buffers_refuse_to_grow_under_full_graphs():
 def test_proposer_rejects_unsupported_engines(change, match):
     from types import SimpleNamespace
 
-    from vegas.vllm_plugin.proposer import _raise_if_unsupported
+    from vegas.vllm_plugin.runners.start import _raise_if_unsupported
 
     def config(**kw):
         return SimpleNamespace(
@@ -754,7 +754,7 @@ def test_draft_engine_runs_gamma_forwards_over_the_selection(monkeypatch, slidin
     import types
     from types import SimpleNamespace
 
-    from vegas.vllm_plugin.drafting import DraftEngine
+    from vegas.vllm_plugin.drafting.engine import DraftEngine
 
     forward_log = []
 
@@ -895,8 +895,8 @@ def test_attention_layers_keep_sliding_window_layers_and_refuse_an_all_sliding_m
     import types
     from types import SimpleNamespace
 
-    from vegas.vllm_plugin import attention as attention_mod
-    from vegas.vllm_plugin.drafting import attention_layers, sliding_windows
+    from vegas.vllm_plugin.drafting import attention as attention_mod
+    from vegas.vllm_plugin.drafting.engine import attention_layers, sliding_windows
 
     class FlashAttentionImpl:
         def __init__(self, window):

@@ -101,7 +101,7 @@ def register() -> None:
 def _build_v2_speculator(vllm_config, device):
     """The Vegas speculator of vLLM's V2 model runner (built by the patched ``init_speculator``;
     imports vLLM, so it is imported only here, inside vLLM's worker)."""
-    from .v2_speculator import VegasSpeculator
+    from .runners.v2 import VegasSpeculator
 
     return VegasSpeculator(vllm_config, device)
 
@@ -135,7 +135,7 @@ def _drafter(worker):
 
 
 def _state(drafter):
-    """The :class:`~vegas.vllm_plugin.state.SelectionState` a Vegas drafter owns (its
+    """The :class:`~vegas.vllm_plugin.selection.state.SelectionState` a Vegas drafter owns (its
     ``state``), or None (no drafter, or not a Vegas one)."""
     return getattr(drafter, "state", None)
 
@@ -185,7 +185,7 @@ def get_stats(worker, per_request: bool = False) -> dict:
     """``LLM.collective_rpc("vegas_stats")`` (:class:`VegasWorkerExtension`): the proposer's counters (see
     :class:`~vegas.vllm_plugin.stats.ProposerStats`); with ``per_request``, also
     ``{"requests": {request_id: [iterations, drafted, accepted]}}`` (V1 runner only). On the
-    V2 runner: :meth:`~vegas.vllm_plugin.v2_speculator.VegasSpeculator.stats`."""
+    V2 runner: :meth:`~vegas.vllm_plugin.runners.v2.VegasSpeculator.stats`."""
     drafter = _drafter(worker)
     if drafter is None or not hasattr(drafter, "stats"):
         return {}

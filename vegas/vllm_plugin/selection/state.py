@@ -6,7 +6,7 @@ attention override during each full-attention forward of the runner (prefill or 
 and read by the drafter in the same ``execute_model`` call, so batch rows line up. vLLM calls
 the override with the attention layer only, so the drafter attaches its state to every attention
 layer of the model under :data:`LAYER_ATTR` when it learns the layers
-(:func:`~vegas.vllm_plugin.drafting.attention_layers`); a layer without it (an engine without
+(:func:`~vegas.vllm_plugin.drafting.engine.attention_layers`); a layer without it (an engine without
 the Vegas drafter) runs plain vLLM. What is selected, and how, is the
 :class:`~vegas.vllm_plugin.selectors.base.SelectionPath` in :attr:`SelectionState.path`: a
 built-in selector's fast path or the generic path.
@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import VegasConfigError
-from .plan import CollectPlan, make_plan
+from ...config import VegasConfigError
+from ..selectors.plan import CollectPlan, make_plan
 
 __all__ = ["LAYER_ATTR", "SelectionState"]
 
@@ -117,7 +117,7 @@ class SelectionState:
             self.budget_buf = torch.zeros(max_seqs, dtype=torch.int64, device=device)
             self.generation += 1
         if self.time_events and self.timer is None and torch.device(device).type == "cuda":
-            from ..kernels.device_timer import DeviceTimer
+            from ...kernels.device_timer import DeviceTimer
 
             self.timer = DeviceTimer(device)
         n = layers * max_seqs * q_elems
@@ -188,7 +188,7 @@ class SelectionState:
     def on_layer(self, layer_idx: int, query, kv_cache, attn_metadata, scale: float, softcap: float = 0.0) -> None:
         """Called after the full attention of ``layer_idx`` in a runner forward.
 
-        The first layer builds the plan (:func:`~vegas.vllm_plugin.plan.make_plan`) and lets the
+        The first layer builds the plan (:func:`~vegas.vllm_plugin.selectors.plan.make_plan`) and lets the
         path write each request's selectable prefix and budget; every layer is then handed to
         the path (:meth:`SelectionPath.layer`), which writes the selection buffers.
 
@@ -281,7 +281,7 @@ class SelectionState:
 
     def _finish_fa3(self, query, attn_metadata) -> None:
         """Last layer of a forward on the FA3 score path: the selection from its score rows."""
-        from .selectors.scores import _sums_over_ranks
+        from ..selectors.scores import _sums_over_ranks
 
         plan, fa3 = self.plan, self.fa3
         fa3.active = False

@@ -10,9 +10,9 @@ sampler and V2's ``postprocess_sampled``, :meth:`VegasSpeculator.propose`:
    ``input_batch.seq_lens``/``idx_mapping`` and ``last_sampled`` (no host lists; one small
    host-to-device copy of the blocks each request owns);
 2. replays one CUDA graph of the drafting engine shared with the V1 proposer
-   (:class:`~vegas.vllm_plugin.drafting.DraftEngine`, graphs captured per power-of-two row count
+   (:class:`~vegas.vllm_plugin.drafting.engine.DraftEngine`, graphs captured per power-of-two row count
    at engine start) that turns the selection of the verification that just ran
-   (the speculator's :class:`~vegas.vllm_plugin.state.SelectionState`, batch order, written by
+   (the speculator's :class:`~vegas.vllm_plugin.selection.state.SelectionState`, batch order, written by
    whichever selection path is in force) into page-size-1 draft tables and runs γ query-length-1 forwards of the target
    through the attention override;
 3. samples every draft with V2's ``gumbel_sample`` and writes its temperature-scaled logits
@@ -32,9 +32,9 @@ from vllm.v1.worker.gpu.buffer_utils import async_copy_to_gpu
 from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
 
-from .drafting import DraftBuffers, DraftEngine, attention_layers, draft_graph_key
-from .proposer import reserve_selection_buffers, start_drafter, use_path
-from .state import SelectionState
+from ..drafting.engine import DraftBuffers, DraftEngine, attention_layers, draft_graph_key
+from ..selection.state import SelectionState
+from .start import reserve_selection_buffers, start_drafter, use_path
 from .v2_helpers import (
     acceptance_counts,
     draft_noise_positions,
@@ -58,7 +58,7 @@ class VegasSpeculator(DraftModelSpeculator):
 
     Raises:
         VegasConfigError: for settings Vegas does not support (see
-            :func:`~vegas.vllm_plugin.proposer.start_drafter`), or a non-FLASH_ATTN /
+            :func:`~vegas.vllm_plugin.runners.start.start_drafter`), or a non-FLASH_ATTN /
             sliding-window attention layer.
         ValueError: more than one KV-cache group.
     """
@@ -68,7 +68,7 @@ class VegasSpeculator(DraftModelSpeculator):
         # refuses unsupported settings before vLLM allocates anything; also patches attention
         # and the scheduler (single-process engines build the scheduler after the runner)
         #: this worker's selection state: written by the attention override (it finds the state
-        #: on each attention layer, :data:`~vegas.vllm_plugin.state.LAYER_ATTR`), read by the drafting
+        #: on each attention layer, :data:`~vegas.vllm_plugin.selection.state.LAYER_ATTR`), read by the drafting
         self.state = SelectionState()
         self.selector, self._settings = start_drafter(self.state, vllm_config, gamma)
         super().__init__(vllm_config, device)
@@ -225,7 +225,7 @@ class VegasSpeculator(DraftModelSpeculator):
 
     def _sample(self, logits: torch.Tensor, j: int, bufs: DraftBuffers) -> torch.Tensor:
         """V2's draft sampler: vLLM's ``gumbel_sample`` keyed by each request's seed and the
-        draft position (:func:`~vegas.vllm_plugin.v2_helpers.draft_noise_positions`), which also
+        draft position (:func:`~vegas.vllm_plugin.runners.v2_helpers.draft_noise_positions`), which also
         writes the temperature-scaled logits into ``draft_logits[bufs.slots, j]`` for V2's
         rejection sampler; greedy rows (temperature 0) take the argmax."""
         return gumbel_sample(

@@ -2,16 +2,16 @@
 
 After each verification the drafter drafts γ tokens per request with query length 1, not
 scheduled by vLLM: the draft tables (:func:`build_draft_tables`) come from the selection
-buffers of the drafter's :class:`~vegas.vllm_plugin.state.SelectionState`, whichever selection
-path wrote them, and the
-draft attention (:func:`vegas.vllm_plugin.attention.draft_attention`) reads them through
-:class:`~vegas.vllm_plugin.attention.DraftMetadata`. One engine (:class:`DraftEngine`) serves
-both of vLLM's model runners: one body (:meth:`DraftEngine.run`) runs eagerly or captured as one
-CUDA graph per row count (:meth:`DraftEngine.graph`, all captured at engine start by
+buffers of the drafter's :class:`~vegas.vllm_plugin.selection.state.SelectionState`, whichever
+selection path wrote them, and the draft attention
+(:func:`vegas.vllm_plugin.drafting.attention.draft_attention`) reads them through
+:class:`~vegas.vllm_plugin.drafting.attention.DraftMetadata`. One engine (:class:`DraftEngine`)
+serves both of vLLM's model runners: one body (:meth:`DraftEngine.run`) runs eagerly or captured
+as one CUDA graph per row count (:meth:`DraftEngine.graph`, all captured at engine start by
 :meth:`DraftEngine.capture`), keyed by rows, the runner's own parts (V1: sampling or greedy), the
 selection path and the selection buffers' generation. The runners' adapters are
-:class:`~vegas.vllm_plugin.proposer.VegasProposer` (V1) and
-:class:`~vegas.vllm_plugin.v2_speculator.VegasSpeculator` (V2); they differ in where the block
+:class:`~vegas.vllm_plugin.runners.v1.VegasProposer` (V1) and
+:class:`~vegas.vllm_plugin.runners.v2.VegasSpeculator` (V2); they differ in where the block
 table lives and how a draft is sampled (:data:`DraftSampler`).
 """
 
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import VegasConfigError, VllmOptions
-from ..kernels import slots_to_fa_pages
-from .state import LAYER_ATTR, SelectionState
+from ...config import VegasConfigError, VllmOptions
+from ...kernels import slots_to_fa_pages
+from ..selection.state import LAYER_ATTR, SelectionState
 
 __all__ = [
     "DraftBuffers",
@@ -172,7 +172,7 @@ def attention_layers(vllm_config, state: SelectionState) -> list[tuple[str, int]
 
     Also sets ``state``'s layer range (``first_layer``, ``last_layer``, ``layers_ready``) and
     attaches ``state`` to every attention layer module under
-    :data:`~vegas.vllm_plugin.state.LAYER_ATTR`: the attention override
+    :data:`~vegas.vllm_plugin.selection.state.LAYER_ATTR`: the attention override
     (:func:`~vegas.vllm_plugin.patches.patch_attention`) receives only the layer, and selects
     into the state it finds there.
 
@@ -305,7 +305,7 @@ class DraftBuffers:
 
 #: a draft sampler: ``(logits [rows, vocab], step j, buffers) -> tokens [rows]``; it may write
 #: the draft distribution where its runner's rejection sampler reads it. Both runners' samplers
-#: are vLLM's seeded ``gumbel_sample`` (V1: :func:`vegas.vllm_plugin.seeds.seeded_sampler`;
+#: are vLLM's seeded ``gumbel_sample`` (V1: :func:`vegas.vllm_plugin.runners.seeds.seeded_sampler`;
 #: V2: ``VegasSpeculator._sample``)
 DraftSampler = Callable[[torch.Tensor, int, DraftBuffers], torch.Tensor]
 
