@@ -30,6 +30,18 @@ def test_engine_kwargs_switch_vegas_on():
     assert kw["gpu_memory_utilization"] == 0.4
 
 
+def test_the_public_class_path_names_the_v1_proposer():
+    """``speculative_config["model"]`` stays ``vegas.vllm_plugin.proposer.VegasProposer``, the
+    path users write; it resolves (as vLLM resolves it) to the V1 proposer in ``runners.v1``."""
+    import importlib
+
+    from vegas.vllm_plugin.runners.v1 import VegasProposer
+
+    assert CLASS_PATH == "vegas.vllm_plugin.proposer.VegasProposer"
+    module, _, name = CLASS_PATH.rpartition(".")
+    assert getattr(importlib.import_module(module), name) is VegasProposer
+
+
 class _OwnExtension:  # a worker extension that is not Vegas's
     pass
 

@@ -62,6 +62,12 @@ process before the engine exists. Every patch of vLLM is one entry of the table
 :data:`vegas.vllm_plugin.patches.PATCHES` (what it replaces, the parameters it expects, why),
 checked by :func:`register`: another vLLM than 0.24.0, or a changed function, is refused there.
 
+Where things live: :mod:`.selection` (the selection state one drafter owns, written by the
+attention override), :mod:`.selectors` (the selection paths and their per-forward plan),
+:mod:`.drafting` (the draft phase both runners share), :mod:`.runners` (the V1 proposer, the V2
+speculator and what both do when built), here :mod:`.patches`, :mod:`.settings`,
+:mod:`.stats`, :mod:`.async_sched` and :mod:`.proposer` (the public class path).
+
 Nothing here imports vLLM at module import time.
 """
 

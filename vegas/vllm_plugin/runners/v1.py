@@ -1,4 +1,6 @@
-"""Vegas as a vLLM speculative proposer (``speculative_config.method = "custom_class"``).
+"""Vegas as a vLLM speculative proposer (``speculative_config.method = "custom_class"``), on
+vLLM's V1 model runner. Users name it by its public class path
+``vegas.vllm_plugin.proposer.VegasProposer`` (:mod:`vegas.vllm_plugin.proposer`).
 
 ``VegasProposer`` is built by vLLM's V1 GPU model runner with ``vllm_config`` only; the runner
 is handed to it by the patched ``GPUModelRunner.load_model`` (:meth:`VegasProposer.bind_runner`,

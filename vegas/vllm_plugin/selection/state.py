@@ -80,7 +80,7 @@ class SelectionState:
     #: attention logit soft-cap of the model's layers (vLLM's ``logits_soft_cap``, Gemma 2), 0 for
     #: none; read from the first layer of each forward, scores are taken on the capped logits
     softcap: float = 0.0
-    #: Quest page bounds ``(L, num_blocks + 1, kv_heads, head_dim)`` (see :mod:`.quest`)
+    #: Quest page bounds ``(L, num_blocks + 1, kv_heads, head_dim)`` (see :mod:`vegas.vllm_plugin.selectors.quest`)
     quest_min: torch.Tensor | None = None
     quest_max: torch.Tensor | None = None
     #: the FA3 score path (:class:`~.fa3_verify.FA3ScoreVerify`), made by the first
