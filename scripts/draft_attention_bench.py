@@ -3,7 +3,7 @@
 
 The previous profile (``benchmarks/results/vllm_h200_2026-12-01_profile/before/kernels_vegas-v2.txt``)
 put Vegas' draft attention (FA3 over the page-size-1 view of vLLM's paged cache,
-:func:`vegas.vllm_plugin.attention.draft_attention`) at 12.1 µs per layer call: ~1.45 ms of a
+:func:`vegas.vllm_plugin.drafting.attention.draft_attention`) at 12.1 µs per layer call: ~1.45 ms of a
 ~9.9 ms iteration at 40 requests, 14 % of all CUDA time. The KV it reads (~420 keys per request)
 is a few hundred kilobytes. This times, per draft step of a model (every layer once, two cache
 allocations alternating so that no layer hits L2), interleaved repeats (CUDA events):
@@ -11,9 +11,9 @@ allocations alternating so that no layer hits L2), interleaved repeats (CUDA eve
 - ``paged1``: today's call: page-size-1 table, FA3's split heuristic, no tile schedule (FA3 runs
   ``prepare_varlen_num_blocks`` per call);
 - ``paged1/s1``: the same with one split (``num_splits=1``, what the draft now uses up to
-  :data:`~vegas.vllm_plugin.attention.ONE_SPLIT_MAX_KEYS` keys);
-- ``paged1/sched``: the draft's own split count (:func:`~vegas.vllm_plugin.attention.draft_splits`) plus one tile schedule per step shared by every layer
-  (:func:`~vegas.vllm_plugin.attention.draft_schedule`, the draft's call now);
+  :data:`~vegas.vllm_plugin.drafting.attention.ONE_SPLIT_MAX_KEYS` keys);
+- ``paged1/sched``: the draft's own split count (:func:`~vegas.vllm_plugin.drafting.attention.draft_splits`) plus one tile schedule per step shared by every layer
+  (:func:`~vegas.vllm_plugin.drafting.attention.draft_schedule`, the draft's call now);
 - ``paged1/sN``: N splits (``--splits``), to see whether parallelism over keys pays at this width;
 - ``contig``: the same keys gathered into a contiguous ``[rows, width, kv_heads, head_dim]``
   cache per layer (FA3 without a page table: TMA loads) — the attention alone;
@@ -72,7 +72,7 @@ def variants(s, layers, splits):
     """``{name: fn}``: one draft step's attention (every layer) per variant."""
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
-    from vegas.vllm_plugin.attention import draft_schedule, draft_splits, page_views
+    from vegas.vllm_plugin.drafting.attention import draft_schedule, draft_splits, page_views
 
     views = [page_views(c) for c in s["caches"]]
     out = torch.empty_like(s["q"])
@@ -142,7 +142,7 @@ def max_error(s):
     from vllm.v1.attention.ops.triton_decode_attention import decode_attention_fwd
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
-    from vegas.vllm_plugin.attention import page_views
+    from vegas.vllm_plugin.drafting.attention import page_views
 
     k, v = page_views(s["caches"][0])
     d, rows = s["d"], s["rows"]

@@ -43,7 +43,7 @@ def verify_batch(chunks, ctxs, shape, block_size=16, dtype=torch.float32, device
 
 
 def plan_rows(cu_seqlens_q, seq_lens, gamma, selector):
-    """``(q_idx, q_weight, ctx_sel)`` as :func:`vegas.vllm_plugin.state.make_plan` builds them:
+    """``(q_idx, q_weight, ctx_sel)`` as :func:`vegas.vllm_plugin.selection.state.make_plan` builds them:
     the scored rows are among the last ``γ + 1`` tokens of each chunk (collect2: the first and
     last of them; aggregated: all of them) and ``ctx_sel`` is the position of the first."""
     n = seq_lens.shape[0]

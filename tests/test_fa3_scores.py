@@ -12,7 +12,7 @@ import torch
 
 from vegas.kernels import collect_scores_reference, fa3_scores
 from vegas.kernels.triton_score_reduce import reduce_head_scores
-from vegas.vllm_plugin import fa3_verify
+from vegas.vllm_plugin.selection import fa3_verify
 
 from .test_vllm_state import BS, _block_table, _plan, _state
 

@@ -66,7 +66,7 @@ def test_plan_rows_match_make_plan():
     """The tests' scored rows are the vLLM plan's (collect2 and aggregated, a one-token chunk)."""
     from vegas.config import VegasConfig
     from vegas.plugins import create_selector
-    from vegas.vllm_plugin.plan import RowTable, make_plan
+    from vegas.vllm_plugin.selectors.plan import RowTable, make_plan
 
     b = verify_batch([5, 5, 1], [40, 55, 70], (9, 3, 64), pad_tokens=0)
     for selector in ("collect2", "aggregated"):

@@ -30,6 +30,18 @@ def test_engine_kwargs_switch_vegas_on():
     assert kw["gpu_memory_utilization"] == 0.4
 
 
+def test_the_public_class_path_names_the_v1_proposer():
+    """``speculative_config["model"]`` stays ``vegas.vllm_plugin.proposer.VegasProposer``, the
+    path users write; it resolves (as vLLM resolves it) to the V1 proposer in ``runners.v1``."""
+    import importlib
+
+    from vegas.vllm_plugin.runners.v1 import VegasProposer
+
+    assert CLASS_PATH == "vegas.vllm_plugin.proposer.VegasProposer"
+    module, _, name = CLASS_PATH.rpartition(".")
+    assert getattr(importlib.import_module(module), name) is VegasProposer
+
+
 class _OwnExtension:  # a worker extension that is not Vegas's
     pass
 
@@ -86,18 +98,40 @@ def test_engine_args_come_from_the_backend_and_the_environment(monkeypatch):
         VLLMBackend("m", engine_args=[("max_model_len", 1)])
 
 
-def test_configure_refuses_a_new_selector_under_full_graphs(monkeypatch):
+def _worker_with_state(state, runner_attr="drafter"):
+    """A vLLM worker whose model runner holds a Vegas drafter (V1: ``drafter``, V2:
+    ``speculator``) that owns ``state``."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(model_runner=SimpleNamespace(**{runner_attr: SimpleNamespace(state=state)}))
+
+
+def test_configure_refuses_a_new_selector_under_full_graphs():
     from vegas.vllm_plugin import configure
-    from vegas.vllm_plugin.state import STATE
+    from vegas.vllm_plugin.selection.state import SelectionState
 
     same = settings_json("collect2", VegasConfig())
-    monkeypatch.setattr(STATE, "settings", same)
-    monkeypatch.setattr(STATE, "gamma", 4)
-    monkeypatch.setattr(STATE, "frozen", True)
-    assert configure(object(), same, reset_stats=False) == same
+    state = SelectionState(settings=same, gamma=4, frozen=True)
+    worker = _worker_with_state(state)
+    assert configure(worker, same, reset_stats=False) == same
     with pytest.raises(VegasConfigError, match="full CUDA graphs"):
-        configure(object(), settings_json("sliding_window", VegasConfig()), reset_stats=False)
-    assert STATE.settings == same
+        configure(worker, settings_json("sliding_window", VegasConfig()), reset_stats=False)
+    assert state.settings == same
+
+
+def test_configure_changes_the_state_of_the_workers_own_drafter():
+    """Each worker's drafter owns its selection state: configure() changes that one, and a
+    worker without a Vegas drafter has none to change."""
+    from vegas.vllm_plugin import configure
+    from vegas.vllm_plugin.selection.state import SelectionState
+
+    v1, v2 = SelectionState(gamma=4), SelectionState(gamma=4)
+    settings = settings_json("sliding_window", VegasConfig())
+    assert configure(_worker_with_state(v2, "speculator"), settings, reset_stats=False) == settings
+    assert v2.settings == settings and v1.settings == "" and v1.path is None
+    assert configure(object(), None, reset_stats=False) == ""
+    with pytest.raises(VegasConfigError, match="Vegas drafter"):
+        configure(object(), settings, reset_stats=False)
 
 
 def test_settings_round_trip_into_the_proposer():
@@ -165,23 +199,23 @@ class _TestSelectorPlugin:
         return {SinksAndTopKSelector.name: SinksAndTopKSelector}
 
 
-def test_configure_builds_the_path_of_any_registered_selector(monkeypatch):
+def test_configure_builds_the_path_of_any_registered_selector():
     """Under piecewise verification graphs configure() switches to any registered selector: a
     built-in gets its fast path, a selector without one the generic path."""
     from vegas import plugins
     from vegas.vllm_plugin import configure
     from vegas.vllm_plugin.selectors import ScoreTopKFastPath
     from vegas.vllm_plugin.selectors.generic import GenericPath
-    from vegas.vllm_plugin.state import STATE
+    from vegas.vllm_plugin.selection.state import SelectionState
 
-    for name, value in (("gamma", 4), ("frozen", False), ("settings", ""), ("path", None), ("sel_buf", None)):
-        monkeypatch.setattr(STATE, name, value)
+    state = SelectionState(gamma=4)
+    worker = _worker_with_state(state)
     plugins.register(_TestSelectorPlugin(), name="test_generic_selectors")
     try:
         settings = settings_json("test_sinks_topk", VegasConfig(kv_budget=32))
-        assert configure(object(), settings, reset_stats=False) == settings
-        assert isinstance(STATE.path, GenericPath) and STATE.path.selector.config.kv_budget == 32
-        configure(object(), settings_json("last_token", VegasConfig()), reset_stats=False)
-        assert isinstance(STATE.path, ScoreTopKFastPath) and STATE.path.row_table.width == 1
+        assert configure(worker, settings, reset_stats=False) == settings
+        assert isinstance(state.path, GenericPath) and state.path.selector.config.kv_budget == 32
+        configure(worker, settings_json("last_token", VegasConfig()), reset_stats=False)
+        assert isinstance(state.path, ScoreTopKFastPath) and state.path.row_table.width == 1
     finally:
         plugins.unregister("test_generic_selectors")

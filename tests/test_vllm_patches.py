@@ -194,6 +194,53 @@ def test_the_runner_is_handed_to_the_proposer_before_it_loads_the_model(monkeypa
     assert plain.loaded
 
 
+def test_the_attention_override_selects_into_the_state_on_its_layer(monkeypatch, tmp_path):
+    """patch_attention: vLLM's FA3 call runs for every layer; a layer that carries an enabled
+    selection state (``LAYER_ATTR``, attached by the drafter) then hands the forward to that
+    state's ``on_layer``, unless its ``verify_layer`` ran the layer instead; a layer without
+    one (an engine without the Vegas drafter) or with a disabled one runs vLLM's call only."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from vegas.vllm_plugin.selection.state import LAYER_ATTR
+
+    modules = fake_vllm(monkeypatch, tmp_path)
+    utils = types.ModuleType("vllm.model_executor.models.utils")
+    utils.extract_layer_index = lambda name: int(name.split(".")[1])
+    monkeypatch.setitem(sys.modules, "vllm.model_executor.models.utils", utils)
+    patches.patch_attention()
+    impl_cls = modules["vllm.v1.attention.backends.flash_attn"].FlashAttentionImpl
+    impl = impl_cls()
+    impl.scale, impl.logits_soft_cap = 0.5, 0.0
+
+    class State:  # the two calls the override makes on a SelectionState
+        def __init__(self, enabled=True, verifies=False):
+            self.enabled, self.verifies, self.calls = enabled, verifies, []
+
+        def verify_layer(self, impl_, layer_idx, query, kv_cache, attn_metadata, output):
+            self.calls.append(("verify_layer", layer_idx))
+            return self.verifies
+
+        def on_layer(self, layer_idx, query, kv_cache, attn_metadata, scale, softcap=0.0):
+            self.calls.append(("on_layer", layer_idx, scale, softcap))
+
+    def forward(layer):
+        q, kv, out = torch.zeros(2, 1, 4), torch.zeros(1, 2, 16, 1, 4), torch.ones(2, 1, 4)
+        return impl.forward(layer, q, None, None, kv, SimpleNamespace(), out)
+
+    plain = SimpleNamespace(layer_name="layers.0.attn")
+    assert forward(plain) == "vllm-forward"
+    states = {i: State(**kw) for i, kw in enumerate([{}, {"verifies": True}, {"enabled": False}], start=1)}
+    layers = {i: SimpleNamespace(layer_name=f"layers.{i}.attn", **{LAYER_ATTR: st})
+              for i, st in states.items()}
+    assert forward(layers[1]) == "vllm-forward"
+    assert states[1].calls == [("verify_layer", 1), ("on_layer", 1, 0.5, 0.0)]
+    assert torch.equal(forward(layers[2]), torch.ones(2, 1, 4))  # verify_layer ran it: its output, no vLLM call
+    assert states[2].calls == [("verify_layer", 2)]
+    assert forward(layers[3]) == "vllm-forward" and states[3].calls == []
+
+
 def test_the_config_hash_leaves_the_vegas_settings_out(monkeypatch, tmp_path):
     """Engines that differ only in additional_config["vegas"] hash alike (one compilation);
     other additional_config keys still count, and the config keeps its settings."""

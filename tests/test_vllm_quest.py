@@ -138,7 +138,7 @@ def test_on_layer_keeps_quest_bounds_and_page_aligned_budgets():
     from vegas.config import VegasConfig
     from vegas.plugins import create_selector
     from vegas.vllm_plugin.selectors.quest import QuestFastPath
-    from vegas.vllm_plugin.state import SelectionState
+    from vegas.vllm_plugin.selection.state import SelectionState
 
     nb = 12
     bt = torch.tensor([[7, 2, 9, 4], [1, 11, 5, 0]], dtype=torch.int32)

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from vegas.vllm_plugin.drafting import DraftBuffers
-from vegas.vllm_plugin.seeds import RequestSeeds, request_seed, seeded_sampler
+from vegas.vllm_plugin.drafting.engine import DraftBuffers
+from vegas.vllm_plugin.runners.seeds import RequestSeeds, request_seed, seeded_sampler
 
 GAMMA, VOCAB, MAX_LEN = 3, 50, 4096
 
@@ -172,12 +172,12 @@ def test_draft_buffers_carry_seeds_with_zero_padding_in_shared_views():
     assert np.array_equal(DraftBuffers.allocate(3, GAMMA, VOCAB, False, "cpu").seeds.numpy(), np.zeros(3))
 
 
-def test_the_v1_proposer_hands_each_row_its_requests_seed(monkeypatch):
+def test_the_v1_proposer_hands_each_row_its_requests_seed():
     """``VegasProposer.propose`` over a fake V1 runner: the seeds it drafts with are the
     batch's requests' own (by request id, batch order), across a reorder and new neighbours;
     an all-greedy batch gets none."""
     from vegas.vllm_plugin import proposer as proposer_mod
-    from vegas.vllm_plugin.state import STATE
+    from vegas.vllm_plugin.selection.state import SelectionState
     from vegas.vllm_plugin.stats import StatsRecorder
 
     n_max = 4
@@ -190,6 +190,7 @@ def test_the_v1_proposer_hands_each_row_its_requests_seed(monkeypatch):
     prop = object.__new__(proposer_mod.VegasProposer)  # no vLLM engine: only what propose reads
     prop.runner, prop.gamma, prop.recorder = runner, GAMMA, StatsRecorder()
     prop._drafted, prop._layers_known, prop._checked_groups = set(), True, True
+    prop.state = SelectionState(has_selection=True, sel_buf=torch.zeros(1, n_max, 1), skipped=False)
     prop.seeds = RequestSeeds(draw=_draws(1000))
     prop.resolve_events = lambda wait=False: None
     prop._event = lambda: None
@@ -200,8 +201,6 @@ def test_the_v1_proposer_hands_each_row_its_requests_seed(monkeypatch):
         return torch.zeros((num_reqs, GAMMA), dtype=torch.int64), torch.zeros((num_reqs, GAMMA, VOCAB))
 
     prop._draft = draft
-    for name, value in (("has_selection", True), ("sel_buf", torch.zeros(1, n_max, 1)), ("skipped", False)):
-        monkeypatch.setattr(STATE, name, value)
 
     def step(req_ids, all_greedy=False):
         input_batch.num_reqs, input_batch.req_ids = len(req_ids), list(req_ids)

@@ -22,7 +22,7 @@ from vegas.interfaces import SelectionInput
 from vegas.plugins import create_selector
 from vegas.vllm_plugin.selectors import QuestFastPath, ScoreTopKFastPath, SlidingWindowFastPath
 from vegas.vllm_plugin.settings import path_class
-from vegas.vllm_plugin.state import SelectionState
+from vegas.vllm_plugin.selection.state import SelectionState
 
 GAMMA = 4
 LAYERS = 2
@@ -76,7 +76,7 @@ def _keys(fw: Forward, layer: int, i: int, length: int) -> torch.Tensor:
 
 
 def _run_fast_path(name: str, fw: Forward, **config) -> SelectionState:
-    """``STATE.on_layer`` of every layer with the selector's fast path, as vLLM's attention
+    """``SelectionState.on_layer`` of every layer with the selector's fast path, as vLLM's attention
     override calls it."""
     selector = create_selector(name, VegasConfig(num_draft_tokens=GAMMA, **config))
     st = SelectionState(gamma=GAMMA, enabled=True, first_layer=0, last_layer=LAYERS - 1, layers_ready=True)

@@ -9,11 +9,11 @@ import torch
 from vegas.config import VegasConfig, VegasConfigError
 from vegas.kernels import collect_scores, collect_scores_reference, select_topk, select_topk_layers
 from vegas.plugins import create_selector
-from vegas.vllm_plugin.drafting import build_draft_tables, draft_tables
-from vegas.vllm_plugin.plan import make_plan
+from vegas.vllm_plugin.drafting.engine import build_draft_tables, draft_tables
+from vegas.vllm_plugin.selectors.plan import make_plan
 from vegas.vllm_plugin.selectors.sliding_window import sliding_window_slots
 from vegas.vllm_plugin.settings import path_class
-from vegas.vllm_plugin.state import SelectionState
+from vegas.vllm_plugin.selection.state import LAYER_ATTR, SelectionState
 
 BS = 16
 GAMMA = 4
@@ -286,42 +286,32 @@ def test_stacked_draft_probs_equals_vllm_loop():
     assert stacked_draft_probs(probs, ids, ids, []) is None
 
 
-_STATE_FIELDS = ("path", "settings", "gamma", "first_layer", "last_layer", "layers_ready", "sel_buf", "ctx_sel_buf",
-                 "budget_buf", "query_buf", "has_selection", "quest_min", "quest_max", "block_size", "page_stride")
-
-
 def test_proposer_draft_tables_from_selection_buffers():
     """The proposer builds its draft tables from the selection buffers and the step inputs
     (the same code runs inside its CUDA graph); inactive rows use one page."""
     from types import SimpleNamespace
 
-    from vegas.vllm_plugin.state import STATE
 
     lens = [70, 40]
     bt, nb = _block_table(lens, 3)
     qsl = torch.tensor([0, 5, 10], dtype=torch.int32)
     md = SimpleNamespace(query_start_loc=qsl, seq_lens=torch.tensor(lens, dtype=torch.int32),
                          max_seq_len=70, block_table=bt)
-    saved = {k: getattr(STATE, k) for k in _STATE_FIELDS}
-    try:
-        STATE.use(_path("collect2", kv_budget=8, recent_window=2))
-        STATE.gamma = 4
-        STATE.first_layer, STATE.last_layer, STATE.layers_ready = 0, 1, True
-        STATE.sel_buf = STATE.ctx_sel_buf = STATE.budget_buf = STATE.query_buf = None
-        STATE.reserve(4, 12, 5 * 4 * 8, torch.float32, torch.device("cpu"))
-        for layer in range(2):
-            STATE.on_layer(layer, torch.randn(10, 4, 8), torch.randn(nb, 2, BS, 2, 8), md, 0.5)
-        step_inputs = torch.tensor([[1, 0, 0, 0], [7, 0, 0, 0], [70, 0, 0, 0], [6, 0, 0, 0]])  # 1 active row of 4
-        tables, base_used, quest = draft_tables(step_inputs, torch.cat([bt, bt]), 4, 4)
-        assert quest is None
-        sel, ctx_sel, budgets = STATE.selection(4)
-        want = build_draft_tables(sel[:, :1], budgets[:1], torch.minimum(ctx_sel[:1], torch.tensor([70])),
-                                  torch.tensor([73]), bt[:1], BS, STATE.page_stride, 10)
-        assert tables.shape == (2, 4, 12 + 10) and torch.equal(tables[:, :1], want)
-        assert base_used.tolist() == [8 + 70 - 65 + 1, 1, 1, 1]
-    finally:
-        for k, v in saved.items():
-            setattr(STATE, k, v)
+    state = SelectionState()
+    state.use(_path("collect2", kv_budget=8, recent_window=2))
+    state.gamma = 4
+    state.first_layer, state.last_layer, state.layers_ready = 0, 1, True
+    state.reserve(4, 12, 5 * 4 * 8, torch.float32, torch.device("cpu"))
+    for layer in range(2):
+        state.on_layer(layer, torch.randn(10, 4, 8), torch.randn(nb, 2, BS, 2, 8), md, 0.5)
+    step_inputs = torch.tensor([[1, 0, 0, 0], [7, 0, 0, 0], [70, 0, 0, 0], [6, 0, 0, 0]])  # 1 active row of 4
+    tables, base_used, quest = draft_tables(state, step_inputs, torch.cat([bt, bt]), 4, 4)
+    assert quest is None
+    sel, ctx_sel, budgets = state.selection(4)
+    want = build_draft_tables(sel[:, :1], budgets[:1], torch.minimum(ctx_sel[:1], torch.tensor([70])),
+                              torch.tensor([73]), bt[:1], BS, state.page_stride, 10)
+    assert tables.shape == (2, 4, 12 + 10) and torch.equal(tables[:, :1], want)
+    assert base_used.tolist() == [8 + 70 - 65 + 1, 1, 1, 1]
 
 
 def test_quest_draft_step_attends_the_best_pages_plus_every_later_position():
@@ -332,7 +322,6 @@ def test_quest_draft_step_attends_the_best_pages_plus_every_later_position():
 
     from vegas.kernels.quest_pages import group_query, page_scores_reference
     from vegas.vllm_plugin.selectors.quest import fill_draft_table
-    from vegas.vllm_plugin.state import STATE
 
     lens = [70, 40]
     bt, nb = _block_table(lens, 3)
@@ -340,41 +329,36 @@ def test_quest_draft_step_attends_the_best_pages_plus_every_later_position():
     slots = torch.tensor([_slot(bt, r, p) for r, n in enumerate(lens) for p in range(n - 5, n)])
     md = SimpleNamespace(query_start_loc=qsl, seq_lens=torch.tensor(lens, dtype=torch.int32),
                          max_seq_len=70, block_table=bt, slot_mapping=slots)
-    saved = {k: getattr(STATE, k) for k in _STATE_FIELDS}
-    try:
-        STATE.use(_path("quest", kv_budget=40))
-        STATE.gamma = 4
-        STATE.first_layer, STATE.last_layer, STATE.layers_ready = 0, 1, True
-        STATE.sel_buf = STATE.ctx_sel_buf = STATE.budget_buf = STATE.query_buf = STATE.quest_min = None
-        STATE.reserve(4, 48, 0, torch.float32, torch.device("cpu"))
-        kv = torch.randn(nb, 2, BS, 2, 8)
-        for layer in range(2):  # the verification's KV write only covers the last 5 positions
-            STATE.on_layer(layer, torch.randn(10, 4, 8), kv, md, 0.5)
-        from vegas.kernels.quest_pages import update_page_bounds
+    state = SelectionState()
+    state.use(_path("quest", kv_budget=40))
+    state.gamma = 4
+    state.first_layer, state.last_layer, state.layers_ready = 0, 1, True
+    state.reserve(4, 48, 0, torch.float32, torch.device("cpu"))
+    kv = torch.randn(nb, 2, BS, 2, 8)
+    for layer in range(2):  # the verification's KV write only covers the last 5 positions
+        state.on_layer(layer, torch.randn(10, 4, 8), kv, md, 0.5)
+    from vegas.kernels.quest_pages import update_page_bounds
 
-        all_slots = torch.tensor([_slot(bt, 0, p) for p in range(70)])
-        for layer in range(2):  # as the prefill would have: bounds of every page of row 0
-            update_page_bounds(STATE.quest_min[layer], STATE.quest_max[layer], kv.unbind(1)[0], all_slots)
-        pos0 = 67  # 2 of 4 drafts accepted: the new token sits at position 67
-        step_inputs = torch.tensor([[1, 0, 0, 0], [7, 0, 0, 0], [pos0, 0, 0, 0], [6, 0, 0, 0]])
-        tables, base_used, quest = draft_tables(step_inputs, torch.cat([bt, bt]), 4, 4)
-        assert quest is not None and quest.num_pages[0] == 4 and quest.budget_cols.tolist() == [32, 0, 0, 0]
-        assert base_used[0] == 32 + pos0 - 64 + 1
-        q = torch.randn(4, 4, 8)
-        table = tables[1]
-        fill_draft_table(table, q, 2, quest, 1)
-        scores = page_scores_reference(*group_query(q[:1], 2), STATE.quest_min[1].flatten(1),
-                                       STATE.quest_max[1].flatten(1), bt[:1], torch.tensor([4]))
-        best = scores[0].topk(2).indices.tolist()
-        for j in range(4):
-            used = table[0, : int(base_used[0]) + j].tolist()
-            got = {_page_to_slot(pg) for pg in used}
-            want = {_slot(bt, 0, pg * BS + o) for pg in best for o in range(BS)}
-            want |= {_slot(bt, 0, pos) for pos in range(64, pos0 + j + 1)}
-            assert got == want and len(used) == len(want)
-    finally:
-        for k, v in saved.items():
-            setattr(STATE, k, v)
+    all_slots = torch.tensor([_slot(bt, 0, p) for p in range(70)])
+    for layer in range(2):  # as the prefill would have: bounds of every page of row 0
+        update_page_bounds(state.quest_min[layer], state.quest_max[layer], kv.unbind(1)[0], all_slots)
+    pos0 = 67  # 2 of 4 drafts accepted: the new token sits at position 67
+    step_inputs = torch.tensor([[1, 0, 0, 0], [7, 0, 0, 0], [pos0, 0, 0, 0], [6, 0, 0, 0]])
+    tables, base_used, quest = draft_tables(state, step_inputs, torch.cat([bt, bt]), 4, 4)
+    assert quest is not None and quest.num_pages[0] == 4 and quest.budget_cols.tolist() == [32, 0, 0, 0]
+    assert base_used[0] == 32 + pos0 - 64 + 1
+    q = torch.randn(4, 4, 8)
+    table = tables[1]
+    fill_draft_table(table, q, 2, quest, 1)
+    scores = page_scores_reference(*group_query(q[:1], 2), state.quest_min[1].flatten(1),
+                                   state.quest_max[1].flatten(1), bt[:1], torch.tensor([4]))
+    best = scores[0].topk(2).indices.tolist()
+    for j in range(4):
+        used = table[0, : int(base_used[0]) + j].tolist()
+        got = {_page_to_slot(pg) for pg in used}
+        want = {_slot(bt, 0, pg * BS + o) for pg in best for o in range(BS)}
+        want |= {_slot(bt, 0, pos) for pos in range(64, pos0 + j + 1)}
+        assert got == want and len(used) == len(want)
 
 
 def test_draft_tables_never_read_past_the_block_table():
@@ -412,7 +396,7 @@ def test_selection_buffers_refuse_to_grow_under_full_graphs():
 def test_proposer_rejects_unsupported_engines(change, match):
     from types import SimpleNamespace
 
-    from vegas.vllm_plugin.proposer import _raise_if_unsupported
+    from vegas.vllm_plugin.runners.start import _raise_if_unsupported
 
     def config(**kw):
         return SimpleNamespace(
@@ -770,8 +754,7 @@ def test_draft_engine_runs_gamma_forwards_over_the_selection(monkeypatch, slidin
     import types
     from types import SimpleNamespace
 
-    from vegas.vllm_plugin.drafting import DraftEngine
-    from vegas.vllm_plugin.state import STATE
+    from vegas.vllm_plugin.drafting.engine import DraftEngine
 
     forward_log = []
 
@@ -820,58 +803,53 @@ def test_draft_engine_runs_gamma_forwards_over_the_selection(monkeypatch, slidin
     table = torch.cat([bt, bt])  # 4 rows
     md = SimpleNamespace(query_start_loc=torch.tensor([0, 5, 10], dtype=torch.int32),
                          seq_lens=torch.tensor(lens, dtype=torch.int32), max_seq_len=70, block_table=bt)
-    saved = {k: getattr(STATE, k) for k in _STATE_FIELDS}
-    try:
-        STATE.use(_path("collect2", kv_budget=8, recent_window=2))
-        STATE.gamma = GAMMA
-        STATE.first_layer, STATE.last_layer, STATE.layers_ready = 0, 1, True
-        STATE.sel_buf = STATE.ctx_sel_buf = STATE.budget_buf = STATE.query_buf = None
-        STATE.reserve(4, 12, 5 * 4 * 8, torch.float32, torch.device("cpu"))
-        for layer in range(2):
-            STATE.on_layer(layer, torch.randn(10, 4, 8), torch.randn(nb, 2, BS, 2, 8), md, 0.5)
-        impl = SimpleNamespace(num_heads=4, num_kv_heads=2, head_size=8, logits_soft_cap=0.0, vllm_flash_attn_version=3,
-                               sliding_window=None)
-        impl0 = SimpleNamespace(**{**vars(impl), "sliding_window": (7, 0) if sliding else (-1, -1)})
-        config = SimpleNamespace(
-            model_config=SimpleNamespace(max_model_len=4096, get_vocab_size=lambda: vocab, dtype=torch.bfloat16),
-            cache_config=SimpleNamespace(cache_dtype="auto"),
-            compilation_config=SimpleNamespace(static_forward_context={
-                "layers.0.attn": SimpleNamespace(impl=impl0), "layers.1.attn": SimpleNamespace(impl=impl)}),
-        )
-        engine = DraftEngine(config, GAMMA, VegasConfig().vllm, "cpu", block_table=lambda: table, model=Model)
-        engine.set_layers([("layers.0.attn", 0), ("layers.1.attn", 1)])
-        bufs = engine.buffers(4, with_probs=False)
-        # row 0 is active (last token 7 at position 70, 6 blocks); rows 1-3 are not
-        bufs.fill(4, torch.tensor([[1, 0, 0, 0], [7, 0, 0, 0], [70, 0, 0, 0], [6, 0, 0, 0]]))
-        seen = []
+    state = SelectionState()
+    state.use(_path("collect2", kv_budget=8, recent_window=2))
+    state.gamma = GAMMA
+    state.first_layer, state.last_layer, state.layers_ready = 0, 1, True
+    state.reserve(4, 12, 5 * 4 * 8, torch.float32, torch.device("cpu"))
+    for layer in range(2):
+        state.on_layer(layer, torch.randn(10, 4, 8), torch.randn(nb, 2, BS, 2, 8), md, 0.5)
+    impl = SimpleNamespace(num_heads=4, num_kv_heads=2, head_size=8, logits_soft_cap=0.0, vllm_flash_attn_version=3,
+                           sliding_window=None)
+    impl0 = SimpleNamespace(**{**vars(impl), "sliding_window": (7, 0) if sliding else (-1, -1)})
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(max_model_len=4096, get_vocab_size=lambda: vocab, dtype=torch.bfloat16),
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+        compilation_config=SimpleNamespace(static_forward_context={
+            "layers.0.attn": SimpleNamespace(impl=impl0), "layers.1.attn": SimpleNamespace(impl=impl)}),
+    )
+    engine = DraftEngine(config, state, GAMMA, VegasConfig().vllm, "cpu", block_table=lambda: table, model=Model)
+    engine.set_layers([("layers.0.attn", 0), ("layers.1.attn", 1)])
+    bufs = engine.buffers(4, with_probs=False)
+    # row 0 is active (last token 7 at position 70, 6 blocks); rows 1-3 are not
+    bufs.fill(4, torch.tensor([[1, 0, 0, 0], [7, 0, 0, 0], [70, 0, 0, 0], [6, 0, 0, 0]]))
+    seen = []
 
-        def sample(logits, j, b):
-            seen.append(j)
-            return logits.argmax(dim=-1)
+    def sample(logits, j, b):
+        seen.append(j)
+        return logits.argmax(dim=-1)
 
-        engine.run(bufs, 4, sample)
-        assert seen == [0, 1, 2, 3] and bufs.tokens[0].tolist() == [8, 9, 10, 11]
-        assert [f["input_ids"][0] for f in forward_log] == [7, 8, 9, 10]
-        assert [f["positions"] for f in forward_log] == [[70 + j, 0, 0, 0] for j in range(GAMMA)]
-        base = 8 + 70 - 65 + 1  # budget + positions ctx_sel .. the first draft
-        assert [f["seqused"][0] for f in forward_log] == [base + j for j in range(GAMMA)]
-        assert all(f["seqused"][1:] == [1 + j] * 3 for j, f in enumerate(forward_log))
-        assert [f["slots"][:4] for f in forward_log] == [[_slot(bt, 0, 70 + j), -1, -1, -1] for j in range(GAMMA)]
-        assert all(f["layers"] == ["layers.0.attn", "layers.1.attn"] for f in forward_log)
-        # one FA3 schedule per step, shared by the layers, with the step's pages and width
-        assert len(schedules) == GAMMA and all(len(f["schedules"]) == 1 for f in forward_log)
-        if sliding:  # layer 0: its window (7, 0) of the paged cache, the runner's table, positions 0..p
-            assert engine.windows == {"layers.0.attn": (7, 0)}
-            assert [f["windows"]["layers.0.attn"] for f in forward_log] == [
-                ((7, 0), [70 + j + 1, 1, 1, 1], table.data_ptr(), 4096, None) for j in range(GAMMA)]
-        else:
-            assert engine.windows == {} and all(f["windows"] == {} for f in forward_log)
-        assert all(k["page_size"] == 1 and k["max_seqlen_q"] == 1 and k["num_splits"] == 1 and k["batch_size"] == 4
-                   and k["max_seqlen_k"] == forward_log[0]["width"] and k["qkv_dtype"] == torch.bfloat16
-                   for k in schedules)
-    finally:
-        for k, v in saved.items():
-            setattr(STATE, k, v)
+    engine.run(bufs, 4, sample)
+    assert seen == [0, 1, 2, 3] and bufs.tokens[0].tolist() == [8, 9, 10, 11]
+    assert [f["input_ids"][0] for f in forward_log] == [7, 8, 9, 10]
+    assert [f["positions"] for f in forward_log] == [[70 + j, 0, 0, 0] for j in range(GAMMA)]
+    base = 8 + 70 - 65 + 1  # budget + positions ctx_sel .. the first draft
+    assert [f["seqused"][0] for f in forward_log] == [base + j for j in range(GAMMA)]
+    assert all(f["seqused"][1:] == [1 + j] * 3 for j, f in enumerate(forward_log))
+    assert [f["slots"][:4] for f in forward_log] == [[_slot(bt, 0, 70 + j), -1, -1, -1] for j in range(GAMMA)]
+    assert all(f["layers"] == ["layers.0.attn", "layers.1.attn"] for f in forward_log)
+    # one FA3 schedule per step, shared by the layers, with the step's pages and width
+    assert len(schedules) == GAMMA and all(len(f["schedules"]) == 1 for f in forward_log)
+    if sliding:  # layer 0: its window (7, 0) of the paged cache, the runner's table, positions 0..p
+        assert engine.windows == {"layers.0.attn": (7, 0)}
+        assert [f["windows"]["layers.0.attn"] for f in forward_log] == [
+            ((7, 0), [70 + j + 1, 1, 1, 1], table.data_ptr(), 4096, None) for j in range(GAMMA)]
+    else:
+        assert engine.windows == {} and all(f["windows"] == {} for f in forward_log)
+    assert all(k["page_size"] == 1 and k["max_seqlen_q"] == 1 and k["num_splits"] == 1 and k["batch_size"] == 4
+               and k["max_seqlen_k"] == forward_log[0]["width"] and k["qkv_dtype"] == torch.bfloat16
+               for k in schedules)
 
 
 def test_a_prefill_heavy_forward_neither_selects_nor_drafts():
@@ -910,14 +888,15 @@ def test_a_prefill_heavy_forward_neither_selects_nor_drafts():
 
 def test_attention_layers_keep_sliding_window_layers_and_refuse_an_all_sliding_model(monkeypatch):
     """Gemma 2: sliding-window layers are attention layers Vegas drafts through (over their own
-    window, :func:`sliding_windows`); a model with no full-attention layer is refused."""
+    window, :func:`sliding_windows`); a model with no full-attention layer is refused. Every
+    attention layer carries the drafter's selection state (what the attention override reads);
+    other modules and refused models get none."""
     import sys
     import types
     from types import SimpleNamespace
 
-    from vegas.vllm_plugin import attention as attention_mod
-    from vegas.vllm_plugin.drafting import attention_layers, sliding_windows
-    from vegas.vllm_plugin.state import STATE
+    from vegas.vllm_plugin.drafting import attention as attention_mod
+    from vegas.vllm_plugin.drafting.engine import attention_layers, sliding_windows
 
     class FlashAttentionImpl:
         def __init__(self, window):
@@ -937,17 +916,20 @@ def test_attention_layers_keep_sliding_window_layers_and_refuse_an_all_sliding_m
         ctx["model.norm"] = SimpleNamespace()  # not an attention layer
         return SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context=ctx))
 
-    saved = (STATE.first_layer, STATE.last_layer, STATE.layers_ready)
-    try:
-        gemma2 = config([(4095, 0), None, (4095, 0), (-1, -1)])
-        layers = attention_layers(gemma2)
-        assert [idx for _, idx in layers] == [0, 1, 2, 3] and (STATE.first_layer, STATE.last_layer) == (0, 3)
-        assert sliding_windows(gemma2, layers) == {"model.layers.0.self_attn.attn": (4095, 0),
-                                                   "model.layers.2.self_attn.attn": (4095, 0)}
-        with pytest.raises(VegasConfigError, match="every attention layer of this model attends a sliding window"):
-            attention_layers(config([(127, 0), (127, 0)]))
-        with pytest.raises(VegasConfigError, match="FLASH_ATTN"):
-            attention_layers(SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context={
-                "model.layers.0.attn": SimpleNamespace(impl=object())})))
-    finally:
-        STATE.first_layer, STATE.last_layer, STATE.layers_ready = saved
+    state = SelectionState()
+    gemma2 = config([(4095, 0), None, (4095, 0), (-1, -1)])
+    layers = attention_layers(gemma2, state)
+    assert [idx for _, idx in layers] == [0, 1, 2, 3] and (state.first_layer, state.last_layer) == (0, 3)
+    assert state.layers_ready
+    ctx = gemma2.compilation_config.static_forward_context
+    assert all(getattr(ctx[name], LAYER_ATTR) is state for name, _ in layers)
+    assert not hasattr(ctx["model.norm"], LAYER_ATTR)
+    assert sliding_windows(gemma2, layers) == {"model.layers.0.self_attn.attn": (4095, 0),
+                                               "model.layers.2.self_attn.attn": (4095, 0)}
+    all_sliding = config([(127, 0), (127, 0)])
+    with pytest.raises(VegasConfigError, match="every attention layer of this model attends a sliding window"):
+        attention_layers(all_sliding, SelectionState())
+    assert not any(hasattr(m, LAYER_ATTR) for m in all_sliding.compilation_config.static_forward_context.values())
+    with pytest.raises(VegasConfigError, match="FLASH_ATTN"):
+        attention_layers(SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context={
+            "model.layers.0.attn": SimpleNamespace(impl=object())})), SelectionState())

@@ -8,8 +8,8 @@ import types
 import pytest
 import torch
 
-from vegas.vllm_plugin.drafting import DraftBuffers, bucket_rows, draft_slots
-from vegas.vllm_plugin.v2_helpers import (
+from vegas.vllm_plugin.drafting.engine import DraftBuffers, bucket_rows, draft_slots
+from vegas.vllm_plugin.runners.v2_helpers import (
     acceptance_counts,
     draft_noise_positions,
     one_hot_draft_logits,
@@ -185,7 +185,7 @@ def test_rows_that_draft_counts_rows_that_sample_a_token():
 
     import numpy as np
 
-    from vegas.vllm_plugin.v2_helpers import rows_that_draft
+    from vegas.vllm_plugin.runners.v2_helpers import rows_that_draft
 
     def batch(scheduled, computed, prompt):
         return SimpleNamespace(num_reqs=len(scheduled), num_scheduled_tokens=np.array(scheduled),

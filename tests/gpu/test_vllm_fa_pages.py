@@ -12,7 +12,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 def test_sparse_draft_attention_matches_dense_reference():
     fa = pytest.importorskip("vllm.vllm_flash_attn")
     from vegas.kernels import slots_to_fa_pages
-    from vegas.vllm_plugin.attention import page_views
+    from vegas.vllm_plugin.drafting.attention import page_views
 
     torch.manual_seed(0)
     nb, bs, hkv, hq, d = 64, 16, 2, 6, 64
@@ -50,7 +50,7 @@ def test_draft_attention_with_the_step_schedule_equals_per_layer_scheduling(widt
     from types import SimpleNamespace
 
     from vegas.kernels import slots_to_fa_pages
-    from vegas.vllm_plugin.attention import DraftMetadata, draft_attention, draft_schedule
+    from vegas.vllm_plugin.drafting.attention import DraftMetadata, draft_attention, draft_schedule
 
     torch.manual_seed(1)
     nb, bs, hkv, hq, d = 256, 16, 3, 9, 64

@@ -1,7 +1,7 @@
 """Seeded sampling under Vegas on vLLM 0.24's V1 runner (``VEGAS_V2_RUNNER=0``): a request with
 ``seed=123, n=2, temperature=0.8`` gives the same two outputs alone and among unseeded batch
 neighbours, since its drafts are drawn from noise keyed by its own seed and the draft position
-(:mod:`vegas.vllm_plugin.seeds`). Skips without CUDA or vLLM.
+(:mod:`vegas.vllm_plugin.runners.seeds`). Skips without CUDA or vLLM.
 
 As under plain vLLM, the outputs are equal up to the target's bf16 batch effects: a different
 batch size can move a logit by an ulp, which changes a token only at a near-tie of the noisy

@@ -119,7 +119,7 @@ def unsupported_reason(
 
 def score_rows_in_chunk(q_idx: torch.Tensor, q_weight: torch.Tensor, cu_seqlens_q: torch.Tensor,
                         out: torch.Tensor | None = None) -> torch.Tensor:
-    """The scored rows of a :class:`~vegas.vllm_plugin.plan.CollectPlan` as the kernel takes them.
+    """The scored rows of a :class:`~vegas.vllm_plugin.selectors.plan.CollectPlan` as the kernel takes them.
 
     Args:
         q_idx: ``(num_seqs, R)`` int64 token indices of the scored rows in the batch (R <= 2).

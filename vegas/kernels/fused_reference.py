@@ -56,7 +56,7 @@ def fused_verify_reference(
         seq_lens: ``(num_seqs,)`` keys per request, this chunk included.
         scale: softmax scale.
         q_idx, q_weight: ``(num_seqs, R)`` token indices (into ``q``) of the scored rows and
-            their weights (0 masks a repeat), as :func:`vegas.vllm_plugin.state.make_plan` gives.
+            their weights (0 masks a repeat), as :func:`vegas.vllm_plugin.selection.state.make_plan` gives.
         ctx_sel: ``(num_seqs,)`` scored positions ``[0, ctx_sel)`` per request.
         max_len: score width (>= ``ctx_sel.max()``).
 

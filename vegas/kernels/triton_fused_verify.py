@@ -295,7 +295,7 @@ def fused_verify_attention(
             for ``p < ctx_sel[s]`` and ``-inf`` after, as the separate score kernel; requests
             with an empty chunk get 0 (nothing scored them). None: attention only.
         q_idx, q_weight: ``(num_seqs, R)`` token indices of the scored rows and their weights
-            (:func:`vegas.vllm_plugin.state.make_plan`). Each request's scored rows must be among
+            (:func:`vegas.vllm_plugin.selection.state.make_plan`). Each request's scored rows must be among
             the last ``score_span`` tokens of its own chunk; others are ignored.
         ctx_sel: ``(num_seqs,)`` scored prefix per request (<= ``seq_lens - score_span`` in
             vegas, so that every scored row sees every scored key).

@@ -62,6 +62,12 @@ process before the engine exists. Every patch of vLLM is one entry of the table
 :data:`vegas.vllm_plugin.patches.PATCHES` (what it replaces, the parameters it expects, why),
 checked by :func:`register`: another vLLM than 0.24.0, or a changed function, is refused there.
 
+Where things live: :mod:`.selection` (the selection state one drafter owns, written by the
+attention override), :mod:`.selectors` (the selection paths and their per-forward plan),
+:mod:`.drafting` (the draft phase both runners share), :mod:`.runners` (the V1 proposer, the V2
+speculator and what both do when built), here :mod:`.patches`, :mod:`.settings`,
+:mod:`.stats`, :mod:`.async_sched` and :mod:`.proposer` (the public class path).
+
 Nothing here imports vLLM at module import time.
 """
 
@@ -123,7 +129,7 @@ def log_with_vllm() -> None:
 def _build_v2_speculator(vllm_config, device):
     """The Vegas speculator of vLLM's V2 model runner (built by the patched ``init_speculator``;
     imports vLLM, so it is imported only here, inside vLLM's worker)."""
-    from .v2_speculator import VegasSpeculator
+    from .runners.v2 import VegasSpeculator
 
     return VegasSpeculator(vllm_config, device)
 
@@ -156,57 +162,68 @@ def _drafter(worker):
     return getattr(runner, "drafter", None) or getattr(runner, "speculator", None)
 
 
+def _state(drafter):
+    """The :class:`~vegas.vllm_plugin.selection.state.SelectionState` a Vegas drafter owns (its
+    ``state``), or None (no drafter, or not a Vegas one)."""
+    return getattr(drafter, "state", None)
+
+
 def configure(worker, settings: str | None = None, reset_stats: bool = True) -> str:
     """``LLM.collective_rpc("vegas_configure", args=(json,))`` (:class:`VegasWorkerExtension`;
     ``worker`` is vLLM's worker): change the selector or its config at
     run time (``json``: see :func:`vegas.vllm_plugin.settings.parse_settings`). A new selector
     object is built at every call with settings (so per-request state starts afresh).
 
-    Returns the settings now in force, as JSON.
+    The selection state changed is the one the worker's drafter owns (``drafter.state``).
+
+    Returns the settings now in force, as JSON ("" on a worker without a Vegas drafter).
 
     Raises:
-        VegasConfigError: bad settings, or settings that differ from those in force while the
-            engine runs verification in full CUDA graphs, which hold the selection.
+        VegasConfigError: bad settings, settings for a worker without a Vegas drafter, or
+            settings that differ from those in force while the engine runs verification in
+            full CUDA graphs, which hold the selection.
     """
     from ..config import VegasConfigError
     from .settings import build_selector, parse_settings, path_class, settings_json
-    from .state import STATE
 
+    drafter = _drafter(worker)
+    state = _state(drafter)
     if settings:
         name, config = parse_settings(settings, source="configure()")
-        selector = build_selector(name, config, STATE.gamma, STATE.block_size or None)
+        if state is None:
+            raise VegasConfigError("vegas: configure() needs a worker whose engine runs the Vegas drafter "
+                                   "(speculative_config method \"custom_class\" with the Vegas proposer)")
+        selector = build_selector(name, config, state.gamma, state.block_size or None)
         new = settings_json(name, selector.config)
-        if STATE.frozen and new != STATE.settings:
+        if state.frozen and new != state.settings:
             raise VegasConfigError(
                 "vegas: this engine captured the selection into full CUDA graphs, so the selector "
                 "and budget are fixed; build a new engine, or set \"vllm\": {\"verify_cuda_graphs\": "
-                f"\"piecewise\"}} to change them at run time (in force: {STATE.settings})"
+                f"\"piecewise\"}} to change them at run time (in force: {state.settings})"
             )
-        if not STATE.frozen:
-            device = STATE.sel_buf.device if STATE.sel_buf is not None else "cpu"
-            STATE.use(path_class(selector)(selector, STATE.gamma, device), new)
-    drafter = _drafter(worker)
+        if not state.frozen:
+            device = state.sel_buf.device if state.sel_buf is not None else "cpu"
+            state.use(path_class(selector)(selector, state.gamma, device), new)
     if reset_stats and drafter is not None and hasattr(drafter, "reset_stats"):
         drafter.reset_stats()
-    return STATE.settings
+    return state.settings if state is not None else ""
 
 
 def get_stats(worker, per_request: bool = False) -> dict:
     """``LLM.collective_rpc("vegas_stats")`` (:class:`VegasWorkerExtension`): the proposer's counters (see
     :class:`~vegas.vllm_plugin.stats.ProposerStats`); with ``per_request``, also
     ``{"requests": {request_id: [iterations, drafted, accepted]}}`` (V1 runner only). On the
-    V2 runner: :meth:`~vegas.vllm_plugin.v2_speculator.VegasSpeculator.stats`."""
+    V2 runner: :meth:`~vegas.vllm_plugin.runners.v2.VegasSpeculator.stats`."""
     drafter = _drafter(worker)
     if drafter is None or not hasattr(drafter, "stats"):
         return {}
     if callable(drafter.stats):  # the V2 speculator
         return drafter.stats()
-    from .state import STATE
-
+    state = drafter.state
     drafter.resolve_events(wait=True)
     out = drafter.stats.as_dict()
-    out["full_cuda_graphs"] = STATE.frozen
-    out["logits_soft_cap"] = STATE.softcap  # the cap the last scoring forward used (0: none)
+    out["full_cuda_graphs"] = state.frozen
+    out["logits_soft_cap"] = state.softcap  # the cap the last scoring forward used (0: none)
     if per_request:
         out["requests"] = {k: list(v) for k, v in drafter.req_stats.items()}
     return out

@@ -13,7 +13,7 @@ Which runner serves a Vegas engine (:func:`v2_opted_in`):
 
 - by default, the runner vLLM picks for the same engine without Vegas: the V2 runner for the
   architectures vLLM runs there by default (Llama, Qwen3, ...; plain vLLM runs on it too, so
-  Vegas and plain share the host path), V1 (:class:`~vegas.vllm_plugin.proposer.VegasProposer`)
+  Vegas and plain share the host path), V1 (:class:`~vegas.vllm_plugin.runners.v1.VegasProposer`)
   where vLLM falls back to V1 for other reasons. Measured on an H200 with SmolLM2-135M
   (``benchmarks/results/vllm_h200_2026-12-01_profile/``): 64 fresh 6,000-token prompts at once,
   V2 1.04x plain vLLM's output throughput, V1 0.76x;
@@ -251,15 +251,19 @@ def _install(target: str, make: Callable[[Callable], Callable]) -> Callable:
 def patch_attention() -> None:
     """Replace ``vllm.v1.attention.backends.flash_attn.FlashAttentionImpl.forward`` (vLLM 0.24.0).
 
-    A call whose metadata is a :class:`~vegas.vllm_plugin.attention.DraftMetadata` runs the
-    draft attention over the page-size-1 view (:func:`vegas.vllm_plugin.attention.draft_attention`);
+    A call whose metadata is a :class:`~vegas.vllm_plugin.drafting.attention.DraftMetadata` runs the
+    draft attention over the page-size-1 view (:func:`vegas.vllm_plugin.drafting.attention.draft_attention`);
     every other call with metadata (prefill, verification) runs vLLM's FA3 call, then the
-    selection hook :meth:`vegas.vllm_plugin.state.SelectionState.on_layer`, unless
-    :meth:`~vegas.vllm_plugin.state.SelectionState.verify_layer` ran the layer through FA3 with
-    the score output (the optional ``_vegas_fa3_C`` extension, :mod:`vegas.vllm_plugin.fa3_verify`).
+    selection hook :meth:`vegas.vllm_plugin.selection.state.SelectionState.on_layer`, unless
+    :meth:`~vegas.vllm_plugin.selection.state.SelectionState.verify_layer` ran the layer through FA3 with
+    the score output (the optional ``_vegas_fa3_C`` extension, :mod:`vegas.vllm_plugin.selection.fa3_verify`).
+    The selection state is the one the drafter attached to the attention layer (``layer``,
+    attribute :data:`~vegas.vllm_plugin.selection.state.LAYER_ATTR`, set by
+    :func:`~vegas.vllm_plugin.drafting.engine.attention_layers`); a layer without one, or whose state is
+    not enabled, runs vLLM's FA3 call only.
     """
-    from .attention import DraftMetadata, draft_attention, layer_index
-    from .state import STATE
+    from .drafting.attention import DraftMetadata, draft_attention, layer_index
+    from .selection.state import LAYER_ATTR
 
     def make(original):
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
@@ -268,18 +272,20 @@ def patch_attention() -> None:
                 attn_metadata = attn_metadata.get(layer.layer_name)
             if isinstance(attn_metadata, DraftMetadata):
                 return draft_attention(self, layer, query, kv_cache, attn_metadata, output)
+            state = getattr(layer, LAYER_ATTR, None)  # the drafter's SelectionState; None: no Vegas drafter
             if (
-                STATE.enabled
+                state is not None
+                and state.enabled
                 and attn_metadata is not None
                 and kv_cache.numel() > 0
-                and STATE.verify_layer(self, layer_index(layer.layer_name), query, kv_cache, attn_metadata, output)
+                and state.verify_layer(self, layer_index(layer.layer_name), query, kv_cache, attn_metadata, output)
             ):
-                return output  # FA3 with the score output ran instead (vegas.vllm_plugin.fa3_verify)
+                return output  # FA3 with the score output ran instead (vegas.vllm_plugin.selection.fa3_verify)
             out = original(
                 self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
             )
-            if STATE.enabled and attn_metadata is not None and kv_cache.numel() > 0:
-                STATE.on_layer(
+            if state is not None and state.enabled and attn_metadata is not None and kv_cache.numel() > 0:
+                state.on_layer(
                     layer_index(layer.layer_name), query, kv_cache, attn_metadata, self.scale, self.logits_soft_cap
                 )
             return out
@@ -562,7 +568,7 @@ def patch_v2_unsupported_check() -> None:
 def patch_v2_init_speculator(build: Callable) -> None:
     """Replace ``vllm.v1.worker.gpu.spec_decode.init_speculator`` (vLLM 0.24.0) with a wrapper
     that returns ``build(vllm_config, device)`` for a Vegas engine (the caller's builder of
-    :class:`~vegas.vllm_plugin.v2_speculator.VegasSpeculator`: this module does not import the
+    :class:`~vegas.vllm_plugin.runners.v2.VegasSpeculator`: this module does not import the
     speculator, which imports the proposer) and calls vLLM's function otherwise. Idempotent.
 
     The V2 runner module imports the function by name (``from vllm.v1.worker.gpu.spec_decode

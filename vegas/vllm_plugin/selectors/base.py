@@ -2,8 +2,8 @@
 and the generic path (:mod:`.generic`) for every other selector.
 
 During each full-attention forward of vLLM's runner (prefill or verification) the attention
-override calls :meth:`vegas.vllm_plugin.state.SelectionState.on_layer` for every layer; at the
-first layer the state builds the :class:`~vegas.vllm_plugin.plan.CollectPlan` and calls
+override calls :meth:`vegas.vllm_plugin.selection.state.SelectionState.on_layer` for every layer; at the
+first layer the state builds the :class:`~vegas.vllm_plugin.selectors.plan.CollectPlan` and calls
 :meth:`SelectionPath.begin`, then :meth:`SelectionPath.layer` at every layer. A path writes the
 state's selection buffers (``sel_buf``, ``ctx_sel_buf``, ``budget_buf``); drafting reads them,
 whatever path wrote them.
@@ -17,7 +17,7 @@ import torch
 
 from ...config import VegasConfig
 from ...interfaces import Selector
-from ..plan import CollectPlan, RowTable
+from .plan import CollectPlan, RowTable
 
 __all__ = ["FastPath", "SelectionPath"]
 

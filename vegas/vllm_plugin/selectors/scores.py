@@ -11,8 +11,8 @@ from typing import ClassVar
 import torch
 
 from ...kernels import collect_scores_layers_reference
-from ..plan import CollectPlan
 from .base import SelectionPath
+from .plan import CollectPlan
 
 __all__ = ["CollectingPath", "ScoreCollector"]
 
@@ -81,7 +81,7 @@ class CollectingPath(SelectionPath):
     """A path that collects the selector's score rows of every layer and selects at the last
     layer (:meth:`select_layers`), all layers at once."""
 
-    #: the score rows may come from FA3 itself (:mod:`vegas.vllm_plugin.fa3_verify`): a path
+    #: the score rows may come from FA3 itself (:mod:`vegas.vllm_plugin.selection.fa3_verify`): a path
     #: whose :meth:`select_layers` takes the ``(L, num_seqs, max_len)`` rows with ``-inf`` tails
     uses_fa3_scores: ClassVar[bool] = False
 

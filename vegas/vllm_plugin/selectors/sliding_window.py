@@ -16,7 +16,7 @@ def sliding_window_slots(plan, num_sinks: int, block_table: torch.Tensor, block_
     """Sinks plus the last ``k - sinks`` positions before ``ctx_sel``.
 
     Args:
-        plan: the batch's :class:`~vegas.vllm_plugin.plan.CollectPlan`.
+        plan: the batch's :class:`~vegas.vllm_plugin.selectors.plan.CollectPlan`.
         block_table: ``(num_seqs, max_blocks)`` int32 block ids.
 
     Returns:

@@ -1,10 +1,15 @@
-"""The selection state of one vLLM worker process (pure PyTorch, no vLLM).
+"""The selection state of a Vegas drafter in a vLLM worker (pure PyTorch, no vLLM).
 
-One :class:`SelectionState` per worker process (:data:`STATE`), written by the attention
-override during each full-attention forward of the runner (prefill or verification) and read by
-the proposer's drafting in the same ``execute_model`` call, so batch rows line up. What is
-selected, and how, is the :class:`~vegas.vllm_plugin.selectors.base.SelectionPath` in
-:attr:`SelectionState.path`: a built-in selector's fast path or the generic path.
+One :class:`SelectionState` per Vegas drafter (the V1 proposer or the V2 speculator, which
+creates it and hands it to what needs it: its draft engine, the draft tables), written by the
+attention override during each full-attention forward of the runner (prefill or verification)
+and read by the drafter in the same ``execute_model`` call, so batch rows line up. vLLM calls
+the override with the attention layer only, so the drafter attaches its state to every attention
+layer of the model under :data:`LAYER_ATTR` when it learns the layers
+(:func:`~vegas.vllm_plugin.drafting.engine.attention_layers`); a layer without it (an engine without
+the Vegas drafter) runs plain vLLM. What is selected, and how, is the
+:class:`~vegas.vllm_plugin.selectors.base.SelectionPath` in :attr:`SelectionState.path`: a
+built-in selector's fast path or the generic path.
 """
 
 from __future__ import annotations
@@ -15,15 +20,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import VegasConfigError
-from .plan import CollectPlan, make_plan
+from ...config import VegasConfigError
+from ..selectors.plan import CollectPlan, make_plan
 
-__all__ = ["STATE", "SelectionState"]
+__all__ = ["LAYER_ATTR", "SelectionState"]
+
+#: the attribute of each vLLM attention layer (``Attention`` module, the ``layer`` argument of
+#: ``FlashAttentionImpl.forward``) that holds the :class:`SelectionState` of the drafter that
+#: drafts with the layer's model; absent on the layers of an engine without the Vegas drafter
+LAYER_ATTR = "vegas_state"
 
 
 @dataclass
 class SelectionState:
-    """Per-process selection buffers and what the attention override needs to fill them.
+    """A drafter's selection buffers and what the attention override needs to fill them.
 
     Every full-attention forward writes its selection into persistent buffers
     (:meth:`reserve`): ``sel_buf`` rows ``[0, num_seqs)`` hold each request's selected slot ids
@@ -70,7 +80,7 @@ class SelectionState:
     #: attention logit soft-cap of the model's layers (vLLM's ``logits_soft_cap``, Gemma 2), 0 for
     #: none; read from the first layer of each forward, scores are taken on the capped logits
     softcap: float = 0.0
-    #: Quest page bounds ``(L, num_blocks + 1, kv_heads, head_dim)`` (see :mod:`.quest`)
+    #: Quest page bounds ``(L, num_blocks + 1, kv_heads, head_dim)`` (see :mod:`vegas.vllm_plugin.selectors.quest`)
     quest_min: torch.Tensor | None = None
     quest_max: torch.Tensor | None = None
     #: the FA3 score path (:class:`~.fa3_verify.FA3ScoreVerify`), made by the first
@@ -107,7 +117,7 @@ class SelectionState:
             self.budget_buf = torch.zeros(max_seqs, dtype=torch.int64, device=device)
             self.generation += 1
         if self.time_events and self.timer is None and torch.device(device).type == "cuda":
-            from ..kernels.device_timer import DeviceTimer
+            from ...kernels.device_timer import DeviceTimer
 
             self.timer = DeviceTimer(device)
         n = layers * max_seqs * q_elems
@@ -178,7 +188,7 @@ class SelectionState:
     def on_layer(self, layer_idx: int, query, kv_cache, attn_metadata, scale: float, softcap: float = 0.0) -> None:
         """Called after the full attention of ``layer_idx`` in a runner forward.
 
-        The first layer builds the plan (:func:`~vegas.vllm_plugin.plan.make_plan`) and lets the
+        The first layer builds the plan (:func:`~vegas.vllm_plugin.selectors.plan.make_plan`) and lets the
         path write each request's selectable prefix and budget; every layer is then handed to
         the path (:meth:`SelectionPath.layer`), which writes the selection buffers.
 
@@ -271,7 +281,7 @@ class SelectionState:
 
     def _finish_fa3(self, query, attn_metadata) -> None:
         """Last layer of a forward on the FA3 score path: the selection from its score rows."""
-        from .selectors.scores import _sums_over_ranks
+        from ..selectors.scores import _sums_over_ranks
 
         plan, fa3 = self.plan, self.fa3
         fa3.active = False
@@ -288,7 +298,3 @@ class SelectionState:
         ``(L or 1, num_seqs, k_cap)`` int32 slot ids and ``(num_seqs,)`` int64 twice."""
         sel = self.sel_buf[:1] if self.path.shared_across_layers else self.sel_buf
         return sel[:, :num_seqs], self.ctx_sel_buf[:num_seqs], self.budget_buf[:num_seqs]
-
-
-#: the process-wide state (one model runner per worker process)
-STATE = SelectionState()

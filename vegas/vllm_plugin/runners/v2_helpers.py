@@ -63,7 +63,7 @@ def draft_noise_positions(pos: torch.Tensor, max_model_len: int) -> torch.Tensor
     draft sample independent of the resampling noise, as rejection sampling requires;
     vLLM's own ``sample_draft`` (``positions + 1`` on EAGLE's shifted positions) reuses the
     resampling counter of the same token, which biases the residual sample. The V1 runner's
-    draft sampler (:func:`vegas.vllm_plugin.seeds.seeded_sampler`) uses the same counters; V1's
+    draft sampler (:func:`vegas.vllm_plugin.runners.seeds.seeded_sampler`) uses the same counters; V1's
     rejection sampler draws its noise from per-request ``torch.Generator`` streams instead.
     """
     return pos.long() + max_model_len

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import VegasConfigError, recent_window_for
-from ..interfaces import Selector
-from ..plugins import run_selector
+from ...config import VegasConfigError, recent_window_for
+from ...interfaces import Selector
+from ...plugins import run_selector
 
 __all__ = ["CollectPlan", "RowTable", "budget_cap", "make_plan"]
 

@@ -5,7 +5,7 @@ every run under plain vLLM, whatever its batch neighbours. Under Vegas its draft
 reproducible: the draft of row ``i`` at step ``j`` is drawn by vLLM's counter-based Gumbel-max
 kernel (``vllm/v1/worker/gpu/sample/gumbel.py::gumbel_sample``, the V2 adapter's sampler too)
 from noise keyed by the request's own seed and the draft's position
-(:func:`~vegas.vllm_plugin.v2_helpers.draft_noise_positions`), never from a stream that the
+(:func:`~vegas.vllm_plugin.runners.v2_helpers.draft_noise_positions`), never from a stream that the
 batch shares. The seeds live in the static ``DraftBuffers.seeds`` that the draft CUDA graphs
 read, filled at each draft phase in batch order (:class:`RequestSeeds`).
 
@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from .drafting import GREEDY_TEMPERATURE, DraftBuffers, DraftSampler
+from ..drafting.engine import GREEDY_TEMPERATURE, DraftBuffers, DraftSampler
 from .v2_helpers import draft_noise_positions
 
 __all__ = ["RequestSeeds", "random_seed", "request_seed", "seeded_sampler"]
@@ -96,9 +96,9 @@ class RequestSeeds:
 
 def seeded_sampler(sampling: bool, max_model_len: int, use_fp64: bool = False,
                    gumbel: Callable | None = None) -> DraftSampler:
-    """The V1 runner's draft sampler (:data:`~vegas.vllm_plugin.drafting.DraftSampler`).
+    """The V1 runner's draft sampler (:data:`~vegas.vllm_plugin.drafting.engine.DraftSampler`).
 
-    Greedy rows (temperature below :data:`~vegas.vllm_plugin.drafting.GREEDY_TEMPERATURE`, or
+    Greedy rows (temperature below :data:`~vegas.vllm_plugin.drafting.engine.GREEDY_TEMPERATURE`, or
     every row when ``sampling`` is False) take the argmax. Sampling rows are drawn by
     ``gumbel`` (vLLM's ``gumbel_sample``) from ``softmax(logits / T)`` with noise keyed by
     ``bufs.seeds[row]`` and the counter ``draft_noise_positions(first_pos + j)``; the kernel

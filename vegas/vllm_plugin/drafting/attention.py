@@ -10,7 +10,7 @@ process:
   writes the pages it chooses for this step's query into the table. A sliding-window layer
   (Gemma 2) drafts over its own window of the paged cache instead, as it attends in the target;
 - **every other call with metadata** (prefill and verification of the runner): the normal FA3
-  call, then :meth:`vegas.vllm_plugin.state.SelectionState.on_layer` hands the layer to the
+  call, then :meth:`vegas.vllm_plugin.selection.state.SelectionState.on_layer` hands the layer to the
   selector's selection path.
 
 The KV write of draft tokens is vLLM's own ``unified_kv_cache_update`` with the slot mapping
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .selectors.quest import QuestDraft, fill_draft_table
+from ..selectors.quest import QuestDraft, fill_draft_table
 
 __all__ = ["DraftMetadata", "ONE_SPLIT_MAX_KEYS", "draft_attention", "draft_schedule", "draft_splits",
            "layer_index", "page_views"]

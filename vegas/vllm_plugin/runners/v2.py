@@ -10,10 +10,10 @@ sampler and V2's ``postprocess_sampled``, :meth:`VegasSpeculator.propose`:
    ``input_batch.seq_lens``/``idx_mapping`` and ``last_sampled`` (no host lists; one small
    host-to-device copy of the blocks each request owns);
 2. replays one CUDA graph of the drafting engine shared with the V1 proposer
-   (:class:`~vegas.vllm_plugin.drafting.DraftEngine`, graphs captured per power-of-two row count
+   (:class:`~vegas.vllm_plugin.drafting.engine.DraftEngine`, graphs captured per power-of-two row count
    at engine start) that turns the selection of the verification that just ran
-   (:data:`~vegas.vllm_plugin.state.STATE`, batch order, written by whichever selection path is
-   in force) into page-size-1 draft tables and runs γ query-length-1 forwards of the target
+   (the speculator's :class:`~vegas.vllm_plugin.selection.state.SelectionState`, batch order, written by
+   whichever selection path is in force) into page-size-1 draft tables and runs γ query-length-1 forwards of the target
    through the attention override;
 3. samples every draft with V2's ``gumbel_sample`` and writes its temperature-scaled logits
    into ``draft_logits[request slot, step]``, which the runner hands to V2's rejection
@@ -32,9 +32,9 @@ from vllm.v1.worker.gpu.buffer_utils import async_copy_to_gpu
 from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
 
-from .drafting import DraftBuffers, DraftEngine, attention_layers, draft_graph_key
-from .proposer import reserve_selection_buffers, start_drafter, use_path
-from .state import STATE
+from ..drafting.engine import DraftBuffers, DraftEngine, attention_layers, draft_graph_key
+from ..selection.state import SelectionState
+from .start import reserve_selection_buffers, start_drafter, use_path
 from .v2_helpers import (
     acceptance_counts,
     draft_noise_positions,
@@ -58,7 +58,7 @@ class VegasSpeculator(DraftModelSpeculator):
 
     Raises:
         VegasConfigError: for settings Vegas does not support (see
-            :func:`~vegas.vllm_plugin.proposer.start_drafter`), or a non-FLASH_ATTN /
+            :func:`~vegas.vllm_plugin.runners.start.start_drafter`), or a non-FLASH_ATTN /
             sliding-window attention layer.
         ValueError: more than one KV-cache group.
     """
@@ -67,10 +67,13 @@ class VegasSpeculator(DraftModelSpeculator):
         gamma = int(vllm_config.speculative_config.num_speculative_tokens)
         # refuses unsupported settings before vLLM allocates anything; also patches attention
         # and the scheduler (single-process engines build the scheduler after the runner)
-        self.selector, self._settings = start_drafter(vllm_config, gamma)
+        #: this worker's selection state: written by the attention override (it finds the state
+        #: on each attention layer, :data:`~vegas.vllm_plugin.selection.state.LAYER_ATTR`), read by the drafting
+        self.state = SelectionState()
+        self.selector, self._settings = start_drafter(self.state, vllm_config, gamma)
         super().__init__(vllm_config, device)
         self.gamma = int(self.num_speculative_steps)
-        use_path(self.selector, self._settings, self.gamma, device)
+        use_path(self.state, self.selector, self._settings, self.gamma, device)
         options = self.selector.config.vllm
         self.supports_mm_inputs = False
         n = self.max_num_reqs
@@ -88,7 +91,7 @@ class VegasSpeculator(DraftModelSpeculator):
         self.prefill_skips = 0  # of those: forwards with >= prefill_skip_tokens prompt tokens
         self.select_ms = 0.0
         self.drafting = DraftEngine(
-            vllm_config, self.gamma, options, device,
+            vllm_config, self.state, self.gamma, options, device,
             block_table=lambda: self.block_tables.input_block_tables[0],  # [max_reqs, max_blocks] int32, batch order
             model=lambda: self.model,
         )
@@ -98,8 +101,9 @@ class VegasSpeculator(DraftModelSpeculator):
     def load_draft_model(self, target_model, target_attn_layer_names):
         """The target is the draft model. Learns its attention layers and reserves the
         selection buffers at their largest, before vLLM captures the verification graphs."""
-        self.drafting.set_layers(attention_layers(self.vllm_config))
-        reserve_selection_buffers(self.vllm_config, self.selector, self.gamma, self.max_num_reqs, self.device)
+        self.drafting.set_layers(attention_layers(self.vllm_config, self.state))
+        reserve_selection_buffers(self.state, self.vllm_config, self.selector, self.gamma, self.max_num_reqs,
+                                  self.device)
         return target_model
 
     def set_attn(self, model_state, kv_cache_config, block_tables) -> None:
@@ -144,13 +148,14 @@ class VegasSpeculator(DraftModelSpeculator):
         stays exact.
         """
         n = input_batch.num_reqs
-        prefill_heavy = STATE.take_skip()  # the forward carried a prefill chunk and selected nothing
+        state = self.state
+        prefill_heavy = state.take_skip()  # the forward carried a prefill chunk and selected nothing
         if dummy_run or is_profile or attn_metadata is None:
             return self.draft_tokens[:n].zero_()
         idx = input_batch.idx_mapping  # [n] int32 batch row -> request slot
         if input_batch.num_draft_tokens > 0:
             self.counters += acceptance_counts(num_sampled, input_batch.cu_num_logits)
-        if (prefill_heavy or rows_that_draft(input_batch) == 0 or not STATE.has_selection or STATE.sel_buf is None
+        if (prefill_heavy or rows_that_draft(input_batch) == 0 or not state.has_selection or state.sel_buf is None
                 or n > self._row_cap()):
             # zero drafts with one-hot logits: the next verification accepts exactly what it samples
             self.skipped += 1
@@ -169,7 +174,7 @@ class VegasSpeculator(DraftModelSpeculator):
         rows = engine.graph_rows(n, self._row_cap())
         if rows is not None:
             try:
-                graph, bufs = engine.graph(rows, draft_graph_key(rows, "v2"), self._sample, False, self.scratch)
+                graph, bufs = engine.graph(rows, draft_graph_key(state, rows, "v2"), self._sample, False, self.scratch)
                 bufs.fill(n, step_in, slots=idx, scratch=self.scratch)
                 graph.replay()
                 return bufs.tokens[:n]
@@ -187,8 +192,8 @@ class VegasSpeculator(DraftModelSpeculator):
         self.counters.zero_()
         self.proposals = self.skipped = self.prefill_skips = 0
         self.select_ms = 0.0
-        if STATE.timer is not None:
-            STATE.timer.read(reset=True)
+        if self.state.timer is not None:
+            self.state.timer.read(reset=True)
 
     def stats(self) -> dict:
         """proposals (steps that drafted), skipped (steps that did not; ``prefill_skips`` of
@@ -196,8 +201,8 @@ class VegasSpeculator(DraftModelSpeculator):
         steps of rows with drafts), emitted (accepted + bonus tokens of those),
         ``acceptance_length`` = emitted / iterations, ``select_ms`` (GPU time of the
         selection inside verification). Waits for the GPU."""
-        if STATE.timer is not None:
-            self.select_ms += STATE.timer.read(reset=True)[0]
+        if self.state.timer is not None:
+            self.select_ms += self.state.timer.read(reset=True)[0]
         iterations, emitted = (int(x) for x in self.counters.tolist())
         return {
             "runner": "v2",
@@ -208,18 +213,19 @@ class VegasSpeculator(DraftModelSpeculator):
             "emitted": emitted,
             "acceptance_length": emitted / iterations if iterations else 0.0,
             "select_ms": self.select_ms,
-            "full_cuda_graphs": STATE.frozen,
+            "full_cuda_graphs": self.state.frozen,
             "draft_graphs": self.drafting.num_graphs,
             "graph_failed": self.drafting.graph_failed,
         }
 
     # ---- drafting ---------------------------------------------------------------------------
     def _row_cap(self) -> int:
-        return min(self.max_num_reqs, STATE.sel_buf.shape[1] if STATE.sel_buf is not None else 0)
+        sel_buf = self.state.sel_buf
+        return min(self.max_num_reqs, sel_buf.shape[1] if sel_buf is not None else 0)
 
     def _sample(self, logits: torch.Tensor, j: int, bufs: DraftBuffers) -> torch.Tensor:
         """V2's draft sampler: vLLM's ``gumbel_sample`` keyed by each request's seed and the
-        draft position (:func:`~vegas.vllm_plugin.v2_helpers.draft_noise_positions`), which also
+        draft position (:func:`~vegas.vllm_plugin.runners.v2_helpers.draft_noise_positions`), which also
         writes the temperature-scaled logits into ``draft_logits[bufs.slots, j]`` for V2's
         rejection sampler; greedy rows (temperature 0) take the argmax."""
         return gumbel_sample(

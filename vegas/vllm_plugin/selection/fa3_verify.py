@@ -29,8 +29,8 @@ import logging
 
 import torch
 
-from ..kernels import fa3_scores
-from ..kernels.triton_score_reduce import reduce_head_scores
+from ...kernels import fa3_scores
+from ...kernels.triton_score_reduce import reduce_head_scores
 
 __all__ = ["FA3ScoreVerify"]
 
@@ -129,9 +129,9 @@ class FA3ScoreVerify:
         """Layer ``row`` of an active forward that the build does not cover (vLLM's FA3 already
         ran): its score row from the separate kernel, for this layer alone."""
         if query.is_cuda:
-            from ..kernels.triton_score import collect_scores_layers_triton as collect
+            from ...kernels.triton_score import collect_scores_layers_triton as collect
         else:
-            from ..kernels import collect_scores_layers_reference as collect
+            from ...kernels import collect_scores_layers_reference as collect
 
         plan = state.plan
         width = plan.q_idx.shape[1]

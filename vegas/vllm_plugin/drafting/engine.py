@@ -2,15 +2,16 @@
 
 After each verification the drafter drafts γ tokens per request with query length 1, not
 scheduled by vLLM: the draft tables (:func:`build_draft_tables`) come from the selection
-buffers of :data:`vegas.vllm_plugin.state.STATE`, whichever selection path wrote them, and the
-draft attention (:func:`vegas.vllm_plugin.attention.draft_attention`) reads them through
-:class:`~vegas.vllm_plugin.attention.DraftMetadata`. One engine (:class:`DraftEngine`) serves
-both of vLLM's model runners: one body (:meth:`DraftEngine.run`) runs eagerly or captured as one
-CUDA graph per row count (:meth:`DraftEngine.graph`, all captured at engine start by
+buffers of the drafter's :class:`~vegas.vllm_plugin.selection.state.SelectionState`, whichever
+selection path wrote them, and the draft attention
+(:func:`vegas.vllm_plugin.drafting.attention.draft_attention`) reads them through
+:class:`~vegas.vllm_plugin.drafting.attention.DraftMetadata`. One engine (:class:`DraftEngine`)
+serves both of vLLM's model runners: one body (:meth:`DraftEngine.run`) runs eagerly or captured
+as one CUDA graph per row count (:meth:`DraftEngine.graph`, all captured at engine start by
 :meth:`DraftEngine.capture`), keyed by rows, the runner's own parts (V1: sampling or greedy), the
 selection path and the selection buffers' generation. The runners' adapters are
-:class:`~vegas.vllm_plugin.proposer.VegasProposer` (V1) and
-:class:`~vegas.vllm_plugin.v2_speculator.VegasSpeculator` (V2); they differ in where the block
+:class:`~vegas.vllm_plugin.runners.v1.VegasProposer` (V1) and
+:class:`~vegas.vllm_plugin.runners.v2.VegasSpeculator` (V2); they differ in where the block
 table lives and how a draft is sampled (:data:`DraftSampler`).
 """
 
@@ -22,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import VegasConfigError, VllmOptions
-from ..kernels import slots_to_fa_pages
-from .state import STATE
+from ...config import VegasConfigError, VllmOptions
+from ...kernels import slots_to_fa_pages
+from ..selection.state import LAYER_ATTR, SelectionState
 
 __all__ = [
     "DraftBuffers",
@@ -91,13 +92,15 @@ def build_draft_tables(
     return torch.where(col[None] < k[None], selected, recent[None]).to(torch.int32)
 
 
-def draft_tables(step_inputs: torch.Tensor, block_table: torch.Tensor, rows: int, gamma: int):
+def draft_tables(state: SelectionState, step_inputs: torch.Tensor, block_table: torch.Tensor, rows: int,
+                 gamma: int):
     """Page-size-1 draft tables ``(L or 1, rows, width)`` int32, the pages in use before the
     first draft (``base_used`` ``(rows,)`` int64) and the selection path's per-step page chooser
-    (Quest, else None), from the last verification's selection in :data:`STATE` (whichever
-    path wrote it).
+    (Quest, else None), from the last verification's selection in ``state`` (whichever path
+    wrote it).
 
     Args:
+        state: the drafter's selection state.
         step_inputs: ``(4, rows)`` int64 (see :class:`DraftBuffers`), batch order.
         block_table: ``(>= rows, max_blocks)`` int32, the same batch order.
         rows: requests (padded rows included).
@@ -105,17 +108,17 @@ def draft_tables(step_inputs: torch.Tensor, block_table: torch.Tensor, rows: int
     """
     active, _, first_pos, _ = step_inputs.unbind(0)
     active = active.bool()
-    sel, ctx_sel, budgets = STATE.selection(rows)
+    sel, ctx_sel, budgets = state.selection(rows)
     ctx_sel = torch.minimum(ctx_sel, first_pos)
     block_table = block_table[:rows]
-    path = STATE.path
+    path = state.path
     # recent positions from ctx_sel on: the verified chunk and the drafts (plus the path's own)
-    recent_cap = 2 * gamma + 2 + path.recent_columns(STATE.block_size)
+    recent_cap = 2 * gamma + 2 + path.recent_columns(state.block_size)
     tables = build_draft_tables(
-        sel, budgets, ctx_sel, first_pos + gamma - 1, block_table, STATE.block_size, STATE.page_stride, recent_cap,
+        sel, budgets, ctx_sel, first_pos + gamma - 1, block_table, state.block_size, state.page_stride, recent_cap,
     )
     base_used = torch.where(active, budgets + (first_pos - ctx_sel + 1), 1)
-    pages = path.draft_pages(STATE, block_table, ctx_sel, budgets, active, sel.shape[2])
+    pages = path.draft_pages(state, block_table, ctx_sel, budgets, active, sel.shape[2])
     return tables, base_used, pages
 
 
@@ -155,17 +158,23 @@ def bucket_rows(num_reqs: int, cap: int, max_graph_rows: int) -> int | None:
     return rows if num_reqs <= rows <= max_graph_rows else None
 
 
-def draft_graph_key(rows: int, *extra) -> tuple:
+def draft_graph_key(state: SelectionState, rows: int, *extra) -> tuple:
     """The key of a draft CUDA graph: its rows, the caller's own parts (``extra``), the selection
     path's kind, its table rows and the selection buffers' generation (buffers reallocated for a
-    larger budget need a new graph)."""
-    path = STATE.path
-    table_rows = 1 if path.shared_across_layers else STATE.num_layers
-    return (rows, *extra, type(path), table_rows, STATE.generation)
+    larger budget need a new graph), read from the drafter's selection ``state``."""
+    path = state.path
+    table_rows = 1 if path.shared_across_layers else state.num_layers
+    return (rows, *extra, type(path), table_rows, state.generation)
 
 
-def attention_layers(vllm_config) -> list[tuple[str, int]]:
+def attention_layers(vllm_config, state: SelectionState) -> list[tuple[str, int]]:
     """``(layer name, layer index)`` of every attention layer of the built model, ascending.
+
+    Also sets ``state``'s layer range (``first_layer``, ``last_layer``, ``layers_ready``) and
+    attaches ``state`` to every attention layer module under
+    :data:`~vegas.vllm_plugin.selection.state.LAYER_ATTR`: the attention override
+    (:func:`~vegas.vllm_plugin.patches.patch_attention`) receives only the layer, and selects
+    into the state it finds there.
 
     Sliding-window layers (Gemma 2/3, Qwen2 with ``use_sliding_window``) are kept: they draft
     over their own window (:func:`sliding_windows`); at least one layer must attend the whole
@@ -200,9 +209,11 @@ def attention_layers(vllm_config) -> list[tuple[str, int]]:
             "vegas: every attention layer of this model attends a sliding window; Vegas selects KV "
             "entries for full-attention layers, so there is nothing to select (use plain vLLM)"
         )
-    STATE.first_layer = layers[0][1]
-    STATE.last_layer = layers[-1][1]
-    STATE.layers_ready = True
+    state.first_layer = layers[0][1]
+    state.last_layer = layers[-1][1]
+    state.layers_ready = True
+    for name, _ in layers:
+        setattr(forward_context[name], LAYER_ATTR, state)
     return layers
 
 
@@ -294,7 +305,7 @@ class DraftBuffers:
 
 #: a draft sampler: ``(logits [rows, vocab], step j, buffers) -> tokens [rows]``; it may write
 #: the draft distribution where its runner's rejection sampler reads it. Both runners' samplers
-#: are vLLM's seeded ``gumbel_sample`` (V1: :func:`vegas.vllm_plugin.seeds.seeded_sampler`;
+#: are vLLM's seeded ``gumbel_sample`` (V1: :func:`vegas.vllm_plugin.runners.seeds.seeded_sampler`;
 #: V2: ``VegasSpeculator._sample``)
 DraftSampler = Callable[[torch.Tensor, int, DraftBuffers], torch.Tensor]
 
@@ -309,6 +320,7 @@ class DraftEngine:
 
     Args:
         vllm_config: the engine's ``VllmConfig``.
+        state: the drafter's selection state (the selection the draft tables come from).
         gamma: γ, draft tokens per iteration.
         options: the vLLM options of the run (draft CUDA graphs on/off, row limit).
         device: the runner's device.
@@ -318,9 +330,11 @@ class DraftEngine:
             runner may wrap it after loading).
     """
 
-    def __init__(self, vllm_config, gamma: int, options: VllmOptions, device,
+    def __init__(self, vllm_config, state: SelectionState, gamma: int, options: VllmOptions, device,
                  block_table: Callable[[], torch.Tensor], model: Callable[[], object]) -> None:
         self.vllm_config = vllm_config
+        #: the drafter's selection state (owned by the V1 proposer or the V2 speculator)
+        self.state = state
         self.gamma = gamma
         #: the runner's device (the V1 proposer learns it when the runner loads the model)
         self.device = device
@@ -400,7 +414,7 @@ class DraftEngine:
         max_len = self.max_model_len
         model = self.model()
         block_table = self.block_table()[:rows]  # [rows, max_blocks] int32
-        tables, base_used, pages = draft_tables(bufs.step_inputs, block_table, rows, self.gamma)
+        tables, base_used, pages = draft_tables(self.state, bufs.step_inputs, block_table, rows, self.gamma)
         width = tables.shape[-1]
         layer_rows = {idx: 0 for _, idx in self.layers} if tables.shape[0] == 1 else self.layer_rows
         active, tokens, first_pos, num_blocks = bufs.step_inputs.unbind(0)
@@ -409,7 +423,7 @@ class DraftEngine:
         slot[rows:num_tokens] = -1
         for j in range(self.gamma):
             pos = first_pos + j
-            slot[:rows].copy_(draft_slots(pos, active, num_blocks, block_table, STATE.block_size, max_len))
+            slot[:rows].copy_(draft_slots(pos, active, num_blocks, block_table, self.state.block_size, max_len))
             input_ids[:rows].copy_(tokens)
             positions[:rows].copy_(torch.where(active, torch.clamp(pos, max=max_len - 1), 0))
             if num_tokens > rows:
@@ -490,11 +504,12 @@ class DraftEngine:
         row count a batch of up to ``cap`` requests maps to, for each ``(key extra, sampler,
         with_probs, scratch)`` in ``variants``; nothing without draft graphs or before a
         verification forward learnt the cache layout. Returns the graphs captured."""
-        if not self.use_cuda_graphs or self.graph_failed or STATE.sel_buf is None or not STATE.block_size:
+        state = self.state
+        if not self.use_cuda_graphs or self.graph_failed or state.sel_buf is None or not state.block_size:
             return 0
         before = len(self._graphs)
         sizes = sorted({r for n in range(1, cap + 1) if (r := bucket_rows(n, cap, self.max_graph_rows))}, reverse=True)
         for rows in sizes:
             for extra, sample, with_probs, scratch in variants:
-                self.graph(rows, draft_graph_key(rows, *extra), sample, with_probs, scratch)
+                self.graph(rows, draft_graph_key(state, rows, *extra), sample, with_probs, scratch)
         return len(self._graphs) - before
