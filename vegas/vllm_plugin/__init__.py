@@ -1,4 +1,4 @@
-"""Vegas for stock vLLM 0.24 (V1 GPU model runner, FlashAttention-3 backend).
+"""Vegas for stock vLLM 0.24 (its V1 and V2 GPU model runners, FlashAttention-3 backend).
 
 Switch it on in any vLLM program, no code changes beyond the engine arguments::
 
@@ -23,8 +23,11 @@ the vLLM-only ones nested under ``"vllm"`` (:class:`vegas.config.VllmOptions`), 
 a third-party one so that vLLM's processes find its entry point): the built-ins through fused
 fast paths (:mod:`vegas.vllm_plugin.selectors`), every other one through the generic path
 (:mod:`vegas.vllm_plugin.selectors.generic`), which calls its ``select`` at every verification
-and therefore runs verification in piecewise CUDA graphs. Vegas runs on vLLM's V1 model runner,
-which vLLM picks by itself for a custom proposer (``VLLM_USE_V2_MODEL_RUNNER=0`` is harmless).
+and therefore runs verification in piecewise CUDA graphs. Vegas runs on the model runner vLLM
+picks for the same engine without Vegas: the V2 runner for the architectures vLLM runs there by
+default (Llama, Qwen3, ...; :class:`~vegas.vllm_plugin.runners.v2.VegasSpeculator`), else V1
+(:class:`~vegas.vllm_plugin.runners.v1.VegasProposer`); ``VEGAS_V2_RUNNER=0`` or
+``VLLM_USE_V2_MODEL_RUNNER=0`` asks for V1 (:mod:`vegas.vllm_plugin.patches`).
 
 On one GPU vLLM's asynchronous scheduling stays on (the host prepares step N+1 while the GPU
 drafts and verifies step N; :mod:`vegas.vllm_plugin.async_sched`); ``async_scheduling=False``
