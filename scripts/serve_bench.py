@@ -478,9 +478,15 @@ def run(args) -> None:
     print("KV cache tokens per server:", json.dumps(memory))
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults in the help, except None (those options say their default in words)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=_HelpFormatter)
     p.add_argument("--model", default=str(ROOT / "vegas" / "model"),
                    help="Model name (smollm2-135m), .gguf file, model directory or hub id.")
     p.add_argument("--methods", default=",".join(METHODS), type=lambda s: [m for m in s.split(",") if m],
@@ -548,8 +554,9 @@ def rate_list(raw: str) -> list[float]:
 
 
 def raise_if_bad_args(args) -> None:
-    """Refuse, before any server starts: unknown methods, counts below 1, a sparsity ratio
-    outside (0, 1].
+    """Refuse, before anything is created or started: unknown methods, counts below 1, ratios,
+    memory shares and times out of range, ``--prompts`` that is missing or unused, a ``--config``
+    that is not valid Vegas settings.
 
     Raises:
         VegasConfigError: naming the option and what it allows.
@@ -571,6 +578,31 @@ def raise_if_bad_args(args) -> None:
             raise VegasConfigError(f"{flag} must be a number > 0, got {value}")
     if not 0 < args.sparsity_ratio <= 1:
         raise VegasConfigError(f"--sparsity-ratio must be in (0, 1], got {args.sparsity_ratio}")
+    if not 0 <= args.range_ratio < 1:
+        raise VegasConfigError(f"--range-ratio must be in [0, 1), got {args.range_ratio}")
+    if args.max_num_seqs < 1:
+        raise VegasConfigError(f"--max-num-seqs must be an integer >= 1, got {args.max_num_seqs}")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise VegasConfigError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+    for flag, value in (("--start-timeout", args.start_timeout), ("--time-budget", args.time_budget)):
+        if value is not None and not value > 0:
+            raise VegasConfigError(f"{flag} must be a number of seconds > 0, got {value}")
+    if args.prompts is not None:
+        if args.dataset != "code":
+            raise VegasConfigError("--prompts is read only with --dataset code")
+        if not Path(args.prompts).exists():
+            raise VegasConfigError(f"--prompts {args.prompts!r} is not a file or a directory")
+    if args.config:
+        from vegas.config import VegasConfig
+
+        raw = Path(args.config).read_text() if Path(args.config).is_file() else args.config
+        values = parse_json_object(raw, "--config")
+        if "selector" in values:
+            raise VegasConfigError("--config must not name a selector: --methods names them")
+        try:
+            VegasConfig.from_dict(values, "--config")
+        except VegasConfigError as exc:
+            raise VegasConfigError(str(exc) if str(exc).startswith("--config") else f"--config: {exc}") from exc
 
 
 def main(argv=None) -> None:

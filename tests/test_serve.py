@@ -279,3 +279,22 @@ def test_quest_page_size_is_checked_against_the_engine_block_size_before_start()
     assert plan.argv[-2:] == ["--block-size", "32"]
     with pytest.raises(VegasConfigError, match="--block-size must be a positive integer"):
         vegas_serve.plan_serve(MODEL, selector="quest", extra_args=["--block-size=x"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--", "--port", "9000"], "vllm serve argument --port after -- would contradict vegas serve's own --port"),
+    (["--", "--host=0.0.0.0"], "vllm serve argument --host after -- would contradict"),
+    (["--", "--dtype", "float32"], "give it as vegas serve --dtype"),
+    (["--selector", "none", "-g", "4", "--kv-budget", "9"],
+     "--num-draft-tokens, --kv-budget set(s) Vegas settings; it cannot go with --selector none"),
+    (["--config", '{"selector": "bogus"}'], "--config: selector must be one of"),
+    (["--config", '{"vllm": {"bogus": 1}}'], "--config: vllm: unknown field(s) bogus; allowed: tp_selection"),
+    (["--config", '{"vllm": 5}'], "--config: vllm must be an object of vLLM options (tp_selection"),
+    (["--config", '{"bogus": 1}'], "--config: unknown field(s) bogus; allowed: selector, fallback"),
+])
+def test_serve_refuses_contradictions_and_names_config_for_its_fields(args, message):
+    """From a fresh-user trial: vLLM arguments after -- that contradict vegas serve's own options
+    (the banner said port 8000 while vLLM would listen on 9000), Vegas options beside
+    --selector none (silently dropped), and --config errors that named --selector or no option."""
+    result = CliRunner().invoke(main, ["serve", MODEL, "--dry-run", *args])
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output

@@ -175,6 +175,16 @@ def test_bad_arguments_fail_before_any_server(sb, tmp_path, capsys):
                        (["--num-prompts", "0"], "--num-prompts must be an integer >= 1"),
                        (["--sparsity-ratio", "1.5"], "--sparsity-ratio must be in (0, 1]"),
                        (["--kv-cache-gib", "0"], "--kv-cache-gib must be a number > 0"),
+                       (["--range-ratio", "1.5"], "--range-ratio must be in [0, 1)"),
+                       (["--max-num-seqs", "0"], "--max-num-seqs must be an integer >= 1"),
+                       (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization must be in (0, 1]"),
+                       (["--start-timeout", "0"], "--start-timeout must be a number of seconds > 0"),
+                       (["--time-budget", "-1"], "--time-budget must be a number of seconds > 0"),
+                       (["--dataset", "code", "--prompts", "/nonexistent"], "is not a file or a directory"),
+                       (["--prompts", "/tmp"], "--prompts is read only with --dataset code"),
+                       (["--config", "{bad"], "--config must be a JSON object"),
+                       (["--config", '{"bogus": 1}'], "--config: unknown field(s) bogus"),
+                       (["--config", '{"selector": "quest"}'], "--config must not name a selector"),
                        (["--bench-timeout", "-1"], "--bench-timeout must be a number > 0")):
         with pytest.raises(SystemExit):
             sb.parse_args(["--model", model, *argv])

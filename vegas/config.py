@@ -224,7 +224,8 @@ class VegasConfig:
             _raise_if_unknown(self.vllm, VllmOptions, "vllm")
             object.__setattr__(self, "vllm", VllmOptions(**self.vllm))
         if not isinstance(self.vllm, VllmOptions):
-            raise VegasConfigError(f"vllm must be a VllmOptions or a dict of its fields, got {self.vllm!r}")
+            names = ", ".join(f.name for f in fields(VllmOptions))
+            raise VegasConfigError(f"vllm must be an object of vLLM options ({names}), got {self.vllm!r}")
         _raise_if_not_int("num_draft_tokens", self.num_draft_tokens, 1)
         ratio = self.sparsity_ratio
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not (0 < ratio <= 1):

@@ -34,7 +34,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,8 @@ __all__ = [
 PLUGIN_ENTRY_POINT = "vegas.vllm_plugin:register"
 #: ``vllm serve`` options that ``vegas serve`` sets itself when Vegas is on
 _OWNED = ("--speculative-config", "-sc")
+#: vllm serve arguments that are vegas serve options of their own (one place to set each)
+_OWN_OPTIONS = {"--port": "--port", "--host": "--host", "--dtype": "--dtype"}
 _ADDITIONAL = "--additional-config"
 
 
@@ -215,21 +217,36 @@ def plan_serve(
     extra = list(extra_args)
     if not isinstance(port, int) or not 0 < port < 65536:
         raise VegasConfigError(f"--port must be an integer in 1..65535, got {port!r}")
+    for start, _, _ in _option_values(extra, tuple(_OWN_OPTIONS)):
+        flag = extra[start].split("=", 1)[0]
+        raise VegasConfigError(f"vllm serve argument {flag} after -- would contradict vegas serve's own "
+                               f"{_OWN_OPTIONS[flag]}; give it as vegas serve {_OWN_OPTIONS[flag]}")
     model = resolve_model(model)  # names and .gguf files -> a checkpoint directory, as Pipeline does
     plain = selector == "none"
     if plain:
         if config is not None:
             raise VegasConfigError("--config sets Vegas settings; it cannot go with --selector none (plain vLLM)")
+        given = [flag for flag, value in (("--num-draft-tokens", num_draft_tokens), ("--sparsity-ratio", sparsity_ratio),
+                                          ("--kv-budget", kv_budget)) if value is not None]
+        if given:
+            raise VegasConfigError(f"{', '.join(given)} set(s) Vegas settings; it cannot go with --selector none "
+                                   "(plain vLLM)")
         kw = vllm_engine_kwargs(model, dtype=dtype)
         settings = None
     else:
         values = parse_json_object(_read_config(config), "--config") if config else {}
+        from_config = selector is None and "selector" in values
         name = selector or values.pop("selector", None) or "collect2"
         values.pop("selector", None)
+        known = {f.name for f in fields(VegasConfig)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise VegasConfigError(f"--config: unknown field(s) {', '.join(unknown)}; allowed: selector, "
+                                   f"{', '.join(sorted(known))}")
         try:
             cfg = VegasConfig.from_dict(values, "--config")
         except VegasConfigError as exc:  # a field of --config's JSON, not the option of that name
-            raise VegasConfigError(str(exc) if exc.field is None else f"--config: {exc}") from exc
+            raise VegasConfigError(str(exc) if str(exc).startswith("--config") else f"--config: {exc}") from exc
         gamma = cfg.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
         if not isinstance(gamma, int) or gamma < 1:
             raise VegasConfigError.bad("num_draft_tokens", f"(γ) must be an integer >= 1, got {gamma!r}")
@@ -239,7 +256,12 @@ def plan_serve(
         if kv_budget is not None:
             values["kv_budget"] = kv_budget
         cfg = VegasConfig.from_dict(values, "vegas serve options")
-        sel = build_selector(name, cfg, gamma, _block_size(extra))
+        try:
+            sel = build_selector(name, cfg, gamma, _block_size(extra))
+        except VegasConfigError as exc:
+            if from_config and exc.field == "selector":  # the name came from --config, not --selector
+                raise VegasConfigError(f"--config: {exc}") from exc
+            raise
         for start, end, _ in _option_values(extra, _OWNED):
             raise VegasConfigError(
                 f"vllm serve argument {extra[start]} is set by vegas serve for Vegas; use --selector none "
