@@ -208,6 +208,19 @@ def test_bench_plot_writes_a_png(tmp_path):
     assert result.exit_code == 2 and "--plot" in result.output
 
 
+def test_bench_plot_format_is_checked_before_the_run(tmp_path, monkeypatch):
+    import vegas.bench
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("the benchmark ran before --plot was checked")
+
+    monkeypatch.setattr(vegas.bench, "run_bench", no_run)
+    result = CliRunner().invoke(main, ["bench", "--selectors", "collect2", "--plot", str(tmp_path / "p.txt")])
+    assert result.exit_code == 2 and "format 'txt' is not one matplotlib writes" in result.output, result.output
+    assert "png" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "p.txt").exists()
+
+
 def test_quick_preset_is_small_and_bounded_and_explicit_options_win():
     quick = TuneOptions(quick=True).resolved()
     assert (quick.context, quick.new_tokens, quick.batch_size, quick.time_budget) == (1024, 32, 1, 570.0)

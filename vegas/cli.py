@@ -138,7 +138,8 @@ def main(verbose: bool) -> None:
                    "total of the engines alive at once [default: 0.85].")
 @click.option("--json", "json_path", default=None, type=click.Path(), help="Write results as JSON here.")
 @click.option("--plot", "plot_path", default=None, type=click.Path(),
-              help="Write the table as a chart here (PNG: τ and speedup per selector; hf backend).")
+              help="Write the table as a chart here (τ and speedup per selector; hf backend): a format "
+                   "matplotlib writes, from the extension (png, pdf, svg, ...); no extension writes PATH.png.")
 def bench(json_path, plot_path, selectors, **kwargs) -> None:
     """Plain decoding vs each selector on the same long prompts: τ, tok/s, speedup, exactness.
 
@@ -171,6 +172,8 @@ def bench(json_path, plot_path, selectors, **kwargs) -> None:
                 raise VegasConfigError.bad(name, f"takes one value with --backend {kwargs['backend']} "
                                                  f"(a comma list with --backend vllm), got {kwargs[name]!r}")
             kwargs[name] = kwargs[name][0]
+        if plot_path:
+            plot_path = _plot_path(plot_path)
         for flag, path in (("--json", json_path), ("--plot", plot_path)):
             if path:
                 _check_writable(Path(path), flag)
@@ -241,6 +244,20 @@ def _bench_vllm(names, json_path, plot_path, vllm_only: dict, kwargs: dict) -> N
         click.echo(f"results written to {json_path}", err=True)
     if any(v["identical"] != v["total"] for v in results["exactness"].values()):
         raise click.ClickException("greedy exactness check: some method differs from plain vLLM greedy")
+
+
+def _plot_path(path: str) -> str:
+    """``--plot PATH`` checked against the formats matplotlib saves (PATH.png without an extension)."""
+    from matplotlib.figure import Figure
+
+    suffix = Path(path).suffix
+    if not suffix:
+        return path + ".png"
+    formats = sorted(Figure().canvas.get_supported_filetypes())
+    if suffix[1:].lower() not in formats:
+        raise VegasConfigError(f"--plot {path!r}: format {suffix[1:]!r} is not one matplotlib writes; "
+                               f"use one of {', '.join(formats)} (no extension: PNG)")
+    return path
 
 
 def _check_writable(path: Path, flag: str = "--json") -> None:
