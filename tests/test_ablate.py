@@ -203,3 +203,14 @@ def test_time_budget_stops_before_measuring_and_still_plots(counted, tmp_path, c
 def test_cli_refuses_bad_options(args, message, tmp_path):
     result = CliRunner().invoke(main, ["ablate", "--out", str(tmp_path / "o"), *args])
     assert result.exit_code == 2 and message in result.output
+
+
+def test_failed_ablate_leaves_no_out_directory(tmp_path):
+    """A run that fails a check creates neither --out nor its parents."""
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    out = tmp_path / "parent" / "out"
+    for args in (["--model", str(tmp_path / "nope")], ["--device", "bogus"], ["--prompts", str(empty)]):
+        result = CliRunner().invoke(main, ["ablate", "--quick", "--out", str(out), *args])
+        assert result.exit_code == 2, (args, result.output)
+        assert not (tmp_path / "parent").exists(), args

@@ -182,6 +182,18 @@ def test_tune_names_bad_options(args, message):
     assert result.exit_code == 2 and message in result.output, result.output
 
 
+def test_failed_tune_leaves_no_out_directory(tmp_path):
+    """A run that fails a check creates neither --out nor its parents."""
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    out = tmp_path / "parent" / "out"
+    for args in (["--model", str(tmp_path / "nope")], ["--device", "bogus"], ["--min-kv-budget", "-1"],
+                 ["--prompts", str(empty), "--device", "cpu"]):
+        result = CliRunner().invoke(main, ["tune", "--quick", "--out", str(out), *args])
+        assert result.exit_code == 2, (args, result.output)
+        assert not (tmp_path / "parent").exists(), args
+
+
 def test_logged_progress_prints_a_line_per_step_off_a_terminal():
     stream = io.StringIO()
     with LoggedProgress(console=Console(file=stream), transient=True) as progress:

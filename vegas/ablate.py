@@ -323,7 +323,6 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
     out = Path(opts.out)
     if out.exists() and not out.is_dir():
         raise VegasConfigError(f"out (--out) {str(out)!r} exists and is not a directory")
-    out.mkdir(parents=True, exist_ok=True)
     source = opts.prompts or (str(heldout_path()) if heldout_path() else None)
     settings = {**{k: getattr(opts, k) for k in MEASUREMENT_SETTINGS}, "prompts": source or "package:click"}
     store = PointStore(out / POINTS_FILE, settings, opts.fresh, "vegas ablate")
@@ -372,6 +371,7 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
         except _OutOfTime as exc:
             stopped = f"time budget of {opts.time_budget:g} s reached before {exc.args[0]}"
             console.print(f"[yellow]{stopped}; plotting what was measured (rerun to resume)[/yellow]")
+    out.mkdir(parents=True, exist_ok=True)  # only now: every check passed (the first point makes it too)
     from .plots import plot_ablate, write_ablate_tables
 
     plots = plot_ablate(store.points, opts, out)
