@@ -136,6 +136,14 @@ def test_generate_prompt_files_and_literal_at_sign(tmp_path):
     assert result.exit_code == 2 and "bytes can fit the model's context" in " ".join(result.output.split())
 
 
+def test_generate_refuses_an_at_sign_without_a_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # '@' must not read the current directory
+    (tmp_path / "a.py").write_text("x = 1\n")
+    for prompt in ("@", "@ "):
+        result = CliRunner().invoke(main, ["generate", prompt, "--max-new-tokens", "2"])
+        assert result.exit_code == 2 and f"PROMPT {prompt!r} needs a path after '@'" in result.output, result.output
+
+
 def test_bench_checks_sampling_options_and_json_path_before_the_run(tmp_path, monkeypatch):
     import vegas.bench
 

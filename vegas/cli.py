@@ -290,6 +290,8 @@ def generate(prompt, selector, max_new_tokens, chat, model, rope_scaling, backen
     from .pipeline import Pipeline
     from .prompts import read_text_source
 
+    if prompt.startswith("@") and not prompt.startswith("@@") and not prompt[1:].strip():
+        raise click.UsageError(f"PROMPT {prompt!r} needs a path after '@' ('@@' starts a literal '@')")
     try:
         if config["kv_budget"] is None:
             config.pop("kv_budget")
