@@ -70,6 +70,16 @@ def test_resolve_rejects_unknown_names_and_paths(model, match):
     assert "model" in str(info.value) and ".gguf" in str(info.value)
 
 
+@pytest.mark.parametrize("name, content", [("notmodel.txt", b"hello"), ("fake.gguf", b"not a gguf")])
+def test_a_file_that_is_not_a_gguf_is_not_a_model(tmp_path, name, content):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(VegasConfigError, match=r"is not a model.*: pass a model directory, a model name, or a .gguf"):
+        resolve_model(str(path))
+    result = CliRunner().invoke(main, ["generate", "def", "--model", str(path)])
+    assert result.exit_code == 2 and "is not a model" in result.output and "needs the package" not in result.output
+
+
 def test_pipeline_rejects_unknown_model_name():
     with pytest.raises(VegasConfigError, match="smollm2-135m"):
         Pipeline("no-such-model")

@@ -127,11 +127,19 @@ def resolve_model(model: str | os.PathLike | None) -> str:
     """
     if model is None:
         return DEFAULT_MODEL
+    if not isinstance(model, (str, os.PathLike)):
+        raise VegasConfigError.bad("model", f"must be None or a str or path naming {_allowed()}, got {model!r}")
     text = os.fspath(model)
+    if isinstance(text, bytes):
+        raise VegasConfigError.bad("model", f"must be None or a str or path naming {_allowed()}, got {model!r}")
     if text in NAMED_MODELS:
         return str(convert_gguf(named_model_gguf(text)))
     path = Path(text).expanduser()
     if path.suffix.lower() == ".gguf" or path.is_file():
+        if path.is_file() and not (path.suffix.lower() == ".gguf" and _has_gguf_magic(path)):
+            why = " (a .gguf file starts with the bytes 'GGUF')" if path.suffix.lower() == ".gguf" else ""
+            raise VegasConfigError(f"model {text!r} is not a model{why}: pass a model directory, a model name, "
+                                   "or a .gguf file")
         return str(convert_gguf(path))
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -143,6 +151,15 @@ def resolve_model(model: str | os.PathLike | None) -> str:
     if "/" in text or os.sep in text:
         raise VegasConfigError(f"model path {text!r} does not exist; model must be {_allowed()}")
     raise VegasConfigError(f"model {text!r} is not a known model name; model must be {_allowed()}")
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    """Whether ``path`` starts with the 4 bytes ``GGUF`` (every GGUF file does)."""
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
 
 
 def named_model_gguf(name: str) -> Path:
