@@ -105,6 +105,22 @@ def test_generate_prints_text_and_stats(tmp_path):
     assert "τ=" in result.output
 
 
+def test_generate_stats_line_shows_plain_fallback_steps():
+    """τ = tokens / iterations with plain steps counted: the line shows both, so that it adds up."""
+    import re
+
+    result = CliRunner().invoke(main, ["generate", "def fibonacci(n):", "--selector", "collect2", "--temperature", "0",
+                                       "--max-new-tokens", "40", "--kv-budget", "4", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    line = " ".join(result.output.split())
+    found = re.search(r"\[(\d+) tokens, τ=([\d.]+) tokens/iteration over (\d+) iterations .*?, (\d+) plain steps "
+                      r"\(fallback: no draft, 1 token each\), accepted (\d+)/(\d+) drafts", line)
+    assert found, result.output
+    tokens, tau, iterations, plain, accepted, drafted = (float(v) for v in found.groups())
+    assert plain > 0 and abs(tau - tokens / iterations) < 0.01
+    assert drafted == 4 * (iterations - plain)  # γ drafts per drafting iteration
+
+
 def test_bench_names_bad_options(tmp_path):
     cases = [
         (["--batch-size", "0"], "Invalid value for '--batch-size': must be an integer >= 1"),

@@ -312,9 +312,12 @@ def generate(prompt, selector, max_new_tokens, chat, model, rope_scaling, backen
         raise _click_error(exc) from exc
     click.echo(out.text)
     s = out.stats
+    # τ = tokens / iterations, a plain step (fallback) an iteration of one token: shown, so that it adds up
+    plain = f", {s.plain_steps} plain steps (fallback: no draft, 1 token each)" if s.plain_steps else ""
     drafting = "plain decoding" if pipe.selector is None else (
-        f"τ={s.acceptance_length:.2f} (≤ γ+1 = {pipe.config.num_draft_tokens + 1}: the bonus token counts), "
-        f"accepted {s.num_accepted}/{s.num_drafted}, KV budget {s.kv_budget} tokens"
+        f"τ={s.acceptance_length:.2f} tokens/iteration over {s.iterations} iterations "
+        f"(≤ γ+1 = {pipe.config.num_draft_tokens + 1}: the bonus token counts){plain}, "
+        f"accepted {s.num_accepted}/{s.num_drafted} drafts, KV budget {s.kv_budget} tokens"
     )
     click.echo(
         f"\n[{s.num_generated} tokens, {drafting}, decode {s.decode_seconds:.2f} s, "
