@@ -173,6 +173,9 @@ def test_rope_scaled_config_raises_the_context():
     ({"rope_type": "yarn", "factor": 0.5}, "factor"),
     ({"rope_type": "yarn", "factor": 2, "original_max_position_embeddings": "8k"}, "original_max_position_embeddings"),
     ({"rope_type": "llama3", "factor": 2}, "low_freq_factor"),  # a key llama3 needs
+    ({"rope_type": "yarn", "factor": 2, "bogus": 1}, r"unknown key\(s\) \['bogus'\] for rope_type 'yarn'; allowed: "
+                                                     "rope_type, factor, original_max_position_embeddings"),
+    ({"type": "linear", "factor": 2, "beta_fast": 32}, r"unknown key\(s\) \['beta_fast'\] for rope_type 'linear'"),
 ])
 def test_rope_scaling_rejects_bad_values(scaling, match):
     with pytest.raises(VegasConfigError, match=match):

@@ -90,6 +90,14 @@ NAMED_MODELS: dict[str, NamedModel] = {
 
 #: RoPE types whose frequencies are fixed at load time (the KV cache stays valid as it grows).
 ROPE_TYPES = ("yarn", "linear", "llama3")
+# the keys each type's RoPE function reads (transformers' rope parameter validation), besides rope_type/type
+ROPE_KEYS = {
+    "yarn": ("factor", "original_max_position_embeddings", "rope_theta", "partial_rotary_factor", "attention_factor",
+             "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"),
+    "linear": ("factor", "rope_theta", "partial_rotary_factor"),
+    "llama3": ("factor", "original_max_position_embeddings", "rope_theta", "partial_rotary_factor", "low_freq_factor",
+               "high_freq_factor"),
+}
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
@@ -350,6 +358,12 @@ def rope_scaled_config(model: str, rope_scaling: dict, *, trust_remote_code: boo
         raise VegasConfigError(
             f"rope_scaling['rope_type'] must be one of {', '.join(ROPE_TYPES)} (frequencies fixed at load "
             f"time), got {rope_type!r}; e.g. {example}"
+        )
+    unknown = sorted(str(k) for k in params if k != "rope_type" and k not in ROPE_KEYS[rope_type])
+    if unknown:
+        raise VegasConfigError.bad(
+            "rope_scaling", f"has unknown key(s) {unknown} for rope_type {rope_type!r}; allowed: rope_type, "
+            f"{', '.join(ROPE_KEYS[rope_type])}"
         )
     factor = params.get("factor")
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor < 1:
