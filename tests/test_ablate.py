@@ -199,6 +199,8 @@ def test_time_budget_stops_before_measuring_and_still_plots(counted, tmp_path, c
     (["--budgets", "0.1,2"], "--budgets"),
     (["--gammas", "0"], "--gammas"),
     (["--num-prompts", "0"], "--num-prompts"),
+    (["--ablation-sparsity", "2"], "ablation_sparsity (--ablation-sparsity) must be a number in (0, 1], got 2.0"),
+    (["--device", "bogus"], "Invalid value for '--device': must be 'cpu', 'cuda' or 'cuda:N', got 'bogus'"),
 ])
 def test_cli_refuses_bad_options(args, message, tmp_path):
     result = CliRunner().invoke(main, ["ablate", "--out", str(tmp_path / "o"), *args])

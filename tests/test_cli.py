@@ -56,6 +56,10 @@ def test_cli_errors_name_the_flag_the_user_typed():
     cases = [
         (["generate", "x", "-g", "0"], "Invalid value for '--num-draft-tokens' / '-g': must be an integer >= 1"),
         (["generate", "x", "--kv-budget", "0"], "Invalid value for '--kv-budget': must be an integer >= 1"),
+        (["generate", "x", "--device", "bogus"], "Invalid value for '--device': must be 'cpu', 'cuda' or 'cuda:N'"),
+        (["bench", "--device", "bogus"], "Invalid value for '--device': must be 'cpu', 'cuda' or 'cuda:N'"),
+        (["generate", "x", "--rope-scaling", '{"rope_type":"yarn","factor":2,"bogus":1}'],
+         "unknown key(s) ['bogus'] for rope_type 'yarn'"),
         (["serve", "vegas/model", "--kv-budget", "0"], "Invalid value for '--kv-budget': must be an integer >= 1"),
         (["bench", "--kv-budget", "0"], "Invalid value for '--kv-budget': must be an integer >= 1"),
         (["generate", "x", "--chat"], "Invalid value for '--chat': needs a tokenizer with a chat template"),

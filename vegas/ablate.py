@@ -126,9 +126,10 @@ def raise_if_bad_options(opts: AblateOptions) -> None:
     for name, values, kind, low in (("contexts", opts.contexts, int, 2), ("gammas", opts.gammas, int, 1)):
         if not values or any(isinstance(v, bool) or not isinstance(v, kind) or v < low for v in values):
             raise VegasConfigError(f"{name} (--{name}) must be integers >= {low}, got {values!r}")
-    for name, value in (("budgets", opts.budgets), ("ablation_sparsity", [opts.ablation_sparsity])):
+    for name, value, what, shown in (("budgets", opts.budgets, "numbers", opts.budgets),
+                                     ("ablation_sparsity", [opts.ablation_sparsity], "a number", opts.ablation_sparsity)):
         if not value or any(isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 < s <= 1 for s in value):
-            raise VegasConfigError(f"{name} (--{name.replace('_', '-')}) must be numbers in (0, 1], got {value!r}")
+            raise VegasConfigError(f"{name} (--{name.replace('_', '-')}) must be {what} in (0, 1], got {shown!r}")
     for name in ("num_draft_tokens", "num_prompts", "batch_size", "new_tokens", "max_distance"):
         value = getattr(opts, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
