@@ -199,7 +199,20 @@ def test_time_budget_stops_before_measuring_and_still_plots(counted, tmp_path, c
     (["--budgets", "0.1,2"], "--budgets"),
     (["--gammas", "0"], "--gammas"),
     (["--num-prompts", "0"], "--num-prompts"),
+    (["--ablation-sparsity", "2"], "ablation_sparsity (--ablation-sparsity) must be a number in (0, 1], got 2.0"),
+    (["--device", "bogus"], "Invalid value for '--device': must be 'cpu', 'cuda' or 'cuda:N', got 'bogus'"),
 ])
 def test_cli_refuses_bad_options(args, message, tmp_path):
     result = CliRunner().invoke(main, ["ablate", "--out", str(tmp_path / "o"), *args])
     assert result.exit_code == 2 and message in result.output
+
+
+def test_failed_ablate_leaves_no_out_directory(tmp_path):
+    """A run that fails a check creates neither --out nor its parents."""
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    out = tmp_path / "parent" / "out"
+    for args in (["--model", str(tmp_path / "nope")], ["--device", "bogus"], ["--prompts", str(empty)]):
+        result = CliRunner().invoke(main, ["ablate", "--quick", "--out", str(out), *args])
+        assert result.exit_code == 2, (args, result.output)
+        assert not (tmp_path / "parent").exists(), args

@@ -114,6 +114,10 @@ def test_bad_sampling_values(pipe, kwargs, match):
         ({"dtype": "int8"}, "dtype must be one of"),
         ({"model": "/nonexistent/model"}, "model path '/nonexistent/model' does not exist"),
         ({"model": "no-such-org/no-such-model"}, "is neither a local transformers model directory"),
+        ({"model": 5}, "model must be None or a str or path naming a model name"),
+        ({"trust_remote_code": "yes"}, "trust_remote_code must be True or False, got 'yes'"),
+        ({"backend_options": {"bogus": 1}}, r"backend_options has unknown option\(s\) \['bogus'\] for backend 'hf'"),
+        ({"backend_options": {"dtype": "float32"}}, "backend_options must not set"),
     ],
 )
 def test_bad_backend_arguments(kwargs, match):

@@ -56,6 +56,10 @@ def test_cli_errors_name_the_flag_the_user_typed():
     cases = [
         (["generate", "x", "-g", "0"], "Invalid value for '--num-draft-tokens' / '-g': must be an integer >= 1"),
         (["generate", "x", "--kv-budget", "0"], "Invalid value for '--kv-budget': must be an integer >= 1"),
+        (["generate", "x", "--device", "bogus"], "Invalid value for '--device': must be 'cpu', 'cuda' or 'cuda:N'"),
+        (["bench", "--device", "bogus"], "Invalid value for '--device': must be 'cpu', 'cuda' or 'cuda:N'"),
+        (["generate", "x", "--rope-scaling", '{"rope_type":"yarn","factor":2,"bogus":1}'],
+         "unknown key(s) ['bogus'] for rope_type 'yarn'"),
         (["serve", "vegas/model", "--kv-budget", "0"], "Invalid value for '--kv-budget': must be an integer >= 1"),
         (["bench", "--kv-budget", "0"], "Invalid value for '--kv-budget': must be an integer >= 1"),
         (["generate", "x", "--chat"], "Invalid value for '--chat': needs a tokenizer with a chat template"),
@@ -105,6 +109,22 @@ def test_generate_prints_text_and_stats(tmp_path):
     assert "τ=" in result.output
 
 
+def test_generate_stats_line_shows_plain_fallback_steps():
+    """τ = tokens / iterations with plain steps counted: the line shows both, so that it adds up."""
+    import re
+
+    result = CliRunner().invoke(main, ["generate", "def fibonacci(n):", "--selector", "collect2", "--temperature", "0",
+                                       "--max-new-tokens", "40", "--kv-budget", "4", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    line = " ".join(result.output.split())
+    found = re.search(r"\[(\d+) tokens, τ=([\d.]+) tokens/iteration over (\d+) iterations .*?, (\d+) plain steps "
+                      r"\(fallback: no draft, 1 token each\), accepted (\d+)/(\d+) drafts", line)
+    assert found, result.output
+    tokens, tau, iterations, plain, accepted, drafted = (float(v) for v in found.groups())
+    assert plain > 0 and abs(tau - tokens / iterations) < 0.01
+    assert drafted == 4 * (iterations - plain)  # γ drafts per drafting iteration
+
+
 def test_bench_names_bad_options(tmp_path):
     cases = [
         (["--batch-size", "0"], "Invalid value for '--batch-size': must be an integer >= 1"),
@@ -134,6 +154,14 @@ def test_generate_prompt_files_and_literal_at_sign(tmp_path):
     big.write_text("x = 1\n" * 2_000_000)  # 12 MB: more tokens than the 32K context can hold
     result = CliRunner().invoke(main, ["generate", f"@{big}", "--max-new-tokens", "4"])
     assert result.exit_code == 2 and "bytes can fit the model's context" in " ".join(result.output.split())
+
+
+def test_generate_refuses_an_at_sign_without_a_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # '@' must not read the current directory
+    (tmp_path / "a.py").write_text("x = 1\n")
+    for prompt in ("@", "@ "):
+        result = CliRunner().invoke(main, ["generate", prompt, "--max-new-tokens", "2"])
+        assert result.exit_code == 2 and f"PROMPT {prompt!r} needs a path after '@'" in result.output, result.output
 
 
 def test_bench_checks_sampling_options_and_json_path_before_the_run(tmp_path, monkeypatch):

@@ -70,6 +70,16 @@ def test_resolve_rejects_unknown_names_and_paths(model, match):
     assert "model" in str(info.value) and ".gguf" in str(info.value)
 
 
+@pytest.mark.parametrize("name, content", [("notmodel.txt", b"hello"), ("fake.gguf", b"not a gguf")])
+def test_a_file_that_is_not_a_gguf_is_not_a_model(tmp_path, name, content):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(VegasConfigError, match=r"is not a model.*: pass a model directory, a model name, or a .gguf"):
+        resolve_model(str(path))
+    result = CliRunner().invoke(main, ["generate", "def", "--model", str(path)])
+    assert result.exit_code == 2 and "is not a model" in result.output and "needs the package" not in result.output
+
+
 def test_pipeline_rejects_unknown_model_name():
     with pytest.raises(VegasConfigError, match="smollm2-135m"):
         Pipeline("no-such-model")
@@ -163,6 +173,9 @@ def test_rope_scaled_config_raises_the_context():
     ({"rope_type": "yarn", "factor": 0.5}, "factor"),
     ({"rope_type": "yarn", "factor": 2, "original_max_position_embeddings": "8k"}, "original_max_position_embeddings"),
     ({"rope_type": "llama3", "factor": 2}, "low_freq_factor"),  # a key llama3 needs
+    ({"rope_type": "yarn", "factor": 2, "bogus": 1}, r"unknown key\(s\) \['bogus'\] for rope_type 'yarn'; allowed: "
+                                                     "rope_type, factor, original_max_position_embeddings"),
+    ({"type": "linear", "factor": 2, "beta_fast": 32}, r"unknown key\(s\) \['beta_fast'\] for rope_type 'linear'"),
 ])
 def test_rope_scaling_rejects_bad_values(scaling, match):
     with pytest.raises(VegasConfigError, match=match):

@@ -182,6 +182,18 @@ def test_tune_names_bad_options(args, message):
     assert result.exit_code == 2 and message in result.output, result.output
 
 
+def test_failed_tune_leaves_no_out_directory(tmp_path):
+    """A run that fails a check creates neither --out nor its parents."""
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    out = tmp_path / "parent" / "out"
+    for args in (["--model", str(tmp_path / "nope")], ["--device", "bogus"], ["--min-kv-budget", "-1"],
+                 ["--prompts", str(empty), "--device", "cpu"]):
+        result = CliRunner().invoke(main, ["tune", "--quick", "--out", str(out), *args])
+        assert result.exit_code == 2, (args, result.output)
+        assert not (tmp_path / "parent").exists(), args
+
+
 def test_logged_progress_prints_a_line_per_step_off_a_terminal():
     stream = io.StringIO()
     with LoggedProgress(console=Console(file=stream), transient=True) as progress:
@@ -206,6 +218,19 @@ def test_bench_plot_writes_a_png(tmp_path):
     assert "collect2: timed sampled decoding done in" in result.output  # the log line per run
     result = CliRunner().invoke(main, ["bench", "--plot", str(tmp_path), "--selectors", "collect2"])
     assert result.exit_code == 2 and "--plot" in result.output
+
+
+def test_bench_plot_format_is_checked_before_the_run(tmp_path, monkeypatch):
+    import vegas.bench
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("the benchmark ran before --plot was checked")
+
+    monkeypatch.setattr(vegas.bench, "run_bench", no_run)
+    result = CliRunner().invoke(main, ["bench", "--selectors", "collect2", "--plot", str(tmp_path / "p.txt")])
+    assert result.exit_code == 2 and "format 'txt' is not one matplotlib writes" in result.output, result.output
+    assert "png" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "p.txt").exists()
 
 
 def test_quick_preset_is_small_and_bounded_and_explicit_options_win():

@@ -126,9 +126,10 @@ def raise_if_bad_options(opts: AblateOptions) -> None:
     for name, values, kind, low in (("contexts", opts.contexts, int, 2), ("gammas", opts.gammas, int, 1)):
         if not values or any(isinstance(v, bool) or not isinstance(v, kind) or v < low for v in values):
             raise VegasConfigError(f"{name} (--{name}) must be integers >= {low}, got {values!r}")
-    for name, value in (("budgets", opts.budgets), ("ablation_sparsity", [opts.ablation_sparsity])):
+    for name, value, what, shown in (("budgets", opts.budgets, "numbers", opts.budgets),
+                                     ("ablation_sparsity", [opts.ablation_sparsity], "a number", opts.ablation_sparsity)):
         if not value or any(isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 < s <= 1 for s in value):
-            raise VegasConfigError(f"{name} (--{name.replace('_', '-')}) must be numbers in (0, 1], got {value!r}")
+            raise VegasConfigError(f"{name} (--{name.replace('_', '-')}) must be {what} in (0, 1], got {shown!r}")
     for name in ("num_draft_tokens", "num_prompts", "batch_size", "new_tokens", "max_distance"):
         value = getattr(opts, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -323,7 +324,6 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
     out = Path(opts.out)
     if out.exists() and not out.is_dir():
         raise VegasConfigError(f"out (--out) {str(out)!r} exists and is not a directory")
-    out.mkdir(parents=True, exist_ok=True)
     source = opts.prompts or (str(heldout_path()) if heldout_path() else None)
     settings = {**{k: getattr(opts, k) for k in MEASUREMENT_SETTINGS}, "prompts": source or "package:click"}
     store = PointStore(out / POINTS_FILE, settings, opts.fresh, "vegas ablate")
@@ -372,6 +372,7 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
         except _OutOfTime as exc:
             stopped = f"time budget of {opts.time_budget:g} s reached before {exc.args[0]}"
             console.print(f"[yellow]{stopped}; plotting what was measured (rerun to resume)[/yellow]")
+    out.mkdir(parents=True, exist_ok=True)  # only now: every check passed (the first point makes it too)
     from .plots import plot_ablate, write_ablate_tables
 
     plots = plot_ablate(store.points, opts, out)

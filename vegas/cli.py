@@ -138,7 +138,8 @@ def main(verbose: bool) -> None:
                    "total of the engines alive at once [default: 0.85].")
 @click.option("--json", "json_path", default=None, type=click.Path(), help="Write results as JSON here.")
 @click.option("--plot", "plot_path", default=None, type=click.Path(),
-              help="Write the table as a chart here (PNG: τ and speedup per selector; hf backend).")
+              help="Write the table as a chart here (τ and speedup per selector; hf backend): a format "
+                   "matplotlib writes, from the extension (png, pdf, svg, ...); no extension writes PATH.png.")
 def bench(json_path, plot_path, selectors, **kwargs) -> None:
     """Plain decoding vs each selector on the same long prompts: τ, tok/s, speedup, exactness.
 
@@ -171,6 +172,8 @@ def bench(json_path, plot_path, selectors, **kwargs) -> None:
                 raise VegasConfigError.bad(name, f"takes one value with --backend {kwargs['backend']} "
                                                  f"(a comma list with --backend vllm), got {kwargs[name]!r}")
             kwargs[name] = kwargs[name][0]
+        if plot_path:
+            plot_path = _plot_path(plot_path)
         for flag, path in (("--json", json_path), ("--plot", plot_path)):
             if path:
                 _check_writable(Path(path), flag)
@@ -243,6 +246,20 @@ def _bench_vllm(names, json_path, plot_path, vllm_only: dict, kwargs: dict) -> N
         raise click.ClickException("greedy exactness check: some method differs from plain vLLM greedy")
 
 
+def _plot_path(path: str) -> str:
+    """``--plot PATH`` checked against the formats matplotlib saves (PATH.png without an extension)."""
+    from matplotlib.figure import Figure
+
+    suffix = Path(path).suffix
+    if not suffix:
+        return path + ".png"
+    formats = sorted(Figure().canvas.get_supported_filetypes())
+    if suffix[1:].lower() not in formats:
+        raise VegasConfigError(f"--plot {path!r}: format {suffix[1:]!r} is not one matplotlib writes; "
+                               f"use one of {', '.join(formats)} (no extension: PNG)")
+    return path
+
+
 def _check_writable(path: Path, flag: str = "--json") -> None:
     """Fail before the run, not after it, when ``path`` cannot be written (leaves no file behind)."""
     existed = path.exists()
@@ -273,6 +290,8 @@ def generate(prompt, selector, max_new_tokens, chat, model, rope_scaling, backen
     from .pipeline import Pipeline
     from .prompts import read_text_source
 
+    if prompt.startswith("@") and not prompt.startswith("@@") and not prompt[1:].strip():
+        raise click.UsageError(f"PROMPT {prompt!r} needs a path after '@' ('@@' starts a literal '@')")
     try:
         if config["kv_budget"] is None:
             config.pop("kv_budget")
@@ -293,9 +312,12 @@ def generate(prompt, selector, max_new_tokens, chat, model, rope_scaling, backen
         raise _click_error(exc) from exc
     click.echo(out.text)
     s = out.stats
+    # τ = tokens / iterations, a plain step (fallback) an iteration of one token: shown, so that it adds up
+    plain = f", {s.plain_steps} plain steps (fallback: no draft, 1 token each)" if s.plain_steps else ""
     drafting = "plain decoding" if pipe.selector is None else (
-        f"τ={s.acceptance_length:.2f} (≤ γ+1 = {pipe.config.num_draft_tokens + 1}: the bonus token counts), "
-        f"accepted {s.num_accepted}/{s.num_drafted}, KV budget {s.kv_budget} tokens"
+        f"τ={s.acceptance_length:.2f} tokens/iteration over {s.iterations} iterations "
+        f"(≤ γ+1 = {pipe.config.num_draft_tokens + 1}: the bonus token counts){plain}, "
+        f"accepted {s.num_accepted}/{s.num_drafted} drafts, KV budget {s.kv_budget} tokens"
     )
     click.echo(
         f"\n[{s.num_generated} tokens, {drafting}, decode {s.decode_seconds:.2f} s, "

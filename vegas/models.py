@@ -90,6 +90,14 @@ NAMED_MODELS: dict[str, NamedModel] = {
 
 #: RoPE types whose frequencies are fixed at load time (the KV cache stays valid as it grows).
 ROPE_TYPES = ("yarn", "linear", "llama3")
+# the keys each type's RoPE function reads (transformers' rope parameter validation), besides rope_type/type
+ROPE_KEYS = {
+    "yarn": ("factor", "original_max_position_embeddings", "rope_theta", "partial_rotary_factor", "attention_factor",
+             "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"),
+    "linear": ("factor", "rope_theta", "partial_rotary_factor"),
+    "llama3": ("factor", "original_max_position_embeddings", "rope_theta", "partial_rotary_factor", "low_freq_factor",
+               "high_freq_factor"),
+}
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
@@ -127,11 +135,19 @@ def resolve_model(model: str | os.PathLike | None) -> str:
     """
     if model is None:
         return DEFAULT_MODEL
+    if not isinstance(model, (str, os.PathLike)):
+        raise VegasConfigError.bad("model", f"must be None or a str or path naming {_allowed()}, got {model!r}")
     text = os.fspath(model)
+    if isinstance(text, bytes):
+        raise VegasConfigError.bad("model", f"must be None or a str or path naming {_allowed()}, got {model!r}")
     if text in NAMED_MODELS:
         return str(convert_gguf(named_model_gguf(text)))
     path = Path(text).expanduser()
     if path.suffix.lower() == ".gguf" or path.is_file():
+        if path.is_file() and not (path.suffix.lower() == ".gguf" and _has_gguf_magic(path)):
+            why = " (a .gguf file starts with the bytes 'GGUF')" if path.suffix.lower() == ".gguf" else ""
+            raise VegasConfigError(f"model {text!r} is not a model{why}: pass a model directory, a model name, "
+                                   "or a .gguf file")
         return str(convert_gguf(path))
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -143,6 +159,15 @@ def resolve_model(model: str | os.PathLike | None) -> str:
     if "/" in text or os.sep in text:
         raise VegasConfigError(f"model path {text!r} does not exist; model must be {_allowed()}")
     raise VegasConfigError(f"model {text!r} is not a known model name; model must be {_allowed()}")
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    """Whether ``path`` starts with the 4 bytes ``GGUF`` (every GGUF file does)."""
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
 
 
 def named_model_gguf(name: str) -> Path:
@@ -333,6 +358,12 @@ def rope_scaled_config(model: str, rope_scaling: dict, *, trust_remote_code: boo
         raise VegasConfigError(
             f"rope_scaling['rope_type'] must be one of {', '.join(ROPE_TYPES)} (frequencies fixed at load "
             f"time), got {rope_type!r}; e.g. {example}"
+        )
+    unknown = sorted(str(k) for k in params if k != "rope_type" and k not in ROPE_KEYS[rope_type])
+    if unknown:
+        raise VegasConfigError.bad(
+            "rope_scaling", f"has unknown key(s) {unknown} for rope_type {rope_type!r}; allowed: rope_type, "
+            f"{', '.join(ROPE_KEYS[rope_type])}"
         )
     factor = params.get("factor")
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor < 1:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import numbers
 from contextlib import nullcontext
 from typing import Sequence
@@ -18,6 +19,31 @@ __all__ = ["Pipeline", "DEFAULT_MODEL"]
 def _is_array(x) -> bool:
     """A numpy array or torch tensor (token ids), by duck typing."""
     return hasattr(x, "tolist") and hasattr(x, "ndim") and not isinstance(x, (str, bytes))
+
+
+_PIPELINE_ARGUMENTS = ("model", "dtype", "device", "trust_remote_code", "rope_scaling")
+
+
+def _check_backend_options(name: str, backend_cls: type, options: dict) -> None:
+    """Raise VegasConfigError for ``backend_options`` keys that ``backend_cls`` does not take
+    (a backend whose constructor takes ``**kwargs`` gets every key)."""
+    try:
+        params = inspect.signature(backend_cls.__init__).parameters
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        allowed = None
+    else:
+        allowed = [k for k, p in params.items() if k != "self" and k not in _PIPELINE_ARGUMENTS
+                   and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    own = sorted(k for k in options if k in _PIPELINE_ARGUMENTS)
+    if own:
+        raise VegasConfigError.bad("backend_options", f"must not set {own}: pass them as Pipeline arguments")
+    unknown = [] if allowed is None else sorted(str(k) for k in options if k not in allowed)
+    if unknown:
+        known = f"allowed: {', '.join(allowed)}" if allowed else f"backend {name!r} takes none"
+        raise VegasConfigError.bad("backend_options", f"has unknown option(s) {unknown} for backend {name!r}; "
+                                   f"{known}")
 
 
 class Pipeline:
@@ -73,6 +99,8 @@ class Pipeline:
                 f"unknown config field(s) {sorted(unknown)}; allowed: {sorted(VegasConfig.__dataclass_fields__)}"
             )
         self.config = VegasConfig(**config)
+        if not isinstance(trust_remote_code, bool):
+            raise VegasConfigError.bad("trust_remote_code", f"must be True or False, got {trust_remote_code!r}")
         if selector is not None:
             create_selector(selector, self.config)  # fail fast on an unknown name or type
         self.selector = None if selector == PLAIN else selector
@@ -82,6 +110,7 @@ class Pipeline:
         scaled = {} if rope_scaling is None else {"rope_scaling": rope_scaling}
         if backend_options is not None and not isinstance(backend_options, dict):
             raise VegasConfigError(f"backend_options must be a dict of backend arguments, got {backend_options!r}")
+        _check_backend_options(backend, backend_cls, backend_options or {})
         builtin = is_builtin(owner("backends", backend))  # its own errors stay as they are
         with nullcontext() if builtin else blame("backends", backend, "failed to build"):
             self.backend: Backend = backend_cls(

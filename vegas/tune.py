@@ -236,7 +236,6 @@ def run_tune(opts: TuneOptions, console: Console | None = None, pipe: Pipeline |
     out = Path(opts.out)
     if out.exists() and not out.is_dir():
         raise VegasConfigError(f"out (--out) {str(out)!r} exists and is not a directory")
-    out.mkdir(parents=True, exist_ok=True)
     settings = {k: getattr(opts, k) for k in MEASUREMENT_SETTINGS}
     store = PointStore(out / POINTS_FILE, settings, opts.fresh, "vegas tune")
     if pipe is None:
@@ -317,6 +316,7 @@ def run_tune(opts: TuneOptions, console: Console | None = None, pipe: Pipeline |
     recommendation["stopped"] = stopped
     recommendation["elapsed_seconds"] = time.monotonic() - started
     recommendation["reused_points"] = state["reused"]
+    out.mkdir(parents=True, exist_ok=True)  # only now: every check passed (the first point makes it too)
     (out / RECOMMENDATION_FILE).write_text(json.dumps(recommendation, indent=2))
     from .plots import plot_tune
 

@@ -75,6 +75,9 @@ class PointStore:
         self.save()
 
     def save(self) -> None:
+        """Write the file (its directory made here, with the first point: a run that fails a
+        check before measuring leaves no directory behind)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps({"version": FORMAT_VERSION, "settings": self.settings, "points": self.points},
                                   indent=2))

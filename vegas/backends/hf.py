@@ -296,11 +296,13 @@ def _checked_device(device: str | None) -> torch.device:
     try:
         parsed = torch.device(device)
     except (RuntimeError, TypeError) as exc:
-        raise VegasConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from exc
+        raise VegasConfigError.bad("device", f"must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from exc
     if parsed.type not in ("cpu", "cuda"):
-        raise VegasConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+        raise VegasConfigError.bad("device", f"must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
     if parsed.type == "cuda" and not torch.cuda.is_available():
-        raise VegasConfigError(f"device={device!r} but no CUDA GPU is available to this torch build; use 'cpu'")
+        raise VegasConfigError(f"device={device!r} but no CUDA GPU is available to this torch build; use 'cpu'",
+                               field="device", problem=f"{device!r} needs a CUDA GPU, and this torch build sees "
+                                                       "none; use 'cpu'")
     return parsed
 
 

@@ -363,7 +363,8 @@ class VLLMBackend(Backend):
         if dtype not in ("bfloat16", "float16", "float32"):
             raise VegasConfigError(f"vllm backend dtype must be 'bfloat16' or 'float16', got {dtype!r}")
         if device is not None and not str(device).startswith("cuda"):
-            raise VegasConfigError(f"the vllm backend runs on CUDA GPUs only, got device={device!r}")
+            raise VegasConfigError(f"the vllm backend runs on CUDA GPUs only, got device={device!r}",
+                                   field="device", problem=f"must be cuda with the vllm backend, got {device!r}")
         _raise_if_unavailable()
         if dtype == "float32":
             log.warning("vllm backend: FlashAttention-3 has no float32 path; running in bfloat16")
