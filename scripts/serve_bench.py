@@ -35,9 +35,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from vegas.config import VegasConfigError, parse_json_object  # noqa: E402
+from vegas.config import VegasConfigError  # noqa: E402
 from vegas.models import resolve_model  # noqa: E402
-from vegas.serve import ServerError, ServerProcess, free_port, log_tail, vllm_command  # noqa: E402
+from vegas.serve import ServerError, ServerProcess, free_port, log_tail, read_config, vllm_command  # noqa: E402
 
 METHODS = ("plain", "collect2", "sliding_window", "ngram")
 NAME = "bench-model"  # --served-model-name
@@ -133,10 +133,7 @@ def method_args(method: str, args) -> tuple[list[str], list[str]]:
         return ["--selector", "none"], ["--speculative-config", json.dumps(spec)]
     selector = method.removesuffix(SKIP_SUFFIX)
     opts = ["--selector", selector, "-g", str(args.gamma), "--sparsity-ratio", str(args.sparsity_ratio)]
-    config = {}
-    if args.config:
-        raw = Path(args.config).read_text() if Path(args.config).is_file() else args.config
-        config = parse_json_object(raw, "--config")
+    config = args.config_values
     if method.endswith(SKIP_SUFFIX):
         config = {**config, "vllm": {**config.get("vllm", {}), "prefill_skip_tokens": args.prefill_skip_tokens}}
     if config:
@@ -556,7 +553,7 @@ def rate_list(raw: str) -> list[float]:
 def raise_if_bad_args(args) -> None:
     """Refuse, before anything is created or started: unknown methods, counts below 1, ratios,
     memory shares and times out of range, ``--prompts`` that is missing or unused, a ``--config``
-    that is not valid Vegas settings.
+    that is not valid Vegas settings (its values then in ``args.config_values``).
 
     Raises:
         VegasConfigError: naming the option and what it allows.
@@ -592,17 +589,9 @@ def raise_if_bad_args(args) -> None:
             raise VegasConfigError("--prompts is read only with --dataset code")
         if not Path(args.prompts).exists():
             raise VegasConfigError(f"--prompts {args.prompts!r} is not a file or a directory")
-    if args.config:
-        from vegas.config import VegasConfig
-
-        raw = Path(args.config).read_text() if Path(args.config).is_file() else args.config
-        values = parse_json_object(raw, "--config")
-        if "selector" in values:
-            raise VegasConfigError("--config must not name a selector: --methods names them")
-        try:
-            VegasConfig.from_dict(values, "--config")
-        except VegasConfigError as exc:
-            raise VegasConfigError(str(exc) if str(exc).startswith("--config") else f"--config: {exc}") from exc
+    args.config_values = read_config(args.config)[0] if args.config else {}
+    if "selector" in args.config_values:
+        raise VegasConfigError("--config must not name a selector: --methods names them")
 
 
 def main(argv=None) -> None:

@@ -135,10 +135,8 @@ def resolve_model(model: str | os.PathLike | None) -> str:
     """
     if model is None:
         return DEFAULT_MODEL
-    if not isinstance(model, (str, os.PathLike)):
-        raise VegasConfigError.bad("model", f"must be None or a str or path naming {_allowed()}, got {model!r}")
-    text = os.fspath(model)
-    if isinstance(text, bytes):
+    text = os.fspath(model) if isinstance(model, (str, os.PathLike)) else None
+    if not isinstance(text, str):  # not a path at all, or a bytes path
         raise VegasConfigError.bad("model", f"must be None or a str or path naming {_allowed()}, got {model!r}")
     if text in NAMED_MODELS:
         return str(convert_gguf(named_model_gguf(text)))

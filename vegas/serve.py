@@ -50,6 +50,7 @@ __all__ = [
     "plan_serve",
     "plugin_entry_point_installed",
     "raise_if_vllm_missing",
+    "read_config",
     "vllm_command",
     "vllm_installed",
 ]
@@ -58,8 +59,8 @@ __all__ = [
 PLUGIN_ENTRY_POINT = "vegas.vllm_plugin:register"
 #: ``vllm serve`` options that ``vegas serve`` sets itself when Vegas is on
 _OWNED = ("--speculative-config", "-sc")
-#: vllm serve arguments that are vegas serve options of their own (one place to set each)
-_OWN_OPTIONS = {"--port": "--port", "--host": "--host", "--dtype": "--dtype"}
+#: vllm serve arguments that are vegas serve options of the same name (one place to set each)
+_OWN_OPTIONS = ("--port", "--host", "--dtype")
 _ADDITIONAL = "--additional-config"
 
 
@@ -102,10 +103,11 @@ def vllm_command() -> list[str]:
 
 
 def vllm_installed() -> bool:
-    """Whether ``vllm serve`` can run: a ``vllm`` executable on PATH or an importable ``vllm``."""
-    import importlib.util
+    """Whether ``vllm serve`` can run: a ``vllm`` executable on PATH or an importable ``vllm``
+    (:func:`vegas.backends.vllm.vllm_installed`)."""
+    from .backends.vllm import vllm_installed as importable
 
-    return shutil.which("vllm") is not None or importlib.util.find_spec("vllm") is not None
+    return shutil.which("vllm") is not None or importable()
 
 
 def raise_if_vllm_missing() -> None:
@@ -129,15 +131,34 @@ def plugin_entry_point_installed() -> bool:
     return any(ep.value.replace(" ", "") == PLUGIN_ENTRY_POINT for ep in entry_points(group="vllm.general_plugins"))
 
 
-def _read_config(raw: str) -> str:
-    """``--config``: a JSON object, or the path of a file holding one."""
+def read_config(raw: str) -> tuple[dict[str, Any], VegasConfig]:
+    """``--config``: a JSON object, or the path of a file holding one, of Vegas settings (a
+    ``selector`` name plus :class:`~vegas.config.VegasConfig` fields).
+
+    Returns:
+        ``(values as given, selector included; the VegasConfig they make)``.
+
+    Raises:
+        VegasConfigError: a message starting ``--config``: no such file, not a JSON object, an
+            unknown field (the allowed ones listed, ``selector`` among them) or a bad value.
+    """
     text = raw.strip()
-    if text.startswith("{"):
-        return text
-    path = Path(text)
-    if not path.is_file():
-        raise VegasConfigError(f"--config must be a JSON object or a JSON file, got {raw!r} (no such file)")
-    return path.read_text()
+    if not text.startswith("{"):
+        path = Path(text)
+        if not path.is_file():
+            raise VegasConfigError(f"--config must be a JSON object or a JSON file, got {raw!r} (no such file)")
+        text = path.read_text()
+    values = parse_json_object(text, "--config")
+    known = {f.name for f in fields(VegasConfig)}
+    unknown = sorted(set(values) - known - {"selector"})
+    if unknown:
+        raise VegasConfigError(f"--config: unknown field(s) {', '.join(unknown)}; allowed: selector, "
+                               f"{', '.join(sorted(known))}")
+    try:
+        cfg = VegasConfig.from_dict({k: v for k, v in values.items() if k != "selector"}, "--config")
+    except VegasConfigError as exc:  # a field of --config's JSON, not the option of that name
+        raise VegasConfigError(str(exc) if str(exc).startswith("--config") else f"--config: {exc}") from exc
+    return values, cfg
 
 
 def _option_values(args: list[str], names: tuple[str, ...]) -> list[tuple[int, int, str]]:
@@ -217,10 +238,10 @@ def plan_serve(
     extra = list(extra_args)
     if not isinstance(port, int) or not 0 < port < 65536:
         raise VegasConfigError(f"--port must be an integer in 1..65535, got {port!r}")
-    for start, _, _ in _option_values(extra, tuple(_OWN_OPTIONS)):
+    for start, _, _ in _option_values(extra, _OWN_OPTIONS):
         flag = extra[start].split("=", 1)[0]
         raise VegasConfigError(f"vllm serve argument {flag} after -- would contradict vegas serve's own "
-                               f"{_OWN_OPTIONS[flag]}; give it as vegas serve {_OWN_OPTIONS[flag]}")
+                               f"{flag}; give it as vegas serve {flag}")
     model = resolve_model(model)  # names and .gguf files -> a checkpoint directory, as Pipeline does
     plain = selector == "none"
     if plain:
@@ -234,19 +255,9 @@ def plan_serve(
         kw = vllm_engine_kwargs(model, dtype=dtype)
         settings = None
     else:
-        values = parse_json_object(_read_config(config), "--config") if config else {}
+        values, cfg = read_config(config) if config else ({}, VegasConfig())
         from_config = selector is None and "selector" in values
-        name = selector or values.pop("selector", None) or "collect2"
-        values.pop("selector", None)
-        known = {f.name for f in fields(VegasConfig)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise VegasConfigError(f"--config: unknown field(s) {', '.join(unknown)}; allowed: selector, "
-                                   f"{', '.join(sorted(known))}")
-        try:
-            cfg = VegasConfig.from_dict(values, "--config")
-        except VegasConfigError as exc:  # a field of --config's JSON, not the option of that name
-            raise VegasConfigError(str(exc) if str(exc).startswith("--config") else f"--config: {exc}") from exc
+        name = selector or values.get("selector") or "collect2"
         gamma = cfg.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
         if not isinstance(gamma, int) or gamma < 1:
             raise VegasConfigError.bad("num_draft_tokens", f"(γ) must be an integer >= 1, got {gamma!r}")

@@ -165,12 +165,6 @@ def _drafter(worker):
     return getattr(runner, "drafter", None) or getattr(runner, "speculator", None)
 
 
-def _state(drafter):
-    """The :class:`~vegas.vllm_plugin.selection.state.SelectionState` a Vegas drafter owns (its
-    ``state``), or None (no drafter, or not a Vegas one)."""
-    return getattr(drafter, "state", None)
-
-
 def configure(worker, settings: str | None = None, reset_stats: bool = True) -> str:
     """``LLM.collective_rpc("vegas_configure", args=(json,))`` (:class:`VegasWorkerExtension`;
     ``worker`` is vLLM's worker): change the selector or its config at
@@ -190,7 +184,7 @@ def configure(worker, settings: str | None = None, reset_stats: bool = True) -> 
     from .settings import build_selector, parse_settings, path_class, settings_json
 
     drafter = _drafter(worker)
-    state = _state(drafter)
+    state = getattr(drafter, "state", None)  # its SelectionState; None: no drafter, or not a Vegas one
     if settings:
         name, config = parse_settings(settings, source="configure()")
         if state is None:
