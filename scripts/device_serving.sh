@@ -38,7 +38,8 @@ case ${1:-} in
     ;;
   serve-start)  # detached: a new session survives the device call; results under /tmp/vegas_serve
     mkdir -p /tmp/vegas_serve
-    (OUT=/tmp/vegas_serve setsid nohup bash "$0" serve > /tmp/vegas_serve/serve_bg.log 2>&1 < /dev/null &)
+    # its own time limit (SERVE_S, default 1500 s): the 560 s of a foreground run would cut it short
+    (OUT=/tmp/vegas_serve SERVE_S=${SERVE_S:-1500} setsid nohup bash "$0" serve > /tmp/vegas_serve/serve_bg.log 2>&1 < /dev/null &)
     echo "serve run started in the background: /tmp/vegas_serve/serve_bg.log"
     ;;
   serve-wait)
