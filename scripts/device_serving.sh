@@ -34,10 +34,11 @@ case ${1:-} in
     ;;
   serve)
     timeout ${SERVE_S:-560} python3 scripts/serve_bench.py --model "$MODEL" --out "$OUT/serve" \
-      ${SERVE_ARGS:---methods plain,collect2 --rates 16,inf --repeats 3 --max-model-len 8192 --kv-cache-gib 16} 2>&1 | tail -40
+      ${SERVE_ARGS:---methods plain,collect2 --rates 16,inf --repeats 3 --max-model-len 8192 --kv-cache-gib 16} 2>&1 \
+      | tee "$OUT/serve_run.log" | tail -40  # the whole log stays (server starts, each run's rc)
     ;;
   serve-start)  # detached: a new session survives the device call; results under /tmp/vegas_serve
-    mkdir -p /tmp/vegas_serve
+    rm -rf /tmp/vegas_serve; mkdir -p /tmp/vegas_serve  # a warm machine may hold an earlier run's files
     # its own time limit (SERVE_S, default 1500 s): the 560 s of a foreground run would cut it short
     (OUT=/tmp/vegas_serve SERVE_S=${SERVE_S:-1500} setsid nohup bash "$0" serve > /tmp/vegas_serve/serve_bg.log 2>&1 < /dev/null &)
     echo "serve run started in the background: /tmp/vegas_serve/serve_bg.log"
@@ -46,9 +47,10 @@ case ${1:-} in
     end=$(( $(date +%s) + ${2:-540} ))
     while [ ! -f /tmp/vegas_serve/serve/table.md ] && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
     echo "runs done: $(ls /tmp/vegas_serve/serve/raw 2>/dev/null | wc -l)"
+    grep -E "ready after|failed|timed out|time budget" /tmp/vegas_serve/serve_run.log 2>/dev/null | tail -8
     if [ -f /tmp/vegas_serve/serve/table.md ]; then
       sleep 2; tail -20 /tmp/vegas_serve/serve_bg.log
-      tar -C /tmp/vegas_serve -czf "$OUT/serve.tgz" serve serve_bg.log && echo "results: \$OUT/serve.tgz"
+      tar -C /tmp/vegas_serve -czf "$OUT/serve.tgz" serve serve_bg.log serve_run.log && echo "results: \$OUT/serve.tgz"
     else
       echo "still running; call serve-wait again"
     fi
