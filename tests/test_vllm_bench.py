@@ -145,7 +145,36 @@ def test_exactness_reports_the_first_difference_and_its_gap():
     out = vb.compare([[1, 2, 3], [4, 9, 6]], [[1, 2, 3], [4, 5, 6]], logprobs)
     assert out["identical"] == 1 and out["total"] == 2
     assert out["diffs"] == [{"prompt": 1, "first_diff": 1, "top2_logprob_gap": pytest.approx(0.2),
-                             "differing_tokens": 1}]
+                             "differing_tokens": 1, "near_tie": False}]
+    assert out["near_ties"] == 0 and not out["lossless"]  # exact ties only by default
+
+
+def test_exactness_counts_a_difference_at_a_near_tie_as_lossless():
+    lp = SimpleNamespace
+    logprobs = [[{5: lp(logprob=-0.6), 9: lp(logprob=-0.85)}], [{4: lp(logprob=-0.1), 7: lp(logprob=-2.0)}]]
+    tie = vb.NEAR_TIE["bfloat16"]
+    one = vb.compare([[9], [4]], [[5], [4]], logprobs, tie)  # gap 0.25 at the only difference
+    assert one["lossless"] and one["near_ties"] == 1 and one["diffs"][0]["near_tie"]
+    two = vb.compare([[9], [7]], [[5], [4]], logprobs, tie)  # and a gap of 1.9: a real difference
+    assert not two["lossless"] and two["near_ties"] == 1 and not two["diffs"][1]["near_tie"]
+    assert not vb.compare([[9]], [[5]], None, tie)["lossless"]  # no logprobs: nothing proven
+
+
+@pytest.mark.parametrize("tie, code", [(True, 0), (False, 1)])
+def test_cli_fails_only_on_a_difference_that_is_not_a_near_tie(tie, code, monkeypatch):
+    diff = {"prompt": 0, "first_diff": 3, "top2_logprob_gap": 0.125 if tie else 1.5, "differing_tokens": 2,
+            "near_tie": tie}
+    exactness = {"collect2": {"identical": 7, "total": 8, "near_ties": int(tie), "lossless": tie, "diffs": [diff]}}
+    monkeypatch.setattr(vb, "run_vllm_bench", lambda opts, **kw: {"rows": [], "exactness": exactness, "errors": {}})
+    monkeypatch.setattr("vegas.models.resolve_model", lambda model: str(ROOT / "vegas" / "model"))
+    result = CliRunner().invoke(main, ["bench", "--backend", "vllm", "--selectors", "collect2", "--context", "512"])
+    assert result.exit_code == code, result.output
+    assert "exactness collect2: 7/8 greedy outputs identical to plain vLLM" in result.output
+    if tie:
+        assert "1 differ first at a near-tie" in result.output
+    else:
+        assert "collect2 differ from plain vLLM greedy where plain's top-2 logprob gap is not a near-tie" in " ".join(
+            result.output.split())
 
 
 def _row(method, mode="closed", tps=1000.0, **kw):
@@ -158,15 +187,16 @@ def test_table_compares_with_plain_of_the_same_mode_and_bounds_by_bytes():
         _row("plain", tps=10000.0, acceptance_length=1.0, ms_per_iteration=3.2, floor_ms=0.5),
         _row("plain", "open", tps=20000.0, acceptance_length=1.0, ms_per_iteration=1.6, floor_ms=0.5),
         _row("collect2", tps=15000.0, tokens_per_second_spread=1234.4, acceptance_length=3.6, ms_per_iteration=5.8,
-             gpu_ms_per_iteration=3.0, floor_ms=0.9, selection_share=0.031),
+             draft_ms_per_iteration=1.2, gpu_ms_per_iteration=3.0, floor_ms=0.9, selection_share=0.031),
         _row("collect2", "open", tps=30000.0, acceptance_length=3.6, ms_per_iteration=4.0, floor_ms=0.9),
         _row("ngram", tps=5000.0, acceptance_length=1.5, ms_per_iteration=9.6, floor_ms=0.5),
     ]
     lines = vb.table({"rows": rows}).splitlines()
     assert lines[0].startswith("| ctx | batch | method | tok/s | spread | x plain | τ | ms/iter |")
-    assert "| 7680 | 32 | collect2 | 15000 | 1234 | 1.50x | 3.60 | 5.80 | 3.00 | 0.90 | 3.1% | 2.00x |" in lines
-    assert "| 7680 | 32 open (96 req.) | collect2 | 30000 | 0 | 1.50x | 3.60 | 4.00 |  | 0.90 |  | 2.00x |" in lines
-    assert "| 7680 | 32 | ngram | 5000 | 0 | 0.50x | 1.50 | 9.60 |  | 0.50 |  |  |" in lines  # no byte bound
+    assert "| 7680 | 32 | collect2 | 15000 | 1234 | 1.50x | 3.60 | 5.80 | 1.20 | 3.00 | 0.90 | 3.1% | 2.00x |" in lines
+    # not measured (the V2 runner does not time its verification): blank, not 0.00
+    assert "| 7680 | 32 open (96 req.) | collect2 | 30000 | 0 | 1.50x | 3.60 | 4.00 |  |  | 0.90 |  | 2.00x |" in lines
+    assert "| 7680 | 32 | ngram | 5000 | 0 | 0.50x | 1.50 | 9.60 |  |  | 0.50 |  |  |" in lines  # no byte bound
 
 
 # ---- a whole run against fake engines ---------------------------------------------------------
@@ -250,6 +280,7 @@ def test_repeats_interleave_over_methods_and_rows_take_the_median(fake_vllm):
     assert vegas["tokens_per_second"] == pytest.approx(per_run / 0.8)
     assert vegas["acceptance_length"] == 3.5 and vegas["ms_per_iteration"] == pytest.approx(800 / 100)
     assert vegas["selection_share"] == pytest.approx(10 / 800) and vegas["gpu_ms_per_iteration"] == 2.0
+    assert vegas["draft_ms_per_iteration"] == 0.5
     assert vegas["kv_budget"] == 256 and vegas["floor_ms"] > plain["floor_ms"] > 0
     assert results["exactness"]["collect2"]["identical"] == 0
     assert results["exactness"]["collect2"]["diffs"][0]["first_diff"] == 15

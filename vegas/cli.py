@@ -242,8 +242,10 @@ def _bench_vllm(names, json_path, plot_path, vllm_only: dict, kwargs: dict) -> N
         click.echo(line)
     if json_path:
         click.echo(f"results written to {json_path}", err=True)
-    if any(v["identical"] != v["total"] for v in results["exactness"].values()):
-        raise click.ClickException("greedy exactness check: some method differs from plain vLLM greedy")
+    failed = [m for m, v in results["exactness"].items() if not v["lossless"]]
+    if failed:
+        raise click.ClickException(f"greedy exactness check: {', '.join(failed)} differ from plain vLLM greedy "
+                                   "where plain's top-2 logprob gap is not a near-tie")
 
 
 def _plot_path(path: str) -> str:

@@ -26,15 +26,17 @@ tok/s and τ and their spread, :func:`vegas.bench.median_row`):
 - τ: tokens emitted per verification (Vegas: the proposer's counters; ngram: vLLM's spec-decode
   metrics; plain: 1);
 - ms/iter: decode window / batch steps (a batch step verifies every running request once; Vegas:
-  the proposer's count, else ``batch x τ / tok/s``); GPU ms/iter (Vegas): CUDA-event time of the
-  draft phase and the verification forward;
+  the proposer's count, else ``batch x τ / tok/s``); draft ms/iter (Vegas): CUDA-event time of
+  the draft phase; GPU ms/iter (Vegas, V1 runner only): that plus the verification forward (the V2
+  runner's verification is not timed: blank);
 - selection: GPU time of the selection inside verification / decode window (Vegas);
 - floor ms/iter: the bytes one step reads at 4.3 TB/s (H200 HBM), :func:`byte_floor_ms`;
   byte bound: τ x plain floor / this floor, the speedup if both ran at their byte floor.
 
 Exactness: ``exact_prompts`` prompts at the first context, ``check_tokens`` greedy tokens per
 method, compared token by token with plain vLLM greedy; at the first differing token the plain
-run's top-2 logprob gap is reported (a bf16 near-tie shows a small gap).
+run's top-2 logprob gap is reported, and a gap within :data:`NEAR_TIE` of the dtype counts as a
+near-tie (the method stays lossless; any other difference fails ``vegas bench``).
 
 Everything but the engines (options, plan, byte floor, table, medians) runs on the CPU;
 ``import vegas.backends.vllm_bench`` does not import vLLM.
@@ -317,13 +319,28 @@ def decode_window(outs) -> float | None:
     return max(lasts) - min(firsts)
 
 
-def compare(tokens: list[list[int]], reference: list[list[int]], logprobs: list | None = None) -> dict:
+#: top-2 logprob gap at or below which a first difference from plain greedy counts as a near-tie
+#: of the dtype: two bf16 steps of a logit in [16, 32) (SmolLM2's and Qwen3's top logits), as the
+#: GPU tests' ``BF16_TIE``; float16 has 3 more mantissa bits. Verification scores γ + 1 query rows
+#: per request where plain decoding scores one, so its GEMMs round differently and a token whose
+#: two best logits lie within a rounding step may flip; everything after it then differs.
+NEAR_TIE = {"bfloat16": 0.25, "float16": 0.25 / 8}
+
+
+def compare(tokens: list[list[int]], reference: list[list[int]], logprobs: list | None = None,
+            near_tie: float = 0.0) -> dict:
     """Greedy outputs ``tokens`` against plain vLLM's ``reference`` (one token list per prompt).
 
+    Args:
+        logprobs: vLLM's per-position ``{token: Logprob}`` of the reference (top 2 at least), or None.
+        near_tie: the largest top-2 logprob gap at the first difference that counts as a near-tie
+            (:data:`NEAR_TIE` of the engine's dtype; 0: only exact ties).
+
     Returns:
-        ``identical`` and ``total`` prompt counts, and per differing prompt its index, the first
-        differing position, the reference's top-2 logprob gap there (None without ``logprobs``,
-        vLLM's per-position ``{token: Logprob}`` of the reference) and the differing token count.
+        ``identical`` and ``total`` prompt counts; per differing prompt its index, the first
+        differing position, the reference's top-2 logprob gap there (None without logprobs), the
+        differing token count and ``near_tie`` (gap known and <= ``near_tie``); ``near_ties`` (how
+        many differing prompts are near-ties) and ``lossless`` (every prompt identical or a near-tie).
     """
     same, diffs = 0, []
     for i, (a, b) in enumerate(zip(tokens, reference)):
@@ -337,8 +354,11 @@ def compare(tokens: list[list[int]], reference: list[list[int]], logprobs: list 
             values = sorted((v.logprob for v in lp[j].values()), reverse=True)
             gap = values[0] - values[1] if len(values) >= 2 else None
         diffs.append({"prompt": i, "first_diff": j, "top2_logprob_gap": gap,
-                      "differing_tokens": sum(x != y for x, y in zip(a, b))})
-    return {"identical": same, "total": len(tokens), "diffs": diffs}
+                      "differing_tokens": sum(x != y for x, y in zip(a, b)),
+                      "near_tie": gap is not None and gap <= near_tie})
+    ties = sum(d["near_tie"] for d in diffs)
+    return {"identical": same, "total": len(tokens), "near_ties": ties, "lossless": ties == len(diffs),
+            "diffs": diffs}
 
 
 def _fmt(value, spec: str) -> str:
@@ -347,17 +367,17 @@ def _fmt(value, spec: str) -> str:
 
 def table(results: dict) -> str:
     """The rows of ``results`` as a Markdown table: tok/s (median, and the spread of the repeats),
-    x plain (against plain vLLM at the same context, batch and mode), τ, ms/iter, GPU ms/iter,
-    floor ms/iter, selection share of the decode time, byte bound."""
+    x plain (against plain vLLM at the same context, batch and mode), τ, ms/iter, draft ms/iter,
+    GPU ms/iter (blank where not measured), floor ms/iter, selection share of the decode time, byte bound."""
     rows = results["rows"]
 
     def key(r):
         return r["ctx"], r["batch"], r["mode"]
 
     plain = {key(r): r for r in rows if r["method"] == PLAIN_ROW}
-    lines = ["| ctx | batch | method | tok/s | spread | x plain | τ | ms/iter | GPU ms/iter | floor ms/iter | selection "
-             "| byte bound |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| ctx | batch | method | tok/s | spread | x plain | τ | ms/iter | draft ms/iter | GPU ms/iter "
+             "| floor ms/iter | selection | byte bound |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         base = plain.get(key(r))
         batch = r["batch"] if r["mode"] == "closed" else f"{r['batch']} open ({r['requests']} req.)"
@@ -370,7 +390,8 @@ def table(results: dict) -> str:
         lines.append(
             f"| {r['ctx']} | {batch} | {r['method']} | {r['tokens_per_second']:.0f} | "
             f"{r.get('tokens_per_second_spread', 0.0):.0f} | {_fmt(speedup, '{:.2f}x')} | {_fmt(tau, '{:.2f}')} | "
-            f"{_fmt(r.get('ms_per_iteration'), '{:.2f}')} | {_fmt(r.get('gpu_ms_per_iteration'), '{:.2f}')} | "
+            f"{_fmt(r.get('ms_per_iteration'), '{:.2f}')} | {_fmt(r.get('draft_ms_per_iteration'), '{:.2f}')} | "
+            f"{_fmt(r.get('gpu_ms_per_iteration'), '{:.2f}')} | "
             f"{_fmt(floor, '{:.2f}')} | {_fmt(share if share is None else 100 * share, '{:.1f}%')} | "
             f"{_fmt(bound, '{:.2f}x')} |")
     return "\n".join(lines)
@@ -432,7 +453,10 @@ def _timed(llm, method: str, prompts: list[list[int]], sampling, batch: int) -> 
             "acceptance_length": st.get("acceptance_length") or 0.0,
             "batch_steps": st.get("proposals", 0),
             "ms_per_iteration": decode_s * 1e3 / steps,
-            "gpu_ms_per_iteration": (st.get("draft_ms", 0) + st.get("verify_fwd_ms", 0)) / steps,
+            # V1 times the draft phase and the verification forward; V2 the draft phase only
+            "draft_ms_per_iteration": st["draft_ms"] / steps if "draft_ms" in st else None,
+            "gpu_ms_per_iteration": ((st["draft_ms"] + st["verify_fwd_ms"]) / steps
+                                     if "draft_ms" in st and "verify_fwd_ms" in st else None),
             "selection_share": st.get("select_ms", 0) / (decode_s * 1e3),
             "full_cuda_graphs": st.get("full_cuda_graphs"),
             "stats": st,
@@ -532,7 +556,8 @@ def _exactness(engines: dict, prompts: list[list[int]], opts: VllmBenchOptions, 
         if method == PLAIN_ROW:
             continue
         outs = _generate(llm, prompts, _vllm_sampling(temperature=0.0, max_tokens=opts.check_tokens, ignore_eos=True))
-        result = compare([list(o.outputs[0].token_ids) for o in outs], reference, logprobs)
+        result = compare([list(o.outputs[0].token_ids) for o in outs], reference, logprobs,
+                         NEAR_TIE.get(opts.dtype, 0.0))
         results["exactness"][method] = result
         log(f"exactness {method}: {result['identical']}/{result['total']} identical; diffs: {result['diffs']}")
 
@@ -583,6 +608,7 @@ def summary_lines(results: dict) -> list[str]:
     """What ``vegas bench --backend vllm`` prints after the table: exactness per method and the
     engines that failed."""
     lines = [f"exactness {m}: {v['identical']}/{v['total']} greedy outputs identical to plain vLLM"
+             + (f", {v['near_ties']} differ first at a near-tie" if v.get("near_ties") else "")
              + (f"; first differences: {v['diffs']}" if v["diffs"] else "")
              for m, v in results["exactness"].items()]
     lines += [f"error {k}: {v}" for k, v in results["errors"].items()]

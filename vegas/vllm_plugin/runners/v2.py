@@ -34,6 +34,7 @@ from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
 
 from ..drafting.engine import DraftBuffers, DraftEngine, attention_layers, draft_graph_key
 from ..selection.state import SelectionState
+from ..stats import take_finished
 from .start import reserve_selection_buffers, start_drafter, use_path
 from .v2_helpers import (
     acceptance_counts,
@@ -47,6 +48,17 @@ __all__ = ["VegasSpeculator"]
 
 logger = logging.getLogger("vegas.vllm")
 
+
+
+#: unread draft-phase event pairs before the finished ones are folded into ``draft_ms``
+DRAFT_EVENTS_FOLD = 64
+
+
+def _event() -> torch.cuda.Event:
+    """A timing CUDA event recorded on the current stream."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 class VegasSpeculator(DraftModelSpeculator):
@@ -90,6 +102,8 @@ class VegasSpeculator(DraftModelSpeculator):
         self.skipped = 0  # steps that drafted nothing (no row sampled a token, or a prefill-heavy step)
         self.prefill_skips = 0  # of those: forwards with >= prefill_skip_tokens prompt tokens
         self.select_ms = 0.0
+        self.draft_ms = 0.0  # GPU time of the draft phases (CUDA events around each; graphs included)
+        self.draft_events: list = []  # (start, end) not yet read: under async scheduling the host runs ahead
         self.drafting = DraftEngine(
             vllm_config, self.state, self.gamma, options, device,
             block_table=lambda: self.block_tables.input_block_tables[0],  # [max_reqs, max_blocks] int32, batch order
@@ -170,11 +184,27 @@ class VegasSpeculator(DraftModelSpeculator):
         self.temp_buf[: self.max_num_reqs].copy_(temperature)
         self.seed_buf[: self.max_num_reqs].copy_(seeds)
         self.proposals += 1
+        if not state.time_events:
+            return self._draft(n, step_in, idx)
+        start = _event()
+        tokens = self._draft(n, step_in, idx)
+        self.draft_events.append((start, _event()))
+        if len(self.draft_events) > DRAFT_EVENTS_FOLD:  # bounded when nobody reads the stats (serving)
+            self._fold_draft_events()
+        return tokens
+
+    def _fold_draft_events(self) -> None:
+        """Add the finished draft phases' times to ``draft_ms`` (does not wait)."""
+        self.draft_ms += sum(start.elapsed_time(end) for start, end in take_finished(self.draft_events, 1))
+
+    def _draft(self, n: int, step_in, idx: torch.Tensor) -> torch.Tensor:
+        """γ drafts for ``n`` rows: one CUDA-graph replay, or eager drafting without graphs."""
         engine = self.drafting
         rows = engine.graph_rows(n, self._row_cap())
         if rows is not None:
             try:
-                graph, bufs = engine.graph(rows, draft_graph_key(state, rows, "v2"), self._sample, False, self.scratch)
+                graph, bufs = engine.graph(rows, draft_graph_key(self.state, rows, "v2"), self._sample, False,
+                                           self.scratch)
                 bufs.fill(n, step_in, slots=idx, scratch=self.scratch)
                 graph.replay()
                 return bufs.tokens[:n]
@@ -191,7 +221,9 @@ class VegasSpeculator(DraftModelSpeculator):
         """Zero the counters (waits for the GPU)."""
         self.counters.zero_()
         self.proposals = self.skipped = self.prefill_skips = 0
-        self.select_ms = 0.0
+        torch.cuda.synchronize(self.device)
+        self.select_ms = self.draft_ms = 0.0
+        self.draft_events.clear()
         if self.state.timer is not None:
             self.state.timer.read(reset=True)
 
@@ -200,9 +232,12 @@ class VegasSpeculator(DraftModelSpeculator):
         them for a prefill chunk of at least ``prefill_skip_tokens`` tokens), iterations (verified
         steps of rows with drafts), emitted (accepted + bonus tokens of those),
         ``acceptance_length`` = emitted / iterations, ``select_ms`` (GPU time of the
-        selection inside verification). Waits for the GPU."""
+        selection inside verification), ``draft_ms`` (GPU time of the draft phases, CUDA
+        events). Waits for the GPU."""
         if self.state.timer is not None:
             self.select_ms += self.state.timer.read(reset=True)[0]
+        torch.cuda.synchronize(self.device)
+        self._fold_draft_events()
         iterations, emitted = (int(x) for x in self.counters.tolist())
         return {
             "runner": "v2",
@@ -213,6 +248,7 @@ class VegasSpeculator(DraftModelSpeculator):
             "emitted": emitted,
             "acceptance_length": emitted / iterations if iterations else 0.0,
             "select_ms": self.select_ms,
+            "draft_ms": self.draft_ms,
             "full_cuda_graphs": self.state.frozen,
             "draft_graphs": self.drafting.num_graphs,
             "graph_failed": self.drafting.graph_failed,
