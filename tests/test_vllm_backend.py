@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 import torch
 
-from vegas.backends.vllm import VLLMBackend, engine_args_from_env, verify_cuda_graphs, vllm_engine_kwargs
+from vegas.backends.vllm import VLLMBackend, verify_cuda_graphs, vllm_engine_kwargs
 from vegas.config import VegasConfig, VegasConfigError
 from vegas.hookspecs import hookimpl
 from vegas.interfaces import Selector
@@ -88,12 +88,12 @@ def test_piecewise_verification_graphs_on_request():
     assert verify_cuda_graphs(create_selector("collect2", piecewise), piecewise) == "piecewise"
 
 
-def test_engine_args_come_from_the_backend_and_the_environment(monkeypatch):
-    monkeypatch.setenv("VEGAS_VLLM_ENGINE_ARGS", '{"max_model_len": 2048}')
-    assert engine_args_from_env() == {"max_model_len": 2048}
-    monkeypatch.setenv("VEGAS_VLLM_ENGINE_ARGS", "[1]")
-    with pytest.raises(VegasConfigError, match="VEGAS_VLLM_ENGINE_ARGS must be a JSON object"):
-        engine_args_from_env()
+def test_engine_args_come_from_the_backend_only(monkeypatch):
+    import vegas.backends.vllm as backend
+
+    monkeypatch.setattr(backend, "_raise_if_unavailable", lambda: None)  # as on a GPU machine
+    monkeypatch.setenv("VEGAS_VLLM_ENGINE_ARGS", '{"max_model_len": 2048}')  # the removed channel: ignored
+    assert VLLMBackend("m", engine_args={"max_model_len": 4096}).engine_args == {"max_model_len": 4096}
     with pytest.raises(VegasConfigError, match="engine_args must be a dict"):
         VLLMBackend("m", engine_args=[("max_model_len", 1)])
 

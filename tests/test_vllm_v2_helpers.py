@@ -141,7 +141,7 @@ def _cfg(VllmConfig, model="vegas.vllm_plugin.proposer.VegasProposer"):
     return c
 
 
-def test_unsupported_check_lets_vegas_through_unless_v1_is_asked_for(monkeypatch):
+def test_unsupported_check_lets_vegas_through_to_v2(monkeypatch):
     from vegas.vllm_plugin import patches
 
     def feats(self):
@@ -149,7 +149,6 @@ def test_unsupported_check_lets_vegas_through_unless_v1_is_asked_for(monkeypatch
 
     VllmConfig, _ = _fake_vllm(monkeypatch, feats, lambda vllm_config, device: None)
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
-    monkeypatch.delenv(patches.V2_ENV, raising=False)
     patches.patch_v2_unsupported_check()
     wrapper = VllmConfig._get_v2_model_runner_unsupported_features
     patches.patch_v2_unsupported_check()  # idempotent: one wrapper
@@ -158,12 +157,9 @@ def test_unsupported_check_lets_vegas_through_unless_v1_is_asked_for(monkeypatch
     # default: the runner vLLM picks, so Vegas no longer counts as unsupported on V2
     assert vegas._get_v2_model_runner_unsupported_features() == ["dual batch overlap"]
     assert len(other._get_v2_model_runner_unsupported_features()) == 2
-    for env in ("VLLM_USE_V2_MODEL_RUNNER", patches.V2_ENV):
-        monkeypatch.setenv(env, "0")  # V1 asked for: vLLM keeps refusing custom_class on V2
-        assert len(vegas._get_v2_model_runner_unsupported_features()) == 2
-        monkeypatch.setenv(env, "1")
-        assert vegas._get_v2_model_runner_unsupported_features() == ["dual batch overlap"]
-        monkeypatch.delenv(env)
+    # VLLM_USE_V2_MODEL_RUNNER, set, decides before vLLM asks: the wrapper reads no environment
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    assert vegas._get_v2_model_runner_unsupported_features() == ["dual batch overlap"]
 
 
 def test_init_speculator_passes_other_engines_through(monkeypatch):

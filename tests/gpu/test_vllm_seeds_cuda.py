@@ -1,4 +1,4 @@
-"""Seeded sampling under Vegas on vLLM 0.24's V1 runner (``VEGAS_V2_RUNNER=0``): a request with
+"""Seeded sampling under Vegas on vLLM 0.24's V1 runner (``VLLM_USE_V2_MODEL_RUNNER=0``): a request with
 ``seed=123, n=2, temperature=0.8`` gives the same two outputs alone and among unseeded batch
 neighbours, since its drafts are drawn from noise keyed by its own seed and the draft position
 (:mod:`vegas.vllm_plugin.runners.seeds`). Skips without CUDA or vLLM.
@@ -33,8 +33,7 @@ def test_v1_seeded_request_is_reproducible_with_n2_and_changing_neighbours(monke
 
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
-    monkeypatch.setenv("VEGAS_V2_RUNNER", "0")  # Vegas's own switch to the V1 runner
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")  # vLLM's switch to the V1 runner
     register()
     ids = AutoTokenizer.from_pretrained(DEFAULT_MODEL)(package_source(), add_special_tokens=False).input_ids
     target, *others = cut_contexts(ids, 1500, 4)

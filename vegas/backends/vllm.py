@@ -38,8 +38,8 @@ selectors without a fast path (:func:`vegas.vllm_plugin.settings.raise_if_unsupp
 
 ``import vegas.backends.vllm`` works without vLLM installed; vLLM is imported when an engine is
 built. Engine options: the backend's ``engine_args`` (a dict passed to ``LLM``, e.g.
-``{"gpu_memory_utilization": 0.5, "max_model_len": 32768}``), overridden key by key by
-``$VEGAS_VLLM_ENGINE_ARGS`` (JSON, read by :func:`engine_args_from_env` only).
+``{"gpu_memory_utilization": 0.5, "max_model_len": 32768}``; ``Pipeline(backend_options=
+{"engine_args": ...})``). No environment variable is read.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ import os
 from contextlib import contextmanager
 from typing import Any
 
-from ..config import VegasConfig, VegasConfigError, parse_json_object
+from ..config import VegasConfig, VegasConfigError
 from ..hookspecs import hookimpl
 from ..interfaces import Selector
 from ..plugins import is_builtin, owner
@@ -59,10 +59,8 @@ from ..vllm_plugin import settings as vegas_settings
 from .base import Backend, RequestOutput, RequestStats, as_selector
 
 __all__ = [
-    "ENGINE_ARGS_ENV",
     "VLLM_INSTALL_HINT",
     "VLLMBackend",
-    "engine_args_from_env",
     "model_max_context",
     "raise_if_only_sliding_window",
     "vllm_installed",
@@ -77,19 +75,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: JSON object of ``vllm.LLM`` keyword arguments that override the backend's ``engine_args``
-ENGINE_ARGS_ENV = "VEGAS_VLLM_ENGINE_ARGS"
-
-
-def engine_args_from_env() -> dict[str, Any]:
-    """``$VEGAS_VLLM_ENGINE_ARGS`` as a dict (empty when unset).
-
-    Raises:
-        VegasConfigError: not a JSON object.
-    """
-    raw = os.environ.get(ENGINE_ARGS_ENV, "").strip()
-    return parse_json_object(raw, ENGINE_ARGS_ENV) if raw else {}
-
-
 def verify_cuda_graphs(selector: Selector, config: VegasConfig) -> str:
     """CUDA-graph mode of the verification forward: ``config.vllm.verify_cuda_graphs``, or
     ``"piecewise"`` for a selector on the generic path (its ``select`` runs in Python)."""
@@ -338,8 +323,7 @@ class VLLMBackend(Backend):
         device: must be None or CUDA (vLLM picks the GPU).
         rope_scaling: RoPE scaling (:func:`vegas.models.rope_scaled_config`), passed to vLLM as
             ``hf_overrides`` (``rope_parameters`` and ``max_position_embeddings``), or None.
-        engine_args: further ``vllm.LLM`` keyword arguments (e.g. ``max_model_len``), each
-            overridden by ``$VEGAS_VLLM_ENGINE_ARGS`` (:func:`engine_args_from_env`).
+        engine_args: further ``vllm.LLM`` keyword arguments (e.g. ``max_model_len``).
 
     Raises:
         VegasConfigError: an unsupported dtype or device, bad ``rope_scaling``, or
@@ -379,7 +363,7 @@ class VLLMBackend(Backend):
         self._checked_model = False  # all-sliding-window check done (at the first Vegas generate)
         self._generation_config = None
         self._hf_overrides: dict[str, Any] = {}
-        self.engine_args = {**(engine_args or {}), **engine_args_from_env()}
+        self.engine_args = dict(engine_args or {})
         if rope_scaling is not None:
             from ..models import rope_scaled_config
 

@@ -26,7 +26,7 @@ fast paths (:mod:`vegas.vllm_plugin.selectors`), every other one through the gen
 and therefore runs verification in piecewise CUDA graphs. Vegas runs on the model runner vLLM
 picks for the same engine without Vegas: the V2 runner for the architectures vLLM runs there by
 default (Llama, Qwen3, ...; :class:`~vegas.vllm_plugin.runners.v2.VegasSpeculator`), else V1
-(:class:`~vegas.vllm_plugin.runners.v1.VegasProposer`); ``VEGAS_V2_RUNNER=0`` or
+(:class:`~vegas.vllm_plugin.runners.v1.VegasProposer`); vLLM's own
 ``VLLM_USE_V2_MODEL_RUNNER=0`` asks for V1 (:mod:`vegas.vllm_plugin.patches`).
 
 On one GPU vLLM's asynchronous scheduling stays on (the host prepares step N+1 while the GPU

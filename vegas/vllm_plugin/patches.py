@@ -9,7 +9,7 @@ version, or a replaced object that is missing or takes other parameters, is refu
 :func:`_install` (idempotent: the replacement carries ``_vegas = True``) and leaves engines
 without the Vegas proposer as they were. Nothing here imports vLLM at module import time.
 
-Which runner serves a Vegas engine (:func:`v2_opted_in`):
+Which runner serves a Vegas engine (:func:`patch_v2_unsupported_check`):
 
 - by default, the runner vLLM picks for the same engine without Vegas: the V2 runner for the
   architectures vLLM runs there by default (Llama, Qwen3, ...; plain vLLM runs on it too, so
@@ -17,7 +17,8 @@ Which runner serves a Vegas engine (:func:`v2_opted_in`):
   where vLLM falls back to V1 for other reasons. Measured on an H200 with SmolLM2-135M
   (``benchmarks/results/vllm_h200_2026-12-01_profile/``): 64 fresh 6,000-token prompts at once,
   V2 1.04x plain vLLM's output throughput, V1 0.76x;
-- ``VEGAS_V2_RUNNER=0`` or ``VLLM_USE_V2_MODEL_RUNNER=0``: the V1 runner.
+- vLLM's own ``VLLM_USE_V2_MODEL_RUNNER=0``: the V1 runner (vLLM reads it before it asks which
+  features V2 lacks; Vegas reads no environment variable of its own).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import importlib
 import importlib.util
 import inspect
 import logging
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,7 +39,6 @@ from .async_sched import is_vegas_proposer, wants_async
 __all__ = [
     "PATCHES",
     "Patch",
-    "V2_ENV",
     "VLLM_VERSION",
     "VllmVersionError",
     "check_vllm",
@@ -55,7 +54,6 @@ __all__ = [
     "patch_v2_unsupported_check",
     "stacked_draft_probs",
     "time_runner_forward",
-    "v2_opted_in",
 ]
 
 logger = logging.getLogger("vegas.vllm")
@@ -513,8 +511,6 @@ def time_runner_forward(runner, on_forward: Callable[[object, object], None]) ->
 
 # ---- the V2 model runner (the default where vLLM picks it) -------------------------------------------------------
 
-#: ``0``: keep a Vegas engine on the V1 runner (default: the runner vLLM picks, V2 where it can)
-V2_ENV = "VEGAS_V2_RUNNER"
 _V2_UNSUPPORTED = "speculative method 'custom_class'"
 _logged: set[str] = set()
 
@@ -525,20 +521,11 @@ def _log_once(key: str, msg: str, *args, level: int = logging.INFO) -> None:
         logger.log(level, msg, *args)
 
 
-def _falsy(value: str | None) -> bool:
-    return (value or "").strip().lower() in ("0", "false", "no")
-
-
-def v2_opted_in() -> bool:
-    """Whether a Vegas engine may run on the V2 runner: yes unless ``VEGAS_V2_RUNNER=0`` or
-    ``VLLM_USE_V2_MODEL_RUNNER=0`` in this process's environment (read at each call)."""
-    return not (_falsy(os.environ.get("VLLM_USE_V2_MODEL_RUNNER")) or _falsy(os.environ.get(V2_ENV)))
-
-
 def patch_v2_unsupported_check() -> None:
     """Replace ``vllm.config.VllmConfig._get_v2_model_runner_unsupported_features`` (vLLM 0.24.0)
-    with a wrapper that drops ``"speculative method 'custom_class'"`` for a Vegas engine when
-    :func:`v2_opted_in`; every other engine and every other entry is unchanged. Idempotent.
+    with a wrapper that drops ``"speculative method 'custom_class'"`` for a Vegas engine; every
+    other engine and every other entry is unchanged. Idempotent. (``VLLM_USE_V2_MODEL_RUNNER``
+    set decides the runner before vLLM calls this.)
 
     Why: vLLM 0.24.0 lists every speculative method but eagle/eagle3/mtp/dflash as unsupported
     by the V2 runner, so it would refuse (``VLLM_USE_V2_MODEL_RUNNER=1``) or skip V2.
@@ -548,9 +535,6 @@ def patch_v2_unsupported_check() -> None:
         def _get_v2_model_runner_unsupported_features(self) -> list[str]:
             unsupported = original(self)
             if not is_vegas_proposer(self.speculative_config):
-                return unsupported
-            if not v2_opted_in():
-                _log_once("v1", "vegas: V1 model runner (asked for with %s=0 or VLLM_USE_V2_MODEL_RUNNER=0)", V2_ENV)
                 return unsupported
             kept = [u for u in unsupported if u != _V2_UNSUPPORTED]
             if kept:
