@@ -21,7 +21,7 @@ Everything goes to ``OUT/profile.json``::
     PYTHONPATH=/tmp/site:$PWD python scripts/vllm_profile.py --model /tmp/smollm2-hf \
         --methods plain,vegas --out $OUT --torch-profile
 
-Engines and prompts are ``vegas bench --backend vllm``'s (:mod:`vegas.backends.vllm_bench`).
+Engines and prompts are ``vegas bench --backend vllm``'s (:mod:`vegas.bench_vllm`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CUSTOM_SCOPES_FOR_PROFILING", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vegas.backends import vllm_bench as vb  # noqa: E402
+from vegas import bench_vllm as vb  # noqa: E402
 from vegas.backends.vllm import shutdown_engine, start_engine  # noqa: E402
 from vegas.config import VegasConfig  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""``vegas bench --backend vllm`` (:mod:`vegas.backends.vllm_bench`) on the CPU, without vLLM:
+"""``vegas bench --backend vllm`` (:mod:`vegas.bench_vllm`) on the CPU, without vLLM:
 options and their errors, the engine plan (closed and open batches), engine arguments, the byte
 floor, the table, and a whole run against fake engines (repeats interleaved, medians, spread)."""
 
@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 from click.testing import CliRunner
 
-from vegas.backends import vllm_bench as vb
+from vegas import bench_vllm as vb
 from vegas.cli import main
 from vegas.config import VegasConfig, VegasConfigError
 from vegas.vllm_plugin.settings import parse_settings

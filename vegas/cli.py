@@ -196,12 +196,12 @@ def bench(json_path, plot_path, selectors, **kwargs) -> None:
 
 
 def _bench_vllm(names, json_path, plot_path, vllm_only: dict, kwargs: dict) -> None:
-    """``vegas bench --backend vllm`` (:mod:`vegas.backends.vllm_bench`).
+    """``vegas bench --backend vllm`` (:mod:`vegas.bench_vllm`).
 
     Raises:
         VegasConfigError: a bad option (its field named), before any engine starts.
     """
-    from .backends.vllm_bench import VllmBenchOptions, run_vllm_bench, summary_lines, table, write_json
+    from .bench_vllm import VllmBenchOptions, run_vllm_bench, summary_lines, table, write_json
     from .config import parse_json_object
     from .plugins import selector_names
 

@@ -39,7 +39,7 @@ run's top-2 logprob gap is reported, and a gap within :data:`NEAR_TIE` of the dt
 near-tie (the method stays lossless; any other difference fails ``vegas bench``).
 
 Everything but the engines (options, plan, byte floor, table, medians) runs on the CPU;
-``import vegas.backends.vllm_bench`` does not import vLLM.
+``import vegas.bench_vllm`` does not import vLLM.
 """
 
 from __future__ import annotations
@@ -50,13 +50,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..bench import bench_config, median_row
-from ..config import VegasConfig, VegasConfigError, kv_budget_for
-from ..plugins import PLAIN, create_selector, selector_names
-from ..prompts import cut_contexts, heldout_path, package_source, read_text_source
-from ..sampling import SamplingParams
-from ..vllm_plugin import settings as vegas_settings
-from .vllm import (
+from .bench import bench_config, median_row
+from .config import VegasConfig, VegasConfigError, kv_budget_for
+from .plugins import PLAIN, create_selector, selector_names
+from .prompts import cut_contexts, heldout_path, package_source, read_text_source
+from .sampling import SamplingParams
+from .vllm_plugin import settings as vegas_settings
+from .backends.vllm import (
     model_max_context,
     raise_if_only_sliding_window,
     shutdown_engine,
@@ -485,7 +485,7 @@ def run_vllm_bench(opts: VllmBenchOptions, log: Callable[[str], None] = print,
         VegasConfigError: a bad option (its field named, before prompts are read or an engine
             starts), or vLLM not installed.
     """
-    from ..models import resolve_model
+    from .models import resolve_model
 
     config = vegas_config(opts)
     methods = methods_of(opts.selectors)
