@@ -110,11 +110,18 @@ def test_acceptance_counts_count_rows_that_verified_drafts():
 
 
 @pytest.mark.parametrize("n,cap,graph_max,rows", [
-    (1, 256, 256, 1), (3, 256, 256, 4), (128, 256, 256, 128), (129, 256, 256, 256),
-    (129, 200, 256, 200), (201, 200, 256, None), (300, 512, 256, None),
+    (1, 256, 256, 1), (3, 256, 256, 4), (8, 256, 256, 8), (9, 256, 256, 16), (40, 256, 256, 40),
+    (41, 256, 256, 48), (128, 256, 256, 128), (129, 256, 256, 136), (129, 132, 256, 132),
+    (201, 200, 256, None), (257, 512, 512, 272), (300, 512, 256, None),
 ])
 def test_bucket_rows(n, cap, graph_max, rows):
     assert bucket_rows(n, cap, graph_max) == rows
+
+
+def test_bucket_rows_pad_at_most_a_step_and_give_few_graphs():
+    sizes = {bucket_rows(n, 64, 256) for n in range(1, 65)}
+    assert sizes == {1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64}  # the graphs captured for max_num_seqs 64
+    assert all(bucket_rows(n, 512, 512) - n < (8 if n <= 256 else 16) for n in range(9, 513))
 
 
 # ---- the vLLM patches, against fake vLLM modules ---------------------------------------------

@@ -118,8 +118,8 @@ class VllmOptions:
             selection captured into them (the selector and budget are then fixed per engine);
             ``"piecewise"``: attention and selection run eagerly every step. A selector without
             a fast path always runs piecewise.
-        draft_cuda_graphs: capture each draft phase (γ forwards) as one CUDA graph per
-            power-of-two row count; False drafts eagerly.
+        draft_cuda_graphs: capture each draft phase (γ forwards) as one CUDA graph per row
+            bucket (1, 2, 4, 8, then multiples of 8, of 16 above 256 rows); False drafts eagerly.
         draft_graph_max_rows: largest row count (requests) a draft graph is captured for;
             larger batches draft eagerly. Integer >= 1.
         prefill_skip_tokens: a runner forward that carries at least this many prompt tokens

@@ -151,10 +151,17 @@ def draft_slots(
 
 
 def bucket_rows(num_reqs: int, cap: int, max_graph_rows: int) -> int | None:
-    """Rows of the captured draft graph for ``num_reqs`` requests: the next power of two,
-    clamped to ``cap`` (the rows the buffers hold); None when it exceeds ``max_graph_rows``
-    or cannot hold ``num_reqs`` (then the step drafts eagerly)."""
-    rows = min(1 << max(num_reqs - 1, 0).bit_length(), cap)
+    """Rows of the captured draft graph for ``num_reqs`` requests: 1, 2, 4 or 8, then the next
+    multiple of 8 up to 256 and of 16 above (vLLM's own capture sizes: a batch of 40 drafts 40
+    rows, not 64 — the draft attention of 64 rows costs 1.5x that of 40 on an H200), clamped to
+    ``cap`` (the rows the buffers hold); None when it exceeds ``max_graph_rows`` or cannot hold
+    ``num_reqs`` (then the step drafts eagerly)."""
+    if num_reqs <= 8:
+        rows = 1 << max(num_reqs - 1, 0).bit_length()
+    else:
+        step = 8 if num_reqs <= 256 else 16
+        rows = -(-num_reqs // step) * step
+    rows = min(rows, cap)
     return rows if num_reqs <= rows <= max_graph_rows else None
 
 

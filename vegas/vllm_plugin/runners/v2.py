@@ -10,7 +10,7 @@ sampler and V2's ``postprocess_sampled``, :meth:`VegasSpeculator.propose`:
    ``input_batch.seq_lens``/``idx_mapping`` and ``last_sampled`` (no host lists; one small
    host-to-device copy of the blocks each request owns);
 2. replays one CUDA graph of the drafting engine shared with the V1 proposer
-   (:class:`~vegas.vllm_plugin.drafting.engine.DraftEngine`, graphs captured per power-of-two row count
+   (:class:`~vegas.vllm_plugin.drafting.engine.DraftEngine`, graphs captured per row bucket
    at engine start) that turns the selection of the verification that just ran
    (the speculator's :class:`~vegas.vllm_plugin.selection.state.SelectionState`, batch order, written by
    whichever selection path is in force) into page-size-1 draft tables and runs γ query-length-1 forwards of the target
@@ -142,7 +142,7 @@ class VegasSpeculator(DraftModelSpeculator):
         self.cudagraph_mode = cudagraph_mode
 
     def capture(self, attn_states) -> None:
-        """Capture the draft graphs of every power-of-two row count up to the largest
+        """Capture the draft graphs of every row bucket up to the largest
         captured one, once, after vLLM's verification graphs (so that no capture happens while
         requests wait: a lazy capture costs 0.1-0.3 s)."""
         if getattr(self, "cudagraph_mode", CUDAGraphMode.NONE) == CUDAGraphMode.NONE:
