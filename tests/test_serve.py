@@ -161,7 +161,10 @@ def test_cli_plain_dry_run_and_ngram_through_extra_args():
     "args,match",
     [
         (["--selector", "nope"], "Invalid value for '--selector': must be one of none, "),
-        (["-g", "0"], "Invalid value for '--num-draft-tokens'"),
+        (["-g", "0"], "Invalid value for '--num-draft-tokens' / '-g'"),
+        # vllm serve's options go after --: before it an unknown option is a typo, not passed on
+        (["--bogus-flag"], "No such option '--bogus-flag'"),
+        (["--sparsity", "0.1"], "No such option '--sparsity'"),
         (["--port", "70000"], "Invalid value for '--port'"),
         (["--dtype", "float32"], "Invalid value for '--dtype'"),
         (["--sparsity-ratio", "0"], "Invalid value for '--sparsity-ratio': must be a number in (0, 1]"),

@@ -451,13 +451,14 @@ class OneLineError(click.ClickException):
     exit_code = 2
 
 
-@main.command(context_settings={"ignore_unknown_options": True})
+@main.command()
 @click.argument("model")
 @click.option("--selector", default=None,
               help="Selector name (collect2, aggregated, sliding_window, quest, a plugin's...), or 'none' for "
                    "plain vLLM with the same other arguments [default: --config's selector, else collect2].")
-@click.option("--num-draft-tokens", "-g", default=None, type=click.IntRange(min=1),
-              help="γ, draft tokens per iteration (vLLM's num_speculative_tokens) [default: --config's, else 4].")
+@click.option("--num-draft-tokens", "-g", default=None, type=int,
+              help="γ, draft tokens per iteration (vLLM's num_speculative_tokens), >= 1 [default: --config's, "
+                   "else 4].")
 @click.option("--sparsity-ratio", default=None, type=float, help="KV budget / context, in (0, 1] [default: 0.05].")
 @click.option("--kv-budget", default=None, type=int, help="KV budget in tokens, >= 1 (overrides --sparsity-ratio).")
 @click.option("--config", "config_json", default=None,
