@@ -1,6 +1,7 @@
 import json
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from vegas.cli import main
@@ -231,3 +232,30 @@ def test_import_and_help_do_not_load_torch():
             "vegas.Pipeline; assert 'torch' in sys.modules")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["", "--max-new-tokens", "4"], "Invalid value for 'PROMPT': is empty; every prompt needs at least one token"),
+    (["hi", "--max-new-tokens", "0"], "Invalid value for '--max-new-tokens': must be an integer >= 1, got 0"),
+    (["hi", "--temperature", "-1"], "Invalid value for '--temperature': must be a finite number >= 0"),
+    (["hi", "--top-p", "2"], "Invalid value for '--top-p': must be in (0, 1], got 2.0"),
+])
+def test_generate_checks_what_needs_no_model_before_loading_one(args, message, monkeypatch):
+    import vegas.pipeline
+
+    def no_model(*a, **kw):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(vegas.pipeline, "Pipeline", no_model)
+    result = CliRunner().invoke(main, ["generate", *args])
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_an_over_long_prompt_gets_vegas_error_only(tmp_path, caplog):
+    """transformers' tokenizer warning (it names the tokenizer's model_max_length, not the
+    model's context) is not printed before vegas' own one-line error."""
+    long = tmp_path / "long.py"
+    long.write_text("x = 1\n" * 40000)
+    result = CliRunner().invoke(main, ["generate", f"@{long}", "--max-new-tokens", "4"])
+    assert result.exit_code == 2 and "Invalid value for 'PROMPT': has " in result.output, result.output
+    assert "Token indices sequence length is longer" not in result.output + caplog.text

@@ -167,6 +167,7 @@ def test_repeats_time_each_point_several_times(counted, tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--selectors", ","], "--selectors"),
+    (["--selectors", "none"], "must name at least one selector, or 'all' (plain decoding is always measured)"),
     (["--selectors", "nope"], "Invalid value for '--selectors': unknown selector(s) 'nope'; known: none, "),
     (["--sparsities", "0.1,1.5"], "(0, 1]"),
     (["--sparsities", "0"], "--sparsities"),

@@ -13,7 +13,7 @@ from .models import DEFAULT_MODEL, resolve_model
 from .plugins import PLAIN, blame, create_selector, get_backend_class, is_builtin, owner
 from .sampling import SamplingParams
 
-__all__ = ["Pipeline", "DEFAULT_MODEL"]
+__all__ = ["Pipeline", "DEFAULT_MODEL", "generation_options"]
 
 
 def _is_array(x) -> bool:
@@ -44,6 +44,23 @@ def _check_backend_options(name: str, backend_cls: type, options: dict) -> None:
         known = f"allowed: {', '.join(allowed)}" if allowed else f"backend {name!r} takes none"
         raise VegasConfigError.bad("backend_options", f"has unknown option(s) {unknown} for backend {name!r}; "
                                    f"{known}")
+
+
+def generation_options(max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+                       chat: bool = False) -> SamplingParams:
+    """Check :meth:`Pipeline.generate`'s options that need no model (callers check them before
+    loading one: ``vegas generate`` does) and return the sampling parameters.
+
+    Raises:
+        VegasConfigError: ``max_new_tokens`` not an integer >= 1, bad sampling parameters
+            (:class:`~vegas.sampling.SamplingParams`), ``chat`` not a bool; the field is named.
+    """
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise VegasConfigError.bad("max_new_tokens", f"must be an integer >= 1, got {max_new_tokens!r}")
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
+    if not isinstance(chat, bool):
+        raise VegasConfigError.bad("chat", f"must be True or False, got {chat!r}")
+    return sampling
 
 
 class Pipeline:
@@ -163,7 +180,9 @@ class Pipeline:
                     message, add_generation_prompt=True, tokenize=True, return_dict=False
                 )))
             elif isinstance(p, str):
-                ids.append(self.tokenizer(p, add_special_tokens=False).input_ids)
+                # verbose=False: the length check is generate's, with the model's real context
+                # (transformers' own warning names the tokenizer's model_max_length instead)
+                ids.append(self.tokenizer(p, add_special_tokens=False, verbose=False).input_ids)
             elif chat:
                 raise VegasConfigError(
                     f"prompt {i} is a list of token ids; chat=True takes text prompts only (apply the "
@@ -182,7 +201,8 @@ class Pipeline:
             else:
                 raise VegasConfigError(f"prompt {i} must be a text or a list of int token ids, got {type(p).__name__}")
             if not ids[-1]:
-                raise VegasConfigError(f"prompt {i} is empty; every prompt needs at least one token")
+                problem = "is empty; every prompt needs at least one token"
+                raise VegasConfigError(f"prompt {i} {problem}", field="prompt", problem=problem)
         return ids
 
     def generate(
@@ -226,11 +246,7 @@ class Pipeline:
         selector = self.selector if selector is ... else selector
         # built once per call (selectors keep per-request state) and handed to the backend
         selector_obj = as_selector(selector, self.config)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise VegasConfigError.bad("max_new_tokens", f"must be an integer >= 1, got {max_new_tokens!r}")
-        sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
-        if not isinstance(chat, bool):
-            raise VegasConfigError.bad("chat", f"must be True or False, got {chat!r}")
+        sampling = generation_options(max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, chat=chat)
         ids = self.encode(prompts, chat=chat)
         slots = self.config.num_draft_tokens + 1
         limit = self.backend.max_context - max_new_tokens - slots

@@ -136,8 +136,9 @@ def raise_if_bad_options(opts: TuneOptions) -> None:
     Raises:
         VegasConfigError: the message names the option (``--flag``) and its allowed values.
     """
-    if not opts.selectors:
-        raise VegasConfigError.bad("selectors", "must name at least one selector, or 'all'")
+    if not [s for s in opts.selectors if s != PLAIN]:
+        raise VegasConfigError.bad("selectors", f"must name at least one selector, or 'all' (plain decoding "
+                                                f"is always measured), got {opts.selectors!r}")
     known = selector_names(plain=True)
     unknown = [s for s in opts.selectors if s not in known]
     if unknown:
