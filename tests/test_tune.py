@@ -100,6 +100,10 @@ def test_bench_verdict_says_when_plain_decoding_is_faster():
         "recommended: quest, 1.10× plain decoding (medians of 3 runs)")
     assert verdict({"plain": plain, "selectors": {"quest": fast | {"tokens_per_second": 104.0}}}).startswith(
         "plain decoding is as fast")
+    single = plain | {"tokens_per_second_runs": [100.0], "tokens_per_second_spread": 0.0}
+    assert verdict({"plain": single, "selectors": {"quest": fast | {"tokens_per_second_spread": 0.0}}}) == (
+        "recommended: plain decoding (--selector none): single runs cannot tell a selector from noise (the "
+        "fastest, quest, ran at 1.10× plain); --repeats 3 measures the spread")
 
 
 def _tiny(out, **kw):

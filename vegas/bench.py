@@ -209,14 +209,18 @@ def clearly_faster(a: dict, b: dict) -> bool:
 
 def verdict(results: dict) -> str:
     """One line: the method to use on this machine. A selector only when it is
-    :func:`clearly_faster` than plain decoding, else plain decoding (``--selector none``)."""
+    :func:`clearly_faster` than plain decoding over repeated runs, else plain decoding
+    (``--selector none``); from single runs (no spread) always plain decoding."""
     plain, rows = results["plain"], results["selectors"]
     if not rows:
         return "plain decoding only: no selector was measured"
     best = max(rows, key=lambda name: rows[name]["tokens_per_second"])
     row = rows[best]
     runs = len(plain["tokens_per_second_runs"])
-    noise = f"medians of {runs} runs" if runs > 1 else "single runs; --repeats 3 measures their spread"
+    if runs < 2:  # no spread: a lucky run would decide
+        return (f"recommended: plain decoding (--selector none): single runs cannot tell a selector from noise "
+                f"(the fastest, {best}, ran at {row['speedup']:.2f}× plain); --repeats 3 measures the spread")
+    noise = f"medians of {runs} runs"
     if clearly_faster(row, plain):
         return f"recommended: {best}, {row['speedup']:.2f}× plain decoding ({noise})"
     return (f"plain decoding is as fast or faster on this machine: the best selector, {best}, runs at "
