@@ -259,3 +259,15 @@ def test_an_over_long_prompt_gets_vegas_error_only(tmp_path, caplog):
     result = CliRunner().invoke(main, ["generate", f"@{long}", "--max-new-tokens", "4"])
     assert result.exit_code == 2 and "Invalid value for 'PROMPT': has " in result.output, result.output
     assert "Token indices sequence length is longer" not in result.output + caplog.text
+
+
+def test_off_a_terminal_transformers_progress_bars_are_off():
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.enable_progress_bar()
+    try:
+        result = CliRunner().invoke(main, ["generate", "", "--max-new-tokens", "1"])  # stderr is not a terminal
+        assert result.exit_code == 2
+        assert not transformers_logging.is_progress_bar_enabled()
+    finally:
+        transformers_logging.enable_progress_bar()

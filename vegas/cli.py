@@ -105,6 +105,10 @@ def main(verbose: bool) -> None:
     handler.setFormatter(_LogFormat())
     logging.basicConfig(handlers=[handler])  # other libraries: warnings and errors
     logging.getLogger("vegas").setLevel(logging.INFO if verbose else logging.WARNING)
+    if not sys.stderr.isatty():  # a log file gets vegas' lines, not transformers' redrawn progress bars
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
 
 
 @main.command()
