@@ -172,7 +172,7 @@ def test_draft_buffers_carry_seeds_with_zero_padding_in_shared_views():
     assert np.array_equal(DraftBuffers.allocate(3, GAMMA, VOCAB, False, "cpu").seeds.numpy(), np.zeros(3))
 
 
-def test_the_v1_proposer_hands_each_row_its_requests_seed():
+def test_the_v1_proposer_hands_each_row_its_requests_seed(monkeypatch):
     """``VegasProposer.propose`` over a fake V1 runner: the seeds it drafts with are the
     batch's requests' own (by request id, batch order), across a reorder and new neighbours;
     an all-greedy batch gets none."""
@@ -193,7 +193,7 @@ def test_the_v1_proposer_hands_each_row_its_requests_seed():
     prop.state = SelectionState(has_selection=True, sel_buf=torch.zeros(1, n_max, 1), skipped=False)
     prop.seeds = RequestSeeds(draw=_draws(1000))
     prop.resolve_events = lambda wait=False: None
-    prop._event = lambda: None
+    monkeypatch.setattr("vegas.vllm_plugin.runners.v1.timing_event", lambda: None)  # no CUDA here
     seen = []
 
     def draft(num_reqs, sampling, step_inputs, temperature, seeds):

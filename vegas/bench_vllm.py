@@ -50,12 +50,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .bench import bench_config, median_row
-from .config import VegasConfig, VegasConfigError, kv_budget_for
-from .plugins import PLAIN, create_selector, selector_names
-from .prompts import cut_contexts, heldout_path, package_source, read_text_source
-from .sampling import SamplingParams
-from .vllm_plugin import settings as vegas_settings
 from .backends.vllm import (
     model_max_context,
     raise_if_only_sliding_window,
@@ -66,6 +60,12 @@ from .backends.vllm import (
     vllm_installed,
     vllm_missing_message,
 )
+from .bench import bench_config, median_row
+from .config import VegasConfig, VegasConfigError, kv_budget_for
+from .plugins import PLAIN, create_selector, selector_names
+from .prompts import cut_contexts, heldout_path, package_source, read_text_source
+from .sampling import SamplingParams
+from .vllm_plugin import settings as vegas_settings
 
 __all__ = [
     "HBM_BYTES_PER_S",

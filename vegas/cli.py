@@ -293,13 +293,13 @@ def generate(prompt, selector, max_new_tokens, chat, model, rope_scaling, backen
     '@@' starts a text that begins with '@' (e.g. a Python decorator). With --chat, PROMPT is
     one user message and the model answers it.
     """
-    from .pipeline import Pipeline, generation_options
+    from .pipeline import EMPTY_PROMPT, Pipeline, generation_options
     from .prompts import read_text_source
 
     if prompt.startswith("@") and not prompt.startswith("@@") and not prompt[1:].strip():
         raise click.UsageError(f"PROMPT {prompt!r} needs a path after '@' ('@@' starts a literal '@')")
     if not prompt:
-        raise click.BadParameter("is empty; every prompt needs at least one token", param_hint="'PROMPT'")
+        raise click.BadParameter(EMPTY_PROMPT, param_hint="'PROMPT'")
     try:
         # what needs no model is checked before one is loaded (or converted)
         generation_options(max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, chat=chat)

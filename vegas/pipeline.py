@@ -13,7 +13,10 @@ from .models import DEFAULT_MODEL, resolve_model
 from .plugins import PLAIN, blame, create_selector, get_backend_class, is_builtin, owner
 from .sampling import SamplingParams
 
-__all__ = ["Pipeline", "DEFAULT_MODEL", "generation_options"]
+__all__ = ["Pipeline", "DEFAULT_MODEL", "EMPTY_PROMPT", "generation_options"]
+
+#: what is wrong with a prompt of no tokens (``generate`` and ``vegas generate``'s early check)
+EMPTY_PROMPT = "is empty; every prompt needs at least one token"
 
 
 def _is_array(x) -> bool:
@@ -201,8 +204,7 @@ class Pipeline:
             else:
                 raise VegasConfigError(f"prompt {i} must be a text or a list of int token ids, got {type(p).__name__}")
             if not ids[-1]:
-                problem = "is empty; every prompt needs at least one token"
-                raise VegasConfigError(f"prompt {i} {problem}", field="prompt", problem=problem)
+                raise VegasConfigError(f"prompt {i} {EMPTY_PROMPT}", field="prompt", problem=EMPTY_PROMPT)
         return ids
 
     def generate(

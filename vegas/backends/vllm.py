@@ -74,7 +74,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: JSON object of ``vllm.LLM`` keyword arguments that override the backend's ``engine_args``
 def verify_cuda_graphs(selector: Selector, config: VegasConfig) -> str:
     """CUDA-graph mode of the verification forward: ``config.vllm.verify_cuda_graphs``, or
     ``"piecewise"`` for a selector on the generic path (its ``select`` runs in Python)."""

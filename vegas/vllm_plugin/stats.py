@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["FORWARD_EVENTS_DROP", "FORWARD_EVENTS_MAX", "ProposerStats", "StatsRecorder", "take_finished"]
+__all__ = ["FORWARD_EVENTS_DROP", "FORWARD_EVENTS_MAX", "ProposerStats", "StatsRecorder", "take_finished",
+           "timing_event"]
 
 #: forward event pairs kept before the oldest are dropped (forwards without a proposal, e.g. on
 #: idle tensor-parallel ranks, are never resolved by a proposal)
@@ -40,6 +41,13 @@ class ProposerStats:
 
     def as_dict(self) -> dict:
         return {**self.__dict__, "acceptance_length": self.acceptance_length}
+
+
+def timing_event() -> torch.cuda.Event:
+    """A timing CUDA event recorded on the current stream."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 def take_finished(items: list, event_at: int) -> list:

@@ -37,7 +37,7 @@ from .. import patches
 from ..async_sched import draft_start_positions, next_tokens_and_counts
 from ..drafting.engine import DraftEngine, DraftSampler, attention_layers, draft_graph_key
 from ..selection.state import SelectionState
-from ..stats import StatsRecorder
+from ..stats import StatsRecorder, timing_event
 from .seeds import RequestSeeds, seeded_sampler
 from .start import reserve_selection_buffers, start_drafter, use_path
 
@@ -207,11 +207,6 @@ class VegasProposer:
         """Fold finished timings and acceptance counts into the stats (see :class:`StatsRecorder`)."""
         self.recorder.resolve(self.state, wait)
 
-    def _event(self):
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
     def _raise_if_hybrid(self) -> None:
         groups = getattr(getattr(self.runner, "kv_cache_config", None), "kv_cache_groups", [None])
         if len(groups) > 1:
@@ -262,13 +257,13 @@ class VegasProposer:
         # [num_reqs] int64 by request id: a row's seed does not depend on its neighbours or its row
         seeds = self.seeds.on_device(req_ids, runner.requests, runner.device) if sampling else None
 
-        start = self._event()
+        start = timing_event()
         tokens, probs = self._draft(num_reqs, sampling, step_inputs, temperature, seeds)
         draft_ids = tokens[:num_reqs].clone()  # [num_reqs, γ]
         if sampling:
             runner._draft_probs = probs[:num_reqs]  # [num_reqs, γ, vocab]
             runner._draft_prob_req_ids = list(req_ids)
-        self.recorder.pending_timings.append(("draft_ms", start, self._event()))
+        self.recorder.pending_timings.append(("draft_ms", start, timing_event()))
         self.stats.proposals += 1
         self.stats.draft_steps += self.gamma
         self.stats.propose_wall_ms += (time.perf_counter() - started) * 1e3
@@ -337,5 +332,5 @@ class VegasProposer:
         step_inputs = torch.stack([active.long(), next_ids.long(), torch.where(active, first_pos, 0), device_values[2]])
         counts_cpu = torch.empty(n, dtype=torch.int32, pin_memory=True)
         counts_cpu.copy_(counts, non_blocking=True)
-        self.recorder.pending_counts.append((self._event(), counts_cpu, list(req_ids), num_draft))
+        self.recorder.pending_counts.append((timing_event(), counts_cpu, list(req_ids), num_draft))
         return step_inputs

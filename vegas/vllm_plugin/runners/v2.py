@@ -34,7 +34,7 @@ from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
 
 from ..drafting.engine import DraftBuffers, DraftEngine, attention_layers, draft_graph_key
 from ..selection.state import SelectionState
-from ..stats import take_finished
+from ..stats import take_finished, timing_event
 from .start import reserve_selection_buffers, start_drafter, use_path
 from .v2_helpers import (
     acceptance_counts,
@@ -48,17 +48,6 @@ __all__ = ["VegasSpeculator"]
 
 logger = logging.getLogger("vegas.vllm")
 
-
-
-#: unread draft-phase event pairs before the finished ones are folded into ``draft_ms``
-DRAFT_EVENTS_FOLD = 64
-
-
-def _event() -> torch.cuda.Event:
-    """A timing CUDA event recorded on the current stream."""
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
 
 
 class VegasSpeculator(DraftModelSpeculator):
@@ -186,11 +175,10 @@ class VegasSpeculator(DraftModelSpeculator):
         self.proposals += 1
         if not state.time_events:
             return self._draft(n, step_in, idx)
-        start = _event()
+        self._fold_draft_events()  # the earlier steps' (bounded when nobody reads the stats: serving)
+        start = timing_event()
         tokens = self._draft(n, step_in, idx)
-        self.draft_events.append((start, _event()))
-        if len(self.draft_events) > DRAFT_EVENTS_FOLD:  # bounded when nobody reads the stats (serving)
-            self._fold_draft_events()
+        self.draft_events.append((start, timing_event()))
         return tokens
 
     def _fold_draft_events(self) -> None:
