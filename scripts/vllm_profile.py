@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -196,6 +197,8 @@ def main() -> int:
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--workloads", default="serve,closed,open")
     ap.add_argument("--torch-profile", action="store_true")
+    ap.add_argument("--torch-profile-workload", default="serve", choices=["serve", "open", "closed"],
+                    help="the workload --torch-profile runs under torch.profiler (serve: fresh prompts)")
     ap.add_argument("--prefill-skip-tokens", type=int, default=2048,
                     help="vllm.prefill_skip_tokens of the method vegas-skip (the other Vegas methods: 0)")
     ap.add_argument("--out", default="profile-out")
@@ -238,12 +241,22 @@ def main() -> int:
         if args.torch_profile:
             from torch.profiler import ProfilerActivity, profile
 
-            batch = [p[: args.serve_len - 7] for p in fresh[: args.serve_requests]]  # not cached: new lengths
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            wl = args.torch_profile_workload
+            if wl == "serve":
+                batch = [p[: args.serve_len - 7] for p in fresh[: args.serve_requests]]  # not cached: new lengths
+            else:
+                batch = cached if wl == "open" else cached[: args.batch]
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
                 generate(llm, batch, sp)
             ka = prof.key_averages()
             text = ka.table(sort_by="self_cuda_time_total", row_limit=45)
-            text += "\n" + ka.table(sort_by="cpu_time_total", row_limit=45)
+            text += "\n" + ka.table(sort_by="cpu_time_total", row_limit=60)
+            # where the host waits for the device (syncs inside a step serialize async scheduling)
+            stacks = prof.key_averages(group_by_stack_n=8)
+            text += "\n" + stacks.table(sort_by="self_cpu_time_total", row_limit=40)
+            trace = out / f"trace_{method}_{wl}.json"
+            prof.export_chrome_trace(str(trace))
+            subprocess.run(["gzip", "-f", str(trace)], check=False)
             (out / f"kernels_{method}.txt").write_text(text)
             print(ka.table(sort_by="self_cuda_time_total", row_limit=22), flush=True)
         (out / "profile.json").write_text(json.dumps(results, indent=1, default=str))

@@ -102,7 +102,7 @@ def test_engine_arguments_of_each_method():
     common = dict(max_model_len=8000, max_num_seqs=32, gpu_memory_utilization=0.3)
     plain = vb.engine_kwargs("plain", "m", config, **common, engine_args={"gpu_memory_utilization": 0.9})
     assert "speculative_config" not in plain and plain["gpu_memory_utilization"] == 0.3  # the share wins
-    assert plain["compilation_config"]["cudagraph_capture_sizes"][-1] == 160  # 32 requests x (γ + 1)
+    assert plain["compilation_config"]["cudagraph_capture_sizes"][-1] == 320  # 32 requests x (γ + 1) x 2
     assert plain["max_num_seqs"] == 32 and plain["skip_tokenizer_init"] and plain["enable_prefix_caching"]
     ngram = vb.engine_kwargs("ngram", "m", config, **common)
     assert ngram["speculative_config"]["method"] == "ngram" and ngram["speculative_config"]["num_speculative_tokens"] == 4
