@@ -95,8 +95,6 @@ PLAIN_ROW = "plain"
 SCORING = ("collect2", "aggregated", "last_token")
 #: total share of GPU memory of the engines alive at once, unless ``engine_args`` says otherwise
 GPU_MEMORY_UTILIZATION = 0.85
-#: CUDA-graph batch sizes vLLM may capture (those up to ``max_num_seqs x (γ + 1) x 2`` are)
-CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512, 640)
 
 
 @dataclass
@@ -206,15 +204,6 @@ def requests_of(opts: VllmBenchOptions, batch: int) -> int:
     return batch * opts.open_factor if opts.open_factor else batch
 
 
-def capture_sizes(max_num_seqs: int, gamma: int) -> list[int]:
-    """CUDA-graph batch sizes (tokens) for ``max_num_seqs`` requests at γ: up to twice a
-    verification batch, vLLM's own rule (``max_num_seqs x (γ + 1) x 2``), so that a step that
-    verifies every row and prefills a prefix-cached prompt's tail replays piecewise graphs
-    instead of running eagerly (on an H200 an eager SmolLM2 step is host-bound at ~30 ms)."""
-    limit = max(max_num_seqs * (gamma + 1) * 2, 8)
-    return [s for s in CAPTURE_SIZES if s <= limit]
-
-
 def engine_kwargs(method: str, model: str, config: VegasConfig, *, max_model_len: int, max_num_seqs: int,
                   gpu_memory_utilization: float, seed: int = 0, dtype: str = "bfloat16",
                   engine_args: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -225,17 +214,16 @@ def engine_kwargs(method: str, model: str, config: VegasConfig, *, max_model_len
             Vegas selector name (its settings in ``additional_config["vegas"]``).
         max_model_len, max_num_seqs: tokens per request and requests per step.
         gpu_memory_utilization: this engine's share of the GPU memory.
-        engine_args: further ``LLM`` arguments; they win (``compilation_config`` key by key).
+        engine_args: further ``LLM`` arguments; they win.
     """
     extra = dict(engine_args or {})
     kw: dict[str, Any] = dict(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                               gpu_memory_utilization=gpu_memory_utilization, skip_tokenizer_init=True, seed=seed)
     extra.pop("gpu_memory_utilization", None)
-    compilation = {} if extra.get("enforce_eager") else {
-        "cudagraph_capture_sizes": capture_sizes(max_num_seqs, config.num_draft_tokens)}
-    kw["compilation_config"] = {**compilation, **extra.pop("compilation_config", {})}
-    if not kw["compilation_config"]:
-        del kw["compilation_config"]
+    # CUDA-graph capture sizes: what a user gets (vLLM's default; a Vegas engine widens it for
+    # verification batches, vegas.vllm_plugin.graph_sizes) unless engine_args set them
+    if extra.get("compilation_config"):
+        kw["compilation_config"] = extra.pop("compilation_config")
     if method == NGRAM:
         kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": config.num_draft_tokens,
                                     "prompt_lookup_max": 4, "prompt_lookup_min": 2}

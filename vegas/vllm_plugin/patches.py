@@ -98,7 +98,8 @@ PATCHES: tuple[Patch, ...] = (
            "mm_registry", "include_finished_set", "log_stats"),
           "KV slots for γ lookahead tokens, as vLLM allocates for EAGLE only (patch_scheduler_lookahead)"),
     Patch("vllm.config.vllm:VllmConfig.__post_init__", ("self",),
-          "keep async scheduling on for the Vegas proposer; vLLM turns it off for custom_class (patch_config_check)"),
+          "keep async scheduling on for the Vegas proposer (vLLM turns it off for custom_class) and capture CUDA "
+          "graphs up to 2 x (γ + 1) x max_num_seqs tokens (patch_config_check)"),
     Patch("vllm.config.vllm:VllmConfig.compute_hash", ("self",),
           "leave additional_config['vegas'] out of the config hash that keys vLLM's compile cache: the Vegas "
           "settings change no compiled graph, so engines that differ only in them share one compilation "
@@ -375,10 +376,16 @@ def patch_config_check() -> None:
     """Wrap ``vllm.config.VllmConfig.__post_init__`` (vLLM 0.24.0) so that the Vegas proposer
     keeps async scheduling (:func:`vegas.vllm_plugin.async_sched.wants_async`); vLLM turns it
     off, or refuses it, for a ``custom_class`` proposer. Applies what vLLM applies with it (no
-    cascade attention). Also asks for one KV-cache group (:func:`one_kv_group`)."""
+    cascade attention). Also asks for one KV-cache group (:func:`one_kv_group`) and widens the
+    CUDA-graph capture sizes for verification batches
+    (:func:`~vegas.vllm_plugin.graph_sizes.widen_capture_sizes`)."""
+    from .graph_sizes import widen_capture_sizes
+
     def make(original):
         def __post_init__(self):
             one_kv_group(self)
+            if is_vegas_proposer(getattr(self, "speculative_config", None)):
+                widen_capture_sizes(self)
             want = wants_async(self)
             if want:  # vLLM would refuse (True) or switch off (None) async scheduling for custom_class
                 self.scheduler_config.async_scheduling = False
