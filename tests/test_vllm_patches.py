@@ -57,6 +57,15 @@ def _post_init(self):
     pass
 
 
+def _update_after_schedule(self, scheduler_output):
+    self.reserved = scheduler_output.num_spec_tokens_to_schedule
+
+
+def _execute_model(self, scheduler_output, intermediate_tensors=None, dummy_run=False,
+                   skip_attn_for_dummy_run=False, is_profile=False):
+    return ("vllm-execute", dummy_run)
+
+
 def _unsupported(self):
     return []
 
@@ -87,7 +96,10 @@ def fake_vllm(monkeypatch, tmp_path, version="0.24.0", runner_imports=True, **re
         mod(name)
     mod("vllm.v1.attention.backends.flash_attn",
         FlashAttentionImpl=type("FlashAttentionImpl", (), {"forward": fn("_forward")}))
-    mod("vllm.v1.core.sched.scheduler", Scheduler=type("Scheduler", (), {"__init__": fn("_scheduler_init")}))
+    scheduler = type("Scheduler", (), {"__init__": fn("_scheduler_init")})
+    mod("vllm.v1.core.sched.scheduler", Scheduler=scheduler)
+    mod("vllm.v1.core.sched.async_scheduler",
+        AsyncScheduler=type("AsyncScheduler", (scheduler,), {"_update_after_schedule": fn("_update_after_schedule")}))
     config = type("VllmConfig", (), {
         "__post_init__": fn("_post_init"), "_get_v2_model_runner_unsupported_features": fn("_unsupported"),
         "compute_hash": fn("_compute_hash")})
@@ -101,7 +113,8 @@ def fake_vllm(monkeypatch, tmp_path, version="0.24.0", runner_imports=True, **re
     source = tmp_path / "model_runner.py"
     source.write_text("from vllm.v1.worker.gpu.spec_decode import init_speculator\n" if runner_imports
                       else "from vllm.v1.worker.gpu.spec_decode import build_speculator\n")
-    m = mod("vllm.v1.worker.gpu.model_runner")
+    m = mod("vllm.v1.worker.gpu.model_runner",
+            GPUModelRunner=type("GPUModelRunner", (), {"execute_model": fn("_execute_model"), "speculator": None}))
     m.__spec__ = importlib.util.spec_from_file_location("vllm.v1.worker.gpu.model_runner", source)
     return sys.modules
 
@@ -109,7 +122,7 @@ def fake_vllm(monkeypatch, tmp_path, version="0.24.0", runner_imports=True, **re
 def test_the_table_matches_vllm_0_24_0(monkeypatch, tmp_path):
     fake_vllm(monkeypatch, tmp_path)
     patches.check_vllm()
-    assert len(patches.PATCHES) == len({p.target for p in patches.PATCHES}) == 11
+    assert len(patches.PATCHES) == len({p.target for p in patches.PATCHES}) == 13
     assert all(p.why and p.params for p in patches.PATCHES)
 
 
@@ -155,7 +168,7 @@ def test_every_patch_installs_a_table_entry_once(monkeypatch, tmp_path):
     register()
     register()  # idempotent, and the check still passes on the wrapped functions
     for install in (patches.patch_draft_probs_gather, patches.patch_bookkeeping,
-                    patches.patch_draft_graph_capture, patches.patch_runner_binding):
+                    patches.patch_draft_graph_capture, patches.patch_runner_binding, patches.patch_v2_execute_model):
         install()
         install()
     patches.patch_v2_runner(_build_v2_speculator)
@@ -311,3 +324,60 @@ def test_vegas_log_lines_go_where_vllms_go(monkeypatch):
     ours.debug("not at vLLM's level")
     assert out.getvalue() == "vegas: asynchronous scheduling on\n" and ours.handlers == theirs.handlers
     assert not ours.propagate
+
+
+# ---- the per-step draft switch (vegas.vllm_plugin.step_switch) --------------------------------
+def test_the_scheduler_reserves_no_draft_slots_after_a_prefill_heavy_step(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    modules = fake_vllm(monkeypatch, tmp_path)
+    patches.patch_scheduler_switch()
+    sched = modules["vllm.v1.core.sched.async_scheduler"].AsyncScheduler.__new__(
+        modules["vllm.v1.core.sched.async_scheduler"].AsyncScheduler)
+    sched.num_spec_tokens = 4
+
+    def step(tokens, spec):
+        out = SimpleNamespace(num_scheduled_tokens=tokens, scheduled_spec_decode_tokens=spec,
+                              num_spec_tokens_to_schedule=4)
+        sched._update_after_schedule(out)
+        return sched.reserved
+
+    decode = {"a": 5, "b": 5}
+    spec = {"a": [-1] * 4, "b": [-1] * 4}
+    assert step({**decode, "c": 3000}, spec) == 4  # no limit set: vLLM's γ stands
+    sched.vegas_prefill_skip_tokens = 2048
+    assert step({**decode, "c": 3000}, spec) == 0  # a 3000-token chunk: the next step verifies no drafts
+    assert step({**decode, "c": 2000}, spec) == 4  # 1999 prompt tokens < 2048
+    assert step(decode, spec) == 4
+    assert step({"a": 1, "b": 1}, {}) == 4  # a plain step after a skip drafts again
+
+
+def test_a_vegas_scheduler_reads_the_limit_from_the_settings_on_v2_with_async_scheduling():
+    from types import SimpleNamespace
+
+    def cfg(async_scheduling, limit):
+        return SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
+                               additional_config={"vegas": {"vllm": {"prefill_skip_tokens": limit}}})
+
+    assert patches.scheduled_prefill_skip(cfg(True, 2048), use_v2_model_runner=True) == 2048
+    assert patches.scheduled_prefill_skip(cfg(True, 2048), use_v2_model_runner=False) == 0  # V1 decides itself
+    assert patches.scheduled_prefill_skip(cfg(False, 2048), use_v2_model_runner=True) == 0  # no placeholders
+    assert patches.scheduled_prefill_skip(cfg(True, 0), use_v2_model_runner=True) == 0
+
+
+def test_a_real_v2_step_hands_its_schedule_to_the_speculator_first(monkeypatch, tmp_path):
+    modules = fake_vllm(monkeypatch, tmp_path)
+    patches.patch_v2_execute_model()
+    seen = []
+
+    class Speculator:
+        def on_schedule(self, scheduler_output):
+            seen.append(scheduler_output)
+
+    runner = modules["vllm.v1.worker.gpu.model_runner"].GPUModelRunner()
+    runner.speculator = Speculator()
+    assert runner.execute_model("step-1") == ("vllm-execute", False)
+    assert runner.execute_model("dummy", None, True) == ("vllm-execute", True)  # dummy runs: not handed over
+    assert seen == ["step-1"]
+    plain = modules["vllm.v1.worker.gpu.model_runner"].GPUModelRunner()  # no Vegas speculator
+    assert plain.execute_model("step") == ("vllm-execute", False)

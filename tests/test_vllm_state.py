@@ -884,6 +884,14 @@ def test_a_prefill_heavy_forward_neither_selects_nor_drafts():
     st.prefill_skip_tokens = 0  # 0: never skips
     forward([60, 50, 40], [5, 5, 400])
     assert not st.take_skip() and st.plan is not None
+    # the scheduler's decision, when it makes one, wins over the forward's own count
+    st.prefill_skip_tokens = 20
+    st.scheduled_skip = False
+    forward([60, 50, 40], [5, 5, 400])  # 390 prompt tokens, but the scheduler reserved draft slots
+    assert not st.take_skip() and st.plan is not None
+    st.scheduled_skip = True
+    forward([60, 50], [1, 1])  # the step after a skip: one token per request, yet the scheduler said skip
+    assert st.take_skip() and st.plan is None
 
 
 def test_attention_layers_keep_sliding_window_layers_and_refuse_an_all_sliding_model(monkeypatch):

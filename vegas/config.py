@@ -126,8 +126,11 @@ class VllmOptions:
             (tokens beyond ``γ + 1`` per request: a prefill chunk) neither selects nor drafts:
             it costs what plain vLLM's step costs, so prompts waiting behind it (time to first
             token) are not slowed by the draft phase; its decoding rows emit one token and
-            the next step verifies no drafts. Integer >= 0 (tokens); 0 drafts after every
-            forward.
+            the next step verifies no drafts. On the V2 runner with asynchronous scheduling the
+            scheduler decides (:mod:`vegas.vllm_plugin.step_switch`) and reserves no draft slots
+            for the next step, so that step costs a plain step too; elsewhere the forward
+            decides and the next step still verifies γ + 1 tokens per request. Integer >= 0
+            (tokens); 0 drafts after every forward.
 
     Raises:
         VegasConfigError: a field is outside its allowed values.

@@ -88,7 +88,8 @@ WORKER_EXTENSION = "vegas.vllm_plugin.VegasWorkerExtension"
 def register() -> None:
     """``vllm.general_plugins`` entry point: check the installed vLLM against the patch table
     (:func:`~vegas.vllm_plugin.patches.check_vllm`), then install the attention override, the
-    scheduler's lookahead allocation, the config check that keeps async scheduling on for the
+    scheduler's lookahead allocation and its per-step draft switch
+    (:mod:`~vegas.vllm_plugin.step_switch`), the config check that keeps async scheduling on for the
     Vegas proposer, the config hash without the Vegas settings (one compilation for engines that
     differ only in them) and the V2 model-runner patches
     (:func:`~vegas.vllm_plugin.patches.patch_v2_runner`). Safe to call many times, and a no-op
@@ -104,6 +105,7 @@ def register() -> None:
     patches.check_vllm()
     patches.patch_attention()
     patches.patch_scheduler_lookahead()
+    patches.patch_scheduler_switch()
     patches.patch_config_check()
     patches.patch_compile_hash()
     patches.patch_v2_runner(_build_v2_speculator)  # opt-in V2 model runner: lets the Vegas speculator through

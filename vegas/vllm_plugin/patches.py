@@ -49,9 +49,12 @@ __all__ = [
     "patch_draft_probs_gather",
     "patch_runner_binding",
     "patch_scheduler_lookahead",
+    "patch_scheduler_switch",
+    "patch_v2_execute_model",
     "patch_v2_init_speculator",
     "patch_v2_runner",
     "patch_v2_unsupported_check",
+    "scheduled_prefill_skip",
     "stacked_draft_probs",
     "time_runner_forward",
 ]
@@ -121,6 +124,15 @@ PATCHES: tuple[Patch, ...] = (
     Patch("vllm.config.vllm:VllmConfig._get_v2_model_runner_unsupported_features", ("self",),
           "let the Vegas proposer onto the V2 model runner, which vLLM refuses for custom_class "
           "(patch_v2_unsupported_check)"),
+    Patch("vllm.v1.core.sched.async_scheduler:AsyncScheduler._update_after_schedule", ("self", "scheduler_output"),
+          "decide per step whether the next step verifies drafts (0 or γ slots) before the async scheduler "
+          "reserves them: vLLM sets num_spec_tokens_to_schedule only from dynamic speculative decoding, which "
+          "V2 refuses (patch_scheduler_switch)"),
+    Patch("vllm.v1.worker.gpu.model_runner:GPUModelRunner.execute_model",
+          ("self", "scheduler_output", "intermediate_tensors", "dummy_run", "skip_attn_for_dummy_run",
+           "is_profile"),
+          "hand the step's num_spec_tokens_to_schedule to the Vegas speculator before the forward selects: the V2 "
+          "runner keeps no SchedulerOutput (patch_v2_execute_model)"),
     Patch("vllm.v1.worker.gpu.spec_decode:init_speculator", ("vllm_config", "device"),
           "build the Vegas speculator on the V2 runner: vLLM's function is a fixed if-chain without a registry "
           "(patch_v2_init_speculator)",
@@ -303,10 +315,65 @@ def patch_scheduler_lookahead() -> None:
             original(self, *args, **kwargs)
             if is_vegas_proposer(self.vllm_config.speculative_config):
                 self.num_lookahead_tokens = max(self.num_lookahead_tokens, self.num_spec_tokens)
+                self.vegas_prefill_skip_tokens = scheduled_prefill_skip(self.vllm_config,
+                                                                        getattr(self, "use_v2_model_runner", False))
 
         return __init__
 
     _install("vllm.v1.core.sched.scheduler:Scheduler.__init__", make)
+
+
+def scheduled_prefill_skip(vllm_config, use_v2_model_runner: bool) -> int:
+    """``VegasConfig.vllm.prefill_skip_tokens`` when the scheduler decides which steps draft
+    (:mod:`vegas.vllm_plugin.step_switch`): asynchronous scheduling on the V2 runner, whose
+    speculator reads the decision; else 0 (the V1 proposer decides in its worker, as before)."""
+    from .settings import read_settings
+
+    if not (use_v2_model_runner and vllm_config.scheduler_config.async_scheduling):
+        return 0
+    return int(read_settings(vllm_config)[1].vllm.prefill_skip_tokens)
+
+
+def patch_scheduler_switch() -> None:
+    """Wrap ``vllm.v1.core.sched.async_scheduler.AsyncScheduler._update_after_schedule`` (vLLM
+    0.24.0): before it reserves the next step's draft placeholders, a Vegas scheduler sets the
+    step's ``num_spec_tokens_to_schedule`` to 0 or γ
+    (:func:`vegas.vllm_plugin.step_switch.drafts_next_step`); a no-op for other engines and when
+    ``vegas_prefill_skip_tokens`` is 0."""
+    from .step_switch import drafts_next_step
+
+    def make(original):
+        def _update_after_schedule(self, scheduler_output):
+            limit = getattr(self, "vegas_prefill_skip_tokens", 0)
+            if limit:
+                scheduler_output.num_spec_tokens_to_schedule = drafts_next_step(
+                    scheduler_output.num_scheduled_tokens, scheduler_output.scheduled_spec_decode_tokens,
+                    self.num_spec_tokens, limit,
+                )
+            return original(self, scheduler_output)
+
+        return _update_after_schedule
+
+    _install("vllm.v1.core.sched.async_scheduler:AsyncScheduler._update_after_schedule", make)
+
+
+def patch_v2_execute_model() -> None:
+    """Wrap ``vllm.v1.worker.gpu.model_runner.GPUModelRunner.execute_model`` (vLLM 0.24.0) so
+    that a real step (not a dummy run) first hands its ``SchedulerOutput`` to the runner's
+    speculator when it has ``on_schedule`` (the Vegas speculator); installed by the speculator,
+    when the runner module is already imported."""
+    def make(original):
+        def execute_model(self, scheduler_output, intermediate_tensors=None, dummy_run=False,
+                          skip_attn_for_dummy_run=False, is_profile=False):
+            speculator = getattr(self, "speculator", None)
+            if not dummy_run and hasattr(speculator, "on_schedule"):
+                speculator.on_schedule(scheduler_output)
+            return original(self, scheduler_output, intermediate_tensors, dummy_run, skip_attn_for_dummy_run,
+                            is_profile)
+
+        return execute_model
+
+    _install("vllm.v1.worker.gpu.model_runner:GPUModelRunner.execute_model", make)
 
 
 def stacked_draft_probs(probs, prob_req_ids, req_ids, num_draft_tokens):

@@ -88,6 +88,7 @@ def start_drafter(state: SelectionState, vllm_config, gamma: int) -> tuple[Selec
         state.all_reduce = tensor_model_parallel_all_reduce
     patches.patch_attention()
     patches.patch_scheduler_lookahead()
+    patches.patch_scheduler_switch()
     return selector, settings_json(name, selector.config)
 
 

@@ -93,6 +93,14 @@ class VegasSpeculator(DraftModelSpeculator):
         self.select_ms = 0.0
         self.draft_ms = 0.0  # GPU time of the draft phases (CUDA events around each; graphs included)
         self.draft_events: list = []  # (start, end) not yet read: under async scheduling the host runs ahead
+        #: the scheduler decides which steps draft (:mod:`~vegas.vllm_plugin.step_switch`): async
+        #: scheduling with ``prefill_skip_tokens`` set; then :meth:`on_schedule` reads each step's decision
+        self.scheduled_switch = bool(vllm_config.scheduler_config.async_scheduling) and self.state.prefill_skip_tokens > 0
+        self.drafts_next = self.gamma  # drafts the current step makes (its num_spec_tokens_to_schedule)
+        if self.scheduled_switch:
+            from .. import patches
+
+            patches.patch_v2_execute_model()
         self.drafting = DraftEngine(
             vllm_config, self.state, self.gamma, options, device,
             block_table=lambda: self.block_tables.input_block_tables[0],  # [max_reqs, max_blocks] int32, batch order
@@ -127,6 +135,16 @@ class VegasSpeculator(DraftModelSpeculator):
         self.kv_cache_config = kv_cache_config
         self.block_tables = block_tables
 
+    def on_schedule(self, scheduler_output) -> None:
+        """Before a real step's forward (:func:`~vegas.vllm_plugin.patches.patch_v2_execute_model`):
+        the step's ``num_spec_tokens_to_schedule`` (0 or γ, set by the scheduler,
+        :mod:`~vegas.vllm_plugin.step_switch`) says whether it selects and drafts; its forward's
+        selection skips when it is 0 (``SelectionState.scheduled_skip``)."""
+        if not self.scheduled_switch:
+            return
+        self.drafts_next = int(scheduler_output.num_spec_tokens_to_schedule)
+        self.state.scheduled_skip = self.drafts_next == 0
+
     def init_cudagraph_manager(self, cudagraph_mode) -> None:
         self.cudagraph_mode = cudagraph_mode
 
@@ -152,7 +170,9 @@ class VegasSpeculator(DraftModelSpeculator):
         """
         n = input_batch.num_reqs
         state = self.state
-        prefill_heavy = state.take_skip()  # the forward carried a prefill chunk and selected nothing
+        # the forward carried a prefill chunk and selected nothing, or the scheduler gave the next
+        # step no draft slots (then it verifies one token per request: drafts would be thrown away)
+        prefill_heavy = state.take_skip() or self.drafts_next == 0
         if dummy_run or is_profile or attn_metadata is None:
             return self.draft_tokens[:n].zero_()
         idx = input_batch.idx_mapping  # [n] int32 batch row -> request slot

@@ -92,6 +92,10 @@ class SelectionState:
     #: the last forward whose Python ran skipped its selection (:meth:`skips`); the drafter
     #: reads and clears it (:meth:`take_skip`)
     skipped: bool = False
+    #: the scheduler's decision for the current step when it makes one (V2 runner, async
+    #: scheduling: :mod:`~vegas.vllm_plugin.step_switch`): True skips, False selects; None: the
+    #: forward decides from its own prompt tokens and :attr:`prefill_skip_tokens`
+    scheduled_skip: bool | None = None
 
     @property
     def num_layers(self) -> int:
@@ -170,10 +174,14 @@ class SelectionState:
         return max(0, int(attn_metadata.num_actual_tokens) - (self.gamma + 1) * num_reqs)
 
     def skips(self, attn_metadata) -> bool:
-        """Whether this forward skips selection and drafting: it carries at least
+        """Whether this forward skips selection and drafting: the scheduler said so
+        (:attr:`scheduled_skip`), or, without its decision, the forward carries at least
         :attr:`prefill_skip_tokens` prompt tokens (:meth:`prompt_tokens`). Sets :attr:`skipped`."""
-        limit = self.prefill_skip_tokens
-        self.skipped = bool(limit) and self.prompt_tokens(attn_metadata) >= limit
+        if self.scheduled_skip is not None:
+            self.skipped = self.scheduled_skip
+        else:
+            limit = self.prefill_skip_tokens
+            self.skipped = bool(limit) and self.prompt_tokens(attn_metadata) >= limit
         if self.skipped:
             self.plan = None
         return self.skipped
