@@ -90,6 +90,7 @@ class VegasSpeculator(DraftModelSpeculator):
         self.proposals = 0
         self.skipped = 0  # steps that drafted nothing (no row sampled a token, or a prefill-heavy step)
         self.prefill_skips = 0  # of those: forwards with >= prefill_skip_tokens prompt tokens
+        self.scheduled_skips = 0  # steps the scheduler gave no draft slots for the next step (step_switch)
         self.select_ms = 0.0
         self.draft_ms = 0.0  # GPU time of the draft phases (CUDA events around each; graphs included)
         self.draft_events: list = []  # (start, end) not yet read: under async scheduling the host runs ahead
@@ -144,6 +145,7 @@ class VegasSpeculator(DraftModelSpeculator):
             return
         self.drafts_next = int(scheduler_output.num_spec_tokens_to_schedule)
         self.state.scheduled_skip = self.drafts_next == 0
+        self.scheduled_skips += self.drafts_next == 0
 
     def init_cudagraph_manager(self, cudagraph_mode) -> None:
         self.cudagraph_mode = cudagraph_mode
@@ -228,7 +230,7 @@ class VegasSpeculator(DraftModelSpeculator):
     def reset_stats(self) -> None:
         """Zero the counters (waits for the GPU)."""
         self.counters.zero_()
-        self.proposals = self.skipped = self.prefill_skips = 0
+        self.proposals = self.skipped = self.prefill_skips = self.scheduled_skips = 0
         torch.cuda.synchronize(self.device)
         self.select_ms = self.draft_ms = 0.0
         self.draft_events.clear()
@@ -237,7 +239,8 @@ class VegasSpeculator(DraftModelSpeculator):
 
     def stats(self) -> dict:
         """proposals (steps that drafted), skipped (steps that did not; ``prefill_skips`` of
-        them for a prefill chunk of at least ``prefill_skip_tokens`` tokens), iterations (verified
+        them for a prefill chunk of at least ``prefill_skip_tokens`` tokens; ``scheduled_skips``: steps
+        whose next step the scheduler gave no draft slots, :mod:`~vegas.vllm_plugin.step_switch`), iterations (verified
         steps of rows with drafts), emitted (accepted + bonus tokens of those),
         ``acceptance_length`` = emitted / iterations, ``select_ms`` (GPU time of the
         selection inside verification), ``draft_ms`` (GPU time of the draft phases, CUDA
@@ -252,6 +255,7 @@ class VegasSpeculator(DraftModelSpeculator):
             "proposals": self.proposals,
             "skipped": self.skipped,
             "prefill_skips": self.prefill_skips,
+            "scheduled_skips": self.scheduled_skips,
             "iterations": iterations,
             "emitted": emitted,
             "acceptance_length": emitted / iterations if iterations else 0.0,
