@@ -60,6 +60,9 @@ def test_bad_options_name_their_field(change, field, text):
     (["--backend", "vllm", "--batch-size", "a"], "Invalid value for '--batch-size': must be comma-separated ints"),
     (["--backend", "vllm", "--plot", "x.png"], "--plot is for --backend hf only"),
     (["--backend", "vllm", "--engine-args", "[1]"], "--engine-args"),
+    (["--backend", "vllm", "--vllm-options", '{"fallback": 1}'], "vllm.fallback must be true or false"),
+    (["--backend", "vllm", "--vllm-options", '{"rows": 3}'], "vllm: unknown field(s) rows"),
+    (["--vllm-options", '{"fallback": true}'], "Invalid value for '--vllm-options': is for --backend vllm only"),
     (["--context", "64,128"], "Invalid value for '--context': takes one value with --backend hf"),
     (["--open", "2"], "Invalid value for '--open': is for --backend vllm only"),
 ])
@@ -329,3 +332,10 @@ def test_device_check_default_bench_args_parse(fake_vllm, monkeypatch):
     assert opts.contexts == [7680] and opts.batches == [32, 128] and opts.top_p == 1.0
     assert opts.selectors == ["collect2", "aggregated", "sliding_window", "quest"] and opts.exact_prompts == 32
     assert opts.sparsity_ratio == 0.02 and opts.min_kv_budget == 0 and opts.check_tokens == 64
+
+
+def test_vllm_options_reach_every_vegas_engine():
+    opts = vb.VllmBenchOptions(vllm_options={"fallback": True, "prefill_skip_tokens": 2048})
+    config = vb.vegas_config(opts)
+    assert config.vllm.fallback and config.vllm.prefill_skip_tokens == 2048
+    assert not vb.vegas_config(vb.VllmBenchOptions()).vllm.fallback  # off unless asked

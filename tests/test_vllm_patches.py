@@ -61,6 +61,10 @@ def _update_after_schedule(self, scheduler_output):
     self.reserved = scheduler_output.num_spec_tokens_to_schedule
 
 
+def _update_from_output(self, scheduler_output, model_runner_output):
+    return {0: "vllm-outputs"}
+
+
 def _execute_model(self, scheduler_output, intermediate_tensors=None, dummy_run=False,
                    skip_attn_for_dummy_run=False, is_profile=False):
     return ("vllm-execute", dummy_run)
@@ -96,7 +100,7 @@ def fake_vllm(monkeypatch, tmp_path, version="0.24.0", runner_imports=True, **re
         mod(name)
     mod("vllm.v1.attention.backends.flash_attn",
         FlashAttentionImpl=type("FlashAttentionImpl", (), {"forward": fn("_forward")}))
-    scheduler = type("Scheduler", (), {"__init__": fn("_scheduler_init")})
+    scheduler = type("Scheduler", (), {"__init__": fn("_scheduler_init"), "update_from_output": fn("_update_from_output")})
     mod("vllm.v1.core.sched.scheduler", Scheduler=scheduler)
     mod("vllm.v1.core.sched.async_scheduler",
         AsyncScheduler=type("AsyncScheduler", (scheduler,), {"_update_after_schedule": fn("_update_after_schedule")}))
@@ -122,7 +126,7 @@ def fake_vllm(monkeypatch, tmp_path, version="0.24.0", runner_imports=True, **re
 def test_the_table_matches_vllm_0_24_0(monkeypatch, tmp_path):
     fake_vllm(monkeypatch, tmp_path)
     patches.check_vllm()
-    assert len(patches.PATCHES) == len({p.target for p in patches.PATCHES}) == 13
+    assert len(patches.PATCHES) == len({p.target for p in patches.PATCHES}) == 14
     assert all(p.why and p.params for p in patches.PATCHES)
 
 
@@ -330,11 +334,12 @@ def test_vegas_log_lines_go_where_vllms_go(monkeypatch):
 def test_the_scheduler_reserves_no_draft_slots_after_a_prefill_heavy_step(monkeypatch, tmp_path):
     from types import SimpleNamespace
 
+    from vegas.vllm_plugin.step_switch import StepSwitch
+
     modules = fake_vllm(monkeypatch, tmp_path)
     patches.patch_scheduler_switch()
-    sched = modules["vllm.v1.core.sched.async_scheduler"].AsyncScheduler.__new__(
-        modules["vllm.v1.core.sched.async_scheduler"].AsyncScheduler)
-    sched.num_spec_tokens = 4
+    cls = modules["vllm.v1.core.sched.async_scheduler"].AsyncScheduler
+    sched = cls.__new__(cls)
 
     def step(tokens, spec):
         out = SimpleNamespace(num_scheduled_tokens=tokens, scheduled_spec_decode_tokens=spec,
@@ -344,25 +349,48 @@ def test_the_scheduler_reserves_no_draft_slots_after_a_prefill_heavy_step(monkey
 
     decode = {"a": 5, "b": 5}
     spec = {"a": [-1] * 4, "b": [-1] * 4}
-    assert step({**decode, "c": 3000}, spec) == 4  # no limit set: vLLM's γ stands
-    sched.vegas_prefill_skip_tokens = 2048
+    assert step({**decode, "c": 3000}, spec) == 4  # no switch: vLLM's γ stands
+    sched.vegas_switch = StepSwitch.of(4, prefill_skip_tokens=2048, fallback=False)
     assert step({**decode, "c": 3000}, spec) == 0  # a 3000-token chunk: the next step verifies no drafts
     assert step({**decode, "c": 2000}, spec) == 4  # 1999 prompt tokens < 2048
     assert step(decode, spec) == 4
     assert step({"a": 1, "b": 1}, {}) == 4  # a plain step after a skip drafts again
 
 
-def test_a_vegas_scheduler_reads_the_limit_from_the_settings_on_v2_with_async_scheduling():
+def test_every_step_output_reaches_the_measured_fallback(monkeypatch, tmp_path):
     from types import SimpleNamespace
 
-    def cfg(async_scheduling, limit):
-        return SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
-                               additional_config={"vegas": {"vllm": {"prefill_skip_tokens": limit}}})
+    from vegas.vllm_plugin.step_switch import StepSwitch
 
-    assert patches.scheduled_prefill_skip(cfg(True, 2048), use_v2_model_runner=True) == 2048
-    assert patches.scheduled_prefill_skip(cfg(True, 2048), use_v2_model_runner=False) == 0  # V1 decides itself
-    assert patches.scheduled_prefill_skip(cfg(False, 2048), use_v2_model_runner=True) == 0  # no placeholders
-    assert patches.scheduled_prefill_skip(cfg(True, 0), use_v2_model_runner=True) == 0
+    modules = fake_vllm(monkeypatch, tmp_path)
+    patches.patch_scheduler_switch()
+    cls = modules["vllm.v1.core.sched.async_scheduler"].AsyncScheduler
+    sched = cls.__new__(cls)
+    out = SimpleNamespace(num_scheduled_tokens={"a": 5}, scheduled_spec_decode_tokens={"a": [-1] * 4},
+                          num_spec_tokens_to_schedule=4)
+    assert sched.update_from_output(out, SimpleNamespace(sampled_token_ids=[[1, 2, 3]])) == {0: "vllm-outputs"}
+    sched.vegas_switch = StepSwitch.of(4, prefill_skip_tokens=0, fallback=True)
+    seen = []
+    sched.vegas_switch.fallback.observe = lambda drafts, tokens, decode_only: seen.append((drafts, tokens, decode_only))
+    assert sched.update_from_output(out, SimpleNamespace(sampled_token_ids=[[1, 2, 3]])) == {0: "vllm-outputs"}
+    assert seen == [(4, 3, True)]
+
+
+def test_a_vegas_scheduler_switches_on_v2_with_async_scheduling_only():
+    from types import SimpleNamespace
+
+    def cfg(async_scheduling, limit, fallback=False):
+        return SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
+                               speculative_config=SimpleNamespace(num_speculative_tokens=4),
+                               additional_config={"vegas": {"vllm": {"prefill_skip_tokens": limit,
+                                                                     "fallback": fallback}}})
+
+    switch = patches.scheduler_switch(cfg(True, 2048), use_v2_model_runner=True)
+    assert switch.prefill_skip_tokens == 2048 and switch.gamma == 4 and switch.fallback is None
+    assert patches.scheduler_switch(cfg(True, 2048), use_v2_model_runner=False) is None  # V1 decides itself
+    assert patches.scheduler_switch(cfg(False, 2048), use_v2_model_runner=True) is None  # no placeholders
+    assert patches.scheduler_switch(cfg(True, 0), use_v2_model_runner=True) is None  # nothing to decide
+    assert patches.scheduler_switch(cfg(True, 0, fallback=True), use_v2_model_runner=True).fallback is not None
 
 
 def test_a_real_v2_step_hands_its_schedule_to_the_speculator_first(monkeypatch, tmp_path):

@@ -481,6 +481,7 @@ def test_tp_selection_must_be_known():
         ('{"vllm": {"draft_cuda_graphs": 1}}', "vllm.draft_cuda_graphs must be true or false"),
         ('{"vllm": {"draft_graph_max_rows": 0}}', "vllm.draft_graph_max_rows must be an integer >= 1"),
         ('{"vllm": {"prefill_skip_tokens": -1}}', "vllm.prefill_skip_tokens must be an integer >= 0"),
+        ('{"vllm": {"fallback": "yes"}}', "vllm.fallback must be true or false"),
         ('{"vllm": {"rows": 3}}', "vllm: unknown field.*rows.*allowed: tp_selection"),
         ('[1, 2]', "must be a JSON object"),
         ("{selector: collect2}", "must be a JSON object"),

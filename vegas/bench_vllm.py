@@ -106,6 +106,7 @@ class VllmBenchOptions:
     sizes; every pair is a row per method. ``open_factor``: 0 for closed batches, K for open ones
     of ``K x batch`` requests. ``engine_args``: further ``vllm.LLM`` arguments for every engine
     (``gpu_memory_utilization`` there is the total of the engines alive at once).
+    ``vllm_options``: ``VegasConfig.vllm`` fields of every Vegas engine.
     """
 
     model: str | None = None
@@ -124,6 +125,8 @@ class VllmBenchOptions:
     seed: int = 0
     check_tokens: int = 16
     exact_prompts: int = 8
+    #: ``VegasConfig.vllm`` fields of every Vegas engine (e.g. ``{"fallback": true}``)
+    vllm_options: dict[str, Any] = field(default_factory=dict)
     prompts: str | None = None
     dtype: str = "bfloat16"
     engine_args: dict[str, Any] = field(default_factory=dict)
@@ -156,7 +159,7 @@ def methods_of(selectors: list[str]) -> list[str]:
 def vegas_config(opts: VllmBenchOptions) -> VegasConfig:
     """The Vegas settings of every Vegas engine of the run (:func:`vegas.bench.bench_config`,
     checked by :class:`VegasConfig`)."""
-    return VegasConfig(**bench_config(opts))
+    return VegasConfig(**bench_config(opts), vllm=dict(opts.vllm_options))
 
 
 def raise_if_bad_options(opts: VllmBenchOptions, max_context: int | None) -> None:

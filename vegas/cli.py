@@ -140,6 +140,9 @@ def main(verbose: bool) -> None:
               help="vllm backend: further vllm.LLM arguments of every engine as a JSON object, e.g. "
                    "'{\"tensor_parallel_size\": 2, \"enforce_eager\": true}'; gpu_memory_utilization is the "
                    "total of the engines alive at once [default: 0.85].")
+@click.option("--vllm-options", default=None,
+              help="vllm backend: VegasConfig.vllm settings of every Vegas engine as a JSON object, e.g. "
+                   "'{\"fallback\": true}' or '{\"prefill_skip_tokens\": 2048}' (docs/vllm.md).")
 @click.option("--json", "json_path", default=None, type=click.Path(), help="Write results as JSON here.")
 @click.option("--plot", "plot_path", default=None, type=click.Path(),
               help="Write the table as a chart here (τ and speedup per selector; hf backend): a format "
@@ -155,7 +158,7 @@ def bench(json_path, plot_path, selectors, **kwargs) -> None:
     from .plugins import backend_names
 
     console = Console(width=None if sys.stdout.isatty() else 120)  # the table's 7 columns fit
-    vllm_only = {k: kwargs.pop(k) for k in ("open_factor", "exact_prompts", "engine_args")}
+    vllm_only = {k: kwargs.pop(k) for k in ("open_factor", "exact_prompts", "engine_args", "vllm_options")}
     try:
         backends = backend_names()
         if kwargs["backend"] not in backends:
@@ -168,7 +171,7 @@ def bench(json_path, plot_path, selectors, **kwargs) -> None:
                 raise VegasConfigError(f"{flag} {path!r} must be a file path in an existing directory")
         if kwargs["backend"] == "vllm":
             return _bench_vllm(names, json_path, plot_path, vllm_only, kwargs)
-        for name in ("open_factor", "exact_prompts", "engine_args"):
+        for name in ("open_factor", "exact_prompts", "engine_args", "vllm_options"):
             if vllm_only[name] is not None:
                 raise VegasConfigError.bad(name, "is for --backend vllm only")
         for name in ("context", "batch_size"):
@@ -220,7 +223,7 @@ def _bench_vllm(names, json_path, plot_path, vllm_only: dict, kwargs: dict) -> N
                                    "path), got 'float32'")
     if json_path:
         _check_writable(Path(json_path))
-    engine_args = vllm_only["engine_args"]
+    engine_args, vllm_options = vllm_only["engine_args"], vllm_only["vllm_options"]
     opts = VllmBenchOptions(
         model=kwargs["model"], selectors=names if names is not None else selector_names(),
         contexts=kwargs["context"] or [], batches=kwargs["batch_size"] or [],
@@ -233,6 +236,7 @@ def _bench_vllm(names, json_path, plot_path, vllm_only: dict, kwargs: dict) -> N
         prompts=kwargs["prompts"],
         dtype="bfloat16" if kwargs["dtype"] == "float32" else kwargs["dtype"],  # the default float32: bf16 (FA3)
         engine_args=parse_json_object(engine_args, "--engine-args") if engine_args else {},
+        vllm_options=parse_json_object(vllm_options, "--vllm-options") if vllm_options else {},
     )
 
     def save(results: dict) -> None:

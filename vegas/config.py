@@ -131,6 +131,12 @@ class VllmOptions:
             for the next step, so that step costs a plain step too; elsewhere the forward
             decides and the next step still verifies γ + 1 tokens per request. Integer >= 0
             (tokens); 0 drafts after every forward.
+        fallback: measured fallback to plain steps on the V2 runner with asynchronous
+            scheduling (:class:`vegas.vllm_plugin.step_switch.MeasuredFallback`): the scheduler
+            compares the output tokens per second of drafting and of plain steps on the
+            engine's own decode steps (a short probe of the other mode now and then) and keeps
+            the faster; plain steps reserve no draft slots. Off by default until measured on a
+            GPU; ignored elsewhere.
 
     Raises:
         VegasConfigError: a field is outside its allowed values.
@@ -141,6 +147,7 @@ class VllmOptions:
     draft_cuda_graphs: bool = True
     draft_graph_max_rows: int = DEFAULT_DRAFT_GRAPH_MAX_ROWS
     prefill_skip_tokens: int = 0
+    fallback: bool = False
 
     def __post_init__(self) -> None:
         _raise_if_not_one_of("vllm.tp_selection", self.tp_selection, TP_SELECTIONS)
@@ -149,6 +156,8 @@ class VllmOptions:
             raise VegasConfigError.bad("vllm.draft_cuda_graphs", f"must be true or false, got {self.draft_cuda_graphs!r}")
         _raise_if_not_int("vllm.draft_graph_max_rows", self.draft_graph_max_rows, 1)
         _raise_if_not_int("vllm.prefill_skip_tokens", self.prefill_skip_tokens, 0)
+        if not isinstance(self.fallback, bool):
+            raise VegasConfigError.bad("vllm.fallback", f"must be true or false, got {self.fallback!r}")
 
 
 @dataclass(frozen=True)

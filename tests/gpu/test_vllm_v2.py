@@ -63,6 +63,30 @@ def test_vllm_v2_prefill_skip_keeps_greedy_equal(plain_v2, monkeypatch):
     _assert_equal_up_to_ties(plain, vegas)
 
 
+def test_vllm_v2_fallback_probes_plain_steps_and_keeps_greedy_equal(plain_v2, monkeypatch):
+    """vllm.fallback: the scheduler's measured fallback (step_switch.MeasuredFallback) runs plain
+    probe steps (no draft slots, no selection, no drafting) between drafting steps; the output
+    stays plain greedy's. A short probe interval (engine core in this process) so that 48 tokens
+    reach a probe."""
+    from vegas.vllm_plugin import step_switch
+
+    prompts, sp, plain = plain_v2
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the scheduler must see the short interval
+    made = []
+
+    def of(gamma, prefill_skip_tokens, fallback):
+        switch = step_switch.StepSwitch(gamma, prefill_skip_tokens,
+                                        step_switch.MeasuredFallback(gamma, interval=4, window=2) if fallback else None)
+        made.append(switch)
+        return switch
+
+    monkeypatch.setattr(step_switch.StepSwitch, "of", staticmethod(of))
+    vegas, stats = _vegas_v2(monkeypatch, "collect2", prompts, sp, fallback=True)
+    assert made and made[-1].fallback.probes >= 1, stats
+    assert stats["scheduled_skips"] >= 1 and stats["proposals"] > 0 and stats["acceptance_length"] > 1.0, stats
+    _assert_equal_up_to_ties(plain, vegas)
+
+
 def test_vllm_v2_sampling_smoke(plain_v2, monkeypatch):
     from vllm import SamplingParams
 

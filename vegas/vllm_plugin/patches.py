@@ -54,7 +54,7 @@ __all__ = [
     "patch_v2_init_speculator",
     "patch_v2_runner",
     "patch_v2_unsupported_check",
-    "scheduled_prefill_skip",
+    "scheduler_switch",
     "stacked_draft_probs",
     "time_runner_forward",
 ]
@@ -128,6 +128,10 @@ PATCHES: tuple[Patch, ...] = (
           "decide per step whether the next step verifies drafts (0 or γ slots) before the async scheduler "
           "reserves them: vLLM sets num_spec_tokens_to_schedule only from dynamic speculative decoding, which "
           "V2 refuses (patch_scheduler_switch)"),
+    Patch("vllm.v1.core.sched.scheduler:Scheduler.update_from_output",
+          ("self", "scheduler_output", "model_runner_output"),
+          "report each step's emitted tokens to the Vegas step switch (its measured fallback) "
+          "(patch_scheduler_switch)"),
     Patch("vllm.v1.worker.gpu.model_runner:GPUModelRunner.execute_model",
           ("self", "scheduler_output", "intermediate_tensors", "dummy_run", "skip_attn_for_dummy_run",
            "is_profile"),
@@ -315,46 +319,60 @@ def patch_scheduler_lookahead() -> None:
             original(self, *args, **kwargs)
             if is_vegas_proposer(self.vllm_config.speculative_config):
                 self.num_lookahead_tokens = max(self.num_lookahead_tokens, self.num_spec_tokens)
-                self.vegas_prefill_skip_tokens = scheduled_prefill_skip(self.vllm_config,
-                                                                        getattr(self, "use_v2_model_runner", False))
+                self.vegas_switch = scheduler_switch(self.vllm_config, getattr(self, "use_v2_model_runner", False))
 
         return __init__
 
     _install("vllm.v1.core.sched.scheduler:Scheduler.__init__", make)
 
 
-def scheduled_prefill_skip(vllm_config, use_v2_model_runner: bool) -> int:
-    """``VegasConfig.vllm.prefill_skip_tokens`` when the scheduler decides which steps draft
-    (:mod:`vegas.vllm_plugin.step_switch`): asynchronous scheduling on the V2 runner, whose
-    speculator reads the decision; else 0 (the V1 proposer decides in its worker, as before)."""
+def scheduler_switch(vllm_config, use_v2_model_runner: bool):
+    """The scheduler's per-step draft switch (:class:`vegas.vllm_plugin.step_switch.StepSwitch`)
+    of the engine's Vegas settings (``vllm.prefill_skip_tokens``, ``vllm.fallback``) when the
+    scheduler decides which steps draft: asynchronous scheduling on the V2 runner, whose
+    speculator reads the decision; else None (the V1 proposer decides in its worker, as before)."""
     from .settings import read_settings
+    from .step_switch import StepSwitch
 
     if not (use_v2_model_runner and vllm_config.scheduler_config.async_scheduling):
-        return 0
-    return int(read_settings(vllm_config)[1].vllm.prefill_skip_tokens)
+        return None
+    options = read_settings(vllm_config)[1].vllm
+    gamma = int(vllm_config.speculative_config.num_speculative_tokens)
+    return StepSwitch.of(gamma, int(options.prefill_skip_tokens), bool(options.fallback))
 
 
 def patch_scheduler_switch() -> None:
-    """Wrap ``vllm.v1.core.sched.async_scheduler.AsyncScheduler._update_after_schedule`` (vLLM
-    0.24.0): before it reserves the next step's draft placeholders, a Vegas scheduler sets the
-    step's ``num_spec_tokens_to_schedule`` to 0 or γ
-    (:func:`vegas.vllm_plugin.step_switch.drafts_next_step`); a no-op for other engines and when
-    ``vegas_prefill_skip_tokens`` is 0."""
-    from .step_switch import drafts_next_step
-
-    def make(original):
+    """Wrap ``vllm.v1.core.sched.async_scheduler.AsyncScheduler._update_after_schedule`` and
+    ``vllm.v1.core.sched.scheduler.Scheduler.update_from_output`` (vLLM 0.24.0): before the
+    async scheduler reserves the next step's draft placeholders, a Vegas scheduler with a switch
+    (``vegas_switch``, :func:`scheduler_switch`) sets the step's ``num_spec_tokens_to_schedule``
+    to 0 or γ (:meth:`~vegas.vllm_plugin.step_switch.StepSwitch.decide`); every step's output is
+    reported to the switch (:meth:`~vegas.vllm_plugin.step_switch.StepSwitch.observe`). No-ops
+    for other engines."""
+    def make_schedule(original):
         def _update_after_schedule(self, scheduler_output):
-            limit = getattr(self, "vegas_prefill_skip_tokens", 0)
-            if limit:
-                scheduler_output.num_spec_tokens_to_schedule = drafts_next_step(
-                    scheduler_output.num_scheduled_tokens, scheduler_output.scheduled_spec_decode_tokens,
-                    self.num_spec_tokens, limit,
-                )
+            switch = getattr(self, "vegas_switch", None)
+            if switch is not None:
+                scheduler_output.num_spec_tokens_to_schedule = switch.decide(
+                    scheduler_output.num_scheduled_tokens, scheduler_output.scheduled_spec_decode_tokens)
             return original(self, scheduler_output)
 
         return _update_after_schedule
 
-    _install("vllm.v1.core.sched.async_scheduler:AsyncScheduler._update_after_schedule", make)
+    def make_output(original):
+        def update_from_output(self, scheduler_output, model_runner_output):
+            outputs = original(self, scheduler_output, model_runner_output)
+            switch = getattr(self, "vegas_switch", None)
+            if switch is not None:
+                switch.observe(scheduler_output.num_scheduled_tokens, scheduler_output.scheduled_spec_decode_tokens,
+                               int(scheduler_output.num_spec_tokens_to_schedule),
+                               getattr(model_runner_output, "sampled_token_ids", None))
+            return outputs
+
+        return update_from_output
+
+    _install("vllm.v1.core.sched.async_scheduler:AsyncScheduler._update_after_schedule", make_schedule)
+    _install("vllm.v1.core.sched.scheduler:Scheduler.update_from_output", make_output)
 
 
 def patch_v2_execute_model() -> None:

@@ -95,8 +95,10 @@ class VegasSpeculator(DraftModelSpeculator):
         self.draft_ms = 0.0  # GPU time of the draft phases (CUDA events around each; graphs included)
         self.draft_events: list = []  # (start, end) not yet read: under async scheduling the host runs ahead
         #: the scheduler decides which steps draft (:mod:`~vegas.vllm_plugin.step_switch`): async
-        #: scheduling with ``prefill_skip_tokens`` set; then :meth:`on_schedule` reads each step's decision
-        self.scheduled_switch = bool(vllm_config.scheduler_config.async_scheduling) and self.state.prefill_skip_tokens > 0
+        #: scheduling with ``prefill_skip_tokens`` or ``fallback`` set (as
+        #: :func:`~vegas.vllm_plugin.patches.scheduler_switch`); then :meth:`on_schedule` reads each step's decision
+        self.scheduled_switch = bool(vllm_config.scheduler_config.async_scheduling) and (
+            self.state.prefill_skip_tokens > 0 or options.fallback)
         self.drafts_next = self.gamma  # drafts the current step makes (its num_spec_tokens_to_schedule)
         if self.scheduled_switch:
             from .. import patches
