@@ -216,3 +216,54 @@ def test_failed_ablate_leaves_no_out_directory(tmp_path):
         result = CliRunner().invoke(main, ["ablate", "--quick", "--out", str(out), *args])
         assert result.exit_code == 2, (args, result.output)
         assert not (tmp_path / "parent").exists(), args
+
+
+def test_a_plugin_selector_that_raises_is_skipped_under_all_and_fatal_when_named(counted, tmp_path, click_ids,
+                                                                                monkeypatch):
+    """As vegas bench: with every selector (the default), a plugin selector that raises while
+    decoding is skipped, said so, and the run completes otherwise; a selector named by the user fails the run."""
+    import vegas.ablate as ab
+    from vegas.config import VegasPluginError
+
+    pipe, _ = counted
+    source = tmp_path / "src.py"
+    source.write_text(pipe.tokenizer.decode(click_ids[:3000]))
+    real = ab.measure
+
+    def measure(p, rows, spec, opts):
+        if spec["selector"] == "boom":
+            raise VegasPluginError("selector 'boom' (plugin 'bad') raised in select(): RuntimeError: boom")
+        return real(p, rows, spec, opts)
+
+    monkeypatch.setattr(ab, "measure", measure)
+    monkeypatch.setattr(ab, "selector_names", lambda: ["collect2", "boom"])
+    monkeypatch.setattr(ab, "ORACLE", "collect2")  # keep the run to two selectors
+    log = io.StringIO()
+    res = run_ablate(_tiny(tmp_path, source, selectors=None, studies=["budget"]), Console(file=log), pipe=pipe)
+    assert set(res["skipped"]) == {"boom"} and res["measured"] == 1 and not res["complete"]
+    assert "skipped: selector 'boom'" in log.getvalue()
+    with pytest.raises(VegasPluginError, match="boom"):
+        run_ablate(_tiny(tmp_path, source, selectors=["boom"], studies=["budget"]), Console(file=io.StringIO()),
+                   pipe=pipe)
+
+
+def test_prompt_sources_read_as_what_they_are(tmp_path, monkeypatch):
+    from vegas.prompts import HELDOUT, heldout_path, source_label
+
+    assert source_label(None) == "click source (held-out set not found)"
+    assert source_label(str(tmp_path / HELDOUT)) == "held-out code"
+    assert source_label("/data/mine.jsonl.xz") == "mine.jsonl.xz"
+    monkeypatch.setattr("vegas.prompts.__file__", str(tmp_path / "site" / "vegas" / "prompts.py"))
+    monkeypatch.chdir(tmp_path)
+    assert heldout_path() is None  # neither beside the installed package nor here
+    (tmp_path / HELDOUT).parent.mkdir(parents=True)
+    (tmp_path / HELDOUT).write_bytes(b"")
+    assert heldout_path() == tmp_path / HELDOUT  # a checkout run from after pip install .
+
+
+def test_a_prompt_source_shorter_than_the_context_names_both_flags():
+    from vegas.prompts import cut_contexts
+
+    with pytest.raises(VegasConfigError, match=r"context \(--context\) of 256 tokens is longer than the prompt "
+                                               r"source \(3 tokens\).*--prompts"):
+        cut_contexts([1, 2, 3], 256, 1)

@@ -261,13 +261,19 @@ def test_an_over_long_prompt_gets_vegas_error_only(tmp_path, caplog):
     assert "Token indices sequence length is longer" not in result.output + caplog.text
 
 
-def test_off_a_terminal_transformers_progress_bars_are_off():
+def test_off_a_terminal_transformers_progress_bars_are_off(monkeypatch):
+    import os
+
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.enable_progress_bar()
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
     try:
         result = CliRunner().invoke(main, ["generate", "", "--max-new-tokens", "1"])  # stderr is not a terminal
         assert result.exit_code == 2
         assert not transformers_logging.is_progress_bar_enabled()
+        # and tqdm's own bars (transformers' GGUF conversion uses tqdm directly) in a process that imports it later
+        assert os.environ.get("TQDM_DISABLE") == "1"
     finally:
         transformers_logging.enable_progress_bar()
+        os.environ.pop("TQDM_DISABLE", None)

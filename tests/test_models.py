@@ -289,6 +289,22 @@ def test_smollm2_checkpoint_files(smollm2_dir):
     assert resolve_model(smollm2_dir) == smollm2_dir
 
 
+def test_a_copy_of_a_gguf_elsewhere_finds_the_same_conversion(tmp_path):
+    """The cache key is the file's content (size, both ends), not its path or time: a second
+    install of the same GGUF reuses the conversion; a changed file does not."""
+    from vegas.models import CACHE_KEY_BYTES, _cache_dir_for
+
+    data = bytes(range(256)) * (3 * CACHE_KEY_BYTES // 256)  # longer than both ends together
+    a, b = tmp_path / "venv1" / "m.gguf", tmp_path / "venv2" / "m.gguf"
+    for p in (a, b):
+        p.parent.mkdir()
+        p.write_bytes(data)
+    os.utime(b, (1, 1))
+    assert _cache_dir_for(a, tmp_path) == _cache_dir_for(b, tmp_path)
+    b.write_bytes(data[:-1] + b"x")  # the tail differs
+    assert _cache_dir_for(a, tmp_path) != _cache_dir_for(b, tmp_path)
+
+
 @needs_smollm2
 def test_smollm2_round_trip_matches_the_gguf_model(smollm2_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer

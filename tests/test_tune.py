@@ -85,6 +85,10 @@ def test_plain_decoding_is_recommended_where_no_selector_is_clearly_faster():
     assert rec["recommended"] == "none"  # 2 % faster, within the spread of 3 tok/s
     rec = recommend(points[:2] + [_spread(_point(2, 0.05, 2.5, 104.0), 2.0)], opts)
     assert rec["recommended"] == "collect2"
+    rec = recommend(points[:1], opts)  # cut short before plain decoding was measured: no verdict either way
+    assert rec["recommended"] is None and rec["best"]["selector"] == "collect2"
+    text = "\n".join(describe(rec))
+    assert text.startswith("no recommendation yet: plain decoding is not measured") and "plain decoding is as fast" not in text
 
 
 def test_bench_verdict_says_when_plain_decoding_is_faster():
@@ -244,3 +248,29 @@ def test_quick_preset_is_small_and_bounded_and_explicit_options_win():
     assert len(quick.sparsities) == 4 and quick.gammas == [2, 4, 6] and quick.fine_steps == 1 and quick.repeats == 3
     assert TuneOptions(quick=True, context=512, time_budget=60).resolved().time_budget == 60
     assert TuneOptions().resolved().time_budget is None and TuneOptions().resolved().context == 4096
+
+
+def test_a_plugin_selector_that_raises_is_skipped_under_all_and_fatal_when_named(counted, tmp_path, monkeypatch):
+    """``vegas tune --selectors all`` (``skip_failing``): a selector that raises while decoding is
+    skipped and named in the recommendation; the others are tuned. Named by the user, it fails."""
+    from vegas.config import VegasPluginError
+
+    pipe, _ = counted
+    generate = pipe.generate
+
+    def failing(prompts, selector=None, **kw):
+        if selector == "quest":  # stands in for a plugin selector whose select() raises
+            raise VegasPluginError("selector 'quest' (plugin 'bad') raised in select(): RuntimeError: boom")
+        return generate(prompts, selector=selector, **kw)
+
+    monkeypatch.setattr(pipe, "generate", failing)
+    log = io.StringIO()
+    opts = TuneOptions(**{**vars(_tiny(tmp_path)), "selectors": ["quest", "collect2"], "sparsities": [0.5],
+                          "fine_steps": 0, "skip_failing": True})
+    rec = run_tune(opts, Console(file=log), pipe=pipe)
+    assert set(rec["skipped"]) == {"quest"} and set(rec["selectors"]) == {"collect2"}
+    assert rec["best"]["selector"] == "collect2" and "skipped: selector 'quest'" in log.getvalue()
+    assert any("skipped selector quest" in line for line in describe(rec))
+    with pytest.raises(VegasPluginError, match="quest"):
+        run_tune(TuneOptions(**{**vars(_tiny(tmp_path / "named")), "selectors": ["quest"], "sparsities": [0.5],
+                                "fine_steps": 0}), Console(file=io.StringIO()), pipe=pipe)

@@ -44,12 +44,12 @@ from pathlib import Path
 
 from rich.console import Console
 
-from .config import VegasConfig, VegasConfigError, kv_budget_for
+from .config import VegasConfig, VegasConfigError, VegasPluginError, kv_budget_for
 from .overlap import OverlapProbe
 from .pipeline import Pipeline
 from .plugins import create_selector, selector_names
 from .progress import LoggedProgress
-from .prompts import cut_contexts, heldout_path, package_source, read_text_source, retrieval_prompts
+from .prompts import cut_contexts, heldout_path, package_source, read_text_source, retrieval_prompts, source_label
 from .sampling import SamplingParams
 from .strategies import OracleSelector
 from .tune_points import PointStore, round_sparsity
@@ -325,9 +325,15 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
     if out.exists() and not out.is_dir():
         raise VegasConfigError(f"out (--out) {str(out)!r} exists and is not a directory")
     source = opts.prompts or (str(heldout_path()) if heldout_path() else None)
+    label = source_label(source)
+    if source is None:
+        console.print("[yellow]prompts: installed click source; the held-out set (benchmarks/data/"
+                      "heldout_code_dev.jsonl.xz) is not here: run from a checkout or pass --prompts[/yellow]")
     settings = {**{k: getattr(opts, k) for k in MEASUREMENT_SETTINGS}, "prompts": source or "package:click"}
     store = PointStore(out / POINTS_FILE, settings, opts.fresh, "vegas ablate")
+    every = opts.selectors is None  # "all": a plugin selector that raises is skipped, not fatal
     selectors = opts.selectors or selector_names() + [ORACLE]
+    skipped: dict[str, str] = {}
     specs = plan(opts, selectors)
     prompts = _Prompts(read_text_source(source) if source else package_source("click"), opts)
     pipes: dict[str, Pipeline] = {}
@@ -353,8 +359,8 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
         task = progress.add_task("vegas ablate", total=len(specs))
         try:
             for spec in specs:
-                if store.find(**point_key(spec)) is not None:
-                    state["reused"] += 1
+                if store.find(**point_key(spec)) is not None or spec["selector"] in skipped:
+                    state["reused"] += spec["selector"] not in skipped
                     progress.advance(task)
                     continue
                 label = (f"{spec['study']}: {spec['selector']} ctx {spec['context']} s={spec['sparsity_ratio']:g} "
@@ -364,7 +370,15 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
                 progress.update(task, description=label)
                 p, rope = pipeline_for(spec["context"])
                 rows = prompts.get(p, spec["prompt_kind"], spec["context"])
-                point = {**measure(p, rows, spec, opts), "rope_scaling": rope}
+                try:
+                    point = {**measure(p, rows, spec, opts), "rope_scaling": rope}
+                except VegasPluginError as exc:
+                    if not every:
+                        raise
+                    skipped[spec["selector"]] = str(exc)
+                    console.print(f"[yellow]skipped: {exc}[/yellow]")
+                    progress.advance(task)
+                    continue
                 state["last"] = point["wall_seconds"]
                 store.add(point)
                 state["measured"] += 1
@@ -375,8 +389,8 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
     out.mkdir(parents=True, exist_ok=True)  # only now: every check passed (the first point makes it too)
     from .plots import plot_ablate, write_ablate_tables
 
-    plots = plot_ablate(store.points, opts, out)
-    write_ablate_tables(store.points, out / "tables.md")
+    plots = plot_ablate(store.points, opts, out, source=label)
+    write_ablate_tables(store.points, out / "tables.md", source=label)
     return {"points": len(store.points), "measured": state["measured"], "reused": state["reused"],
-            "complete": stopped is None, "stopped": stopped, "plots": plots, "tables": "tables.md",
-            "options": asdict(opts)}
+            "complete": stopped is None and not skipped, "stopped": stopped, "skipped": skipped, "plots": plots,
+            "tables": "tables.md", "options": asdict(opts)}

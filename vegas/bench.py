@@ -237,14 +237,18 @@ def render(results: dict) -> Table:
     """A rich table of ``results`` (plain decoding first, then each selector)."""
     o = results["options"]
     check, gamma = o["check_tokens"], o["num_draft_tokens"]
+    budget = ("--kv-budget" if o.get("kv_budget") is not None
+              else f"sparsity {o['sparsity_ratio']}, min {results['config']['min_kv_budget']}")
+    caption = "τ: tokens per iteration, the bonus token included (τ ≤ γ+1 = {})".format(gamma + 1)
+    if results["selectors"]:
+        caption += (f"; τ greedy* comes from the {check}-token exactness run, so it cannot exceed "
+                    f"{greedy_tau_cap(check, gamma):.2f} (raise --check-tokens for a finer one); selection: share "
+                    "of decode time spent selecting KV entries")
     table = Table(
         title=f"vegas bench: {o['backend']} backend, context {o['context']}, batch {o['batch_size']}, "
-        f"γ={gamma}, KV budget {results['kv_budget']} "
-        f"(sparsity {o['sparsity_ratio']}, min {results['config']['min_kv_budget']}), T={o['temperature']}, "
+        f"γ={gamma}, KV budget {results['kv_budget']} ({budget}), T={o['temperature']}, "
         f"{o['new_tokens']} new tokens; exactness: {check} greedy tokens",
-        caption=f"τ: tokens per iteration, the bonus token included (τ ≤ γ+1 = {gamma + 1}); τ greedy* comes "
-        f"from the {check}-token exactness run, so it cannot exceed {greedy_tau_cap(check, gamma):.2f} (raise "
-        "--check-tokens for a finer one); selection: share of decode time spent selecting KV entries",
+        caption=caption,
     )
     table.add_column("method", no_wrap=True)
     timed = "τ greedy" if SamplingParams(temperature=o["temperature"]).greedy else "τ sampled"  # the timed runs'

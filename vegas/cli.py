@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -106,6 +107,8 @@ def main(verbose: bool) -> None:
     logging.basicConfig(handlers=[handler])  # other libraries: warnings and errors
     logging.getLogger("vegas").setLevel(logging.INFO if verbose else logging.WARNING)
     if not sys.stderr.isatty():  # a log file gets vegas' lines, not transformers' redrawn progress bars
+        # tqdm reads TQDM_DISABLE when imported (transformers' GGUF conversion uses tqdm directly)
+        os.environ.setdefault("TQDM_DISABLE", "1")
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()
@@ -189,7 +192,8 @@ def bench(json_path, plot_path, selectors, **kwargs) -> None:
     except VegasConfigError as exc:
         raise _click_error(exc) from exc
     console.print(render(results))
-    click.echo(verdict(results))
+    results["recommendation"] = verdict(results)
+    click.echo(results["recommendation"])
     if json_path:
         write_json(results, json_path)
         console.print(f"results written to {json_path}")
@@ -329,7 +333,7 @@ def generate(prompt, selector, max_new_tokens, chat, model, rope_scaling, backen
     # τ = tokens / iterations, a plain step (fallback) an iteration of one token: shown, so that it adds up
     plain = f", {s.plain_steps} plain steps (fallback: no draft, 1 token each)" if s.plain_steps else ""
     drafting = "plain decoding" if pipe.selector is None else (
-        f"τ={s.acceptance_length:.2f} tokens/iteration over {s.iterations} iterations "
+        f"τ={s.acceptance_length:.2f} tokens/iteration over {s.iterations} iteration{'' if s.iterations == 1 else 's'} "
         f"(≤ γ+1 = {pipe.config.num_draft_tokens + 1}: the bonus token counts){plain}, "
         f"accepted {s.num_accepted}/{s.num_drafted} drafts, KV budget {s.kv_budget} tokens"
     )
@@ -356,7 +360,8 @@ def _tune_options(fn):
 @click.option("--new-tokens", default=None, type=int, help="Tokens generated per prompt and point [default: 64; --quick 32].")
 @click.option("--batch-size", default=None, type=int, help="Prompts decoded together [default: 2; --quick 1].")
 @click.option("--prompts", default=None, type=click.Path(exists=True),
-              help="Text file or directory to cut prompts from (default: installed click source).")
+              help="Text file, directory or .jsonl(.xz) document set to cut prompts from (default: installed click "
+                   "source).")
 @click.option("--num-draft-tokens", "-g", default=4, show_default=True, type=int, help="γ of step 1 (the sparsity sweep).")
 @click.option("--sparsities", default=None, callback=_number_list(float),
               help="Step 1's sparsity grid, KV budget / context in (0, 1], comma-separated "
@@ -386,13 +391,14 @@ def tune(selectors, **kwargs) -> None:
     from .tune import TuneOptions, describe, run_tune
 
     try:
-        if selectors.strip() == "all":
+        every = selectors.strip() == "all"  # a plugin selector that raises is skipped, as in vegas bench
+        if every:
             from .plugins import selector_names
 
             names = selector_names()
         else:
             names = [s.strip() for s in selectors.split(",") if s.strip()]
-        results = run_tune(TuneOptions(selectors=names, **kwargs), Console(stderr=True))
+        results = run_tune(TuneOptions(selectors=names, skip_failing=every, **kwargs), Console(stderr=True))
     except VegasConfigError as exc:
         raise _click_error(exc) from exc
     for line in describe(results):
@@ -453,7 +459,9 @@ def ablate(studies, selectors, quick, **kwargs) -> None:
         raise _click_error(exc) from exc
     click.echo(f"{results['points']} points ({results['measured']} measured now, {results['reused']} reused); "
                f"{results['tables']} and plots ({', '.join(results['plots'])}) in {kwargs['out']}")
-    if not results["complete"]:
+    for name in results["skipped"]:
+        click.echo(f"skipped selector {name} (plugin error, above); name the selectors with --selectors to leave it out")
+    if results["stopped"]:
         click.echo(f"incomplete: {results['stopped']}; rerun the same command to resume")
 
 

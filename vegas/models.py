@@ -6,7 +6,7 @@
 * ``None``: the embedded vegas-tiny-code (:data:`DEFAULT_MODEL`);
 * a name of :data:`NAMED_MODELS` (``smollm2-135m``): a GGUF file shipped inside a pip package,
   converted once into the user cache;
-* a path ending in ``.gguf``: converted once into the user cache (keyed by path, size, mtime);
+* a path ending in ``.gguf``: converted once into the user cache (keyed by the file's content);
 * a directory: itself; a hub id ``org/name``: itself (transformers looks in the local HF cache).
 
 A GGUF is dequantised with transformers' GGUF loader (packages ``gguf`` and ``accelerate``:
@@ -207,18 +207,30 @@ def _require_gguf_packages(what: str) -> None:
         )
 
 
+#: bytes read from each end of a GGUF for its cache key
+CACHE_KEY_BYTES = 4 << 20
+
+
 def _cache_dir_for(path: Path, root: Path) -> Path:
-    stat = path.stat()
-    key = f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0{CHECKPOINT_FORMAT}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    """The cache directory of a GGUF's conversion, keyed by its content: size and a hash of its
+    first and last :data:`CACHE_KEY_BYTES` (header, tensor index and data; fast for any size), so
+    that a copy of the same file in another place, a new virtual environment for instance, finds
+    the conversion instead of adding another."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(f"{size}\0{CHECKPOINT_FORMAT}\0".encode())
+    with open(path, "rb") as f:
+        digest.update(f.read(CACHE_KEY_BYTES))
+        f.seek(max(size - CACHE_KEY_BYTES, 0))
+        digest.update(f.read(CACHE_KEY_BYTES))
     stem = re.sub(r"[^\w.-]+", "_", path.stem)[:64]
-    return root / "models" / f"{stem}-{digest}"
+    return root / "models" / f"{stem}-{digest.hexdigest()[:16]}"
 
 
 def convert_gguf(path: str | os.PathLike, *, cache: str | os.PathLike | None = None) -> Path:
     """The cached transformers checkpoint of a GGUF causal LM, converted on first use.
 
-    Converts once per file (cache key: absolute path, size and mtime): dequantises the
+    Converts once per file content (cache key: size and a hash of both ends, wherever the file
+    lies): dequantises the
     weights to float32 with transformers' GGUF loader and saves config, safetensors weights,
     tokenizer (with its chat template) and generation config, whose ``eos_token_id`` unites
     the config's and the tokenizer's EOS ids. Progress is printed to stderr.

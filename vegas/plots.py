@@ -201,7 +201,7 @@ def _budget_panels(points: list[dict], kind: str, gamma: int, title: str, path: 
     return True
 
 
-def plot_ablate(points: list[dict], opts, out: Path) -> list[str]:
+def plot_ablate(points: list[dict], opts, out: Path, source: str = "held-out code") -> list[str]:
     """Write the ``vegas ablate`` plots into ``out`` and return their file names (a study
     without points draws nothing).
 
@@ -213,11 +213,13 @@ def plot_ablate(points: list[dict], opts, out: Path) -> list[str]:
       chunk, across iterations; min–max over prompts shaded), and of each proxy's set with
       the next chunk's queries against draft step.
     * ``retrieval.png``: as ``tau_by_budget.png`` on copy-task prompts.
+
+    ``source``: how the prompt source reads in titles (:func:`vegas.prompts.source_label`).
     """
     written = []
     gamma = opts.num_draft_tokens
     temp = f"T={opts.temperature:g}" if opts.temperature else "greedy"
-    if _budget_panels(points, "heldout", gamma, f"τ by KV budget, held-out code, γ={gamma}, {temp}",
+    if _budget_panels(points, "heldout", gamma, f"τ by KV budget, {source}, γ={gamma}, {temp}",
                       out / "tau_by_budget.png"):
         written.append("tau_by_budget.png")
     if _budget_panels(points, "retrieval", gamma, f"τ by KV budget, copy-task (retrieval) prompts, γ={gamma}, {temp}",
@@ -298,16 +300,18 @@ def _tau_cell(p: dict | None) -> str:
     return f"{t['mean']:.2f} [{t['ci95'][0]:.2f}, {t['ci95'][1]:.2f}]"
 
 
-def write_ablate_tables(points: list[dict], path: Path) -> None:
+def write_ablate_tables(points: list[dict], path: Path, source: str = "held-out code") -> None:
     """Markdown tables of every ``vegas ablate`` point: τ mean [95 % CI] per selector ×
-    sparsity for each prompt kind, context and γ; the variants; the overlap series."""
+    sparsity for each prompt kind, context and γ; the variants; the overlap series.
+    ``source``: how the prompt source reads (:func:`vegas.prompts.source_label`)."""
     lines = []
     studied = [p for p in points if p["study"] in ("budget", "retrieval")]
     for kind, ctx, gamma in sorted({(p["prompt_kind"], p["context"], p["num_draft_tokens"]) for p in studied}):
         here = _ablate_points(studied, prompt_kind=kind, context=ctx, num_draft_tokens=gamma)
         budgets = sorted({p["sparsity_ratio"] for p in here})
         rope = here[0].get("rope_scaling")
-        lines += [f"### τ, {kind} prompts, context {ctx}" + (f" (YaRN ×{rope['factor']:g})" if rope else "")
+        prompts = source if kind == "heldout" else f"copy-task (retrieval) prompts from {source}"
+        lines += [f"### τ, {prompts}, context {ctx}" + (f" (YaRN ×{rope['factor']:g})" if rope else "")
                   + f", γ={gamma}: mean [95 % CI] over {here[0]['tau']['n']} prompts", "",
                   "| selector | " + " | ".join(f"{s:g}" for s in budgets) + " |",
                   "|---" * (len(budgets) + 1) + "|"]
@@ -317,7 +321,9 @@ def write_ablate_tables(points: list[dict], path: Path) -> None:
             lines.append(f"| {sel} | " + " | ".join(cells) + " |")
         if kind == "retrieval":
             lines += ["", "tokens copied exactly before the first difference from the passage (mean over prompts; "
-                      f"passage ~{here[0].get('distance_tokens', 0):.0f} tokens back):", "",
+                      f"passage ~{here[0].get('distance_tokens', 0):.0f} tokens back; the output is the target "
+                      "model's whatever the selector, so differences between selectors come from sampling, "
+                      "none under greedy decoding):", "",
                       "| selector | " + " | ".join(f"{s:g}" for s in budgets) + " |", "|---" * (len(budgets) + 1) + "|"]
             for sel in sorted({p["selector"] for p in here}):
                 cells = [next((f"{p['copied_tokens']['mean']:.2f}" for p in here

@@ -79,9 +79,24 @@ def read_text_source(path: str | Path, *, what: str = "prompts path", max_bytes:
 
 
 def heldout_path() -> Path | None:
-    """The held-out code set of the checkout vegas runs from (an editable install), or None."""
-    path = Path(__file__).resolve().parent.parent / HELDOUT
-    return path if path.is_file() else None
+    """The held-out code set of a checkout: the one vegas is installed from (an editable
+    install), else the one in the current directory (a checkout run from after ``pip install .``),
+    or None."""
+    for root in (Path(__file__).resolve().parent.parent, Path.cwd()):
+        path = root / HELDOUT
+        if path.is_file():
+            return path
+    return None
+
+
+def source_label(source: str | None) -> str:
+    """How a prompt source reads in titles and tables: ``"held-out code"`` for the held-out set,
+    the file or folder name for another ``--prompts``, and for None (the fallback)
+    ``"click source (held-out set not found)"``."""
+    if source is None:
+        return "click source (held-out set not found)"
+    path = Path(source)
+    return "held-out code" if path.name == HELDOUT.name else path.name
 
 
 def _read_documents(path: Path) -> str:
@@ -119,7 +134,8 @@ def cut_contexts(token_ids: list[int], context: int, count: int) -> list[list[in
         raise VegasConfigError(f"context and count must be >= 1, got context={context}, count={count}")
     if len(token_ids) < context:
         raise VegasConfigError(
-            f"context={context} tokens is longer than the prompt source ({len(token_ids)} tokens)"
+            f"context (--context) of {context} tokens is longer than the prompt source ({len(token_ids)} tokens); "
+            "give a shorter --context or a longer --prompts source"
         )
     span = len(token_ids) - context
     starts = [span * i // max(count - 1, 1) if count > 1 else span for i in range(count)]

@@ -54,7 +54,7 @@ from pathlib import Path
 from rich.console import Console
 
 from .bench import clearly_faster, median_row, summarize
-from .config import VegasConfig, VegasConfigError, kv_budget_for
+from .config import VegasConfig, VegasConfigError, VegasPluginError, kv_budget_for
 from .pipeline import Pipeline
 from .plugins import PLAIN, selector_names
 from .progress import LoggedProgress
@@ -123,6 +123,9 @@ class TuneOptions:
     time_budget: float | None = None
     quick: bool = False
     fresh: bool = False
+    #: a plugin selector that raises is skipped (its error under ``"skipped"``) instead of failing
+    #: the run: what ``--selectors all`` asks for, as ``vegas bench`` does
+    skip_failing: bool = False
 
     def resolved(self) -> "TuneOptions":
         """A copy with every None default filled from :data:`QUICK` or :data:`FULL`."""
@@ -251,12 +254,17 @@ def run_tune(opts: TuneOptions, console: Console | None = None, pipe: Pipeline |
     sampled = dict(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)
     base = VegasConfig(min_kv_budget=opts.min_kv_budget, fallback=False)  # the selector's own τ, no plain steps
     n_sel, fine = len(opts.selectors), 2 * opts.fine_steps + 1
-    warm_up = [None] + opts.selectors[:1]
+    warmed: set[str | None] = set()  # selectors (None: plain decoding) run once before their first timing
     total = n_sel * len(opts.sparsities) + 2 + n_sel * len(opts.gammas) + n_sel * fine
-    state = {"warm": False, "last": 0.0, "reused": 0}
+    state = {"last": 0.0, "reused": 0}
+    skipped: dict[str, str] = {}
 
-    def measure(step: int, selector: str | None, gamma: int, sparsity: float | None) -> dict:
-        """The point, from ``points.json`` or measured now (and stored)."""
+    def live() -> list[str]:
+        return [sel for sel in opts.selectors if sel not in skipped]
+
+    def measure(step: int, selector: str | None, gamma: int, sparsity: float | None) -> dict | None:
+        """The point, from ``points.json`` or measured now (and stored); None when the selector
+        raised and is skipped (``opts.skip_failing``)."""
         found = store.find(step=step, selector=selector, num_draft_tokens=gamma if selector else 1,
                            sparsity_ratio=round_sparsity(sparsity) if selector else None)
         label = "plain decoding" if selector is None else f"{selector} γ={gamma} sparsity={round_sparsity(sparsity):g}"
@@ -266,18 +274,25 @@ def run_tune(opts: TuneOptions, console: Console | None = None, pipe: Pipeline |
             return found
         if opts.time_budget is not None and time.monotonic() - started + state["last"] > opts.time_budget:
             raise _OutOfTime(label)
-        if not state["warm"]:  # first calls pay one-off costs; keep them out of the timings
-            progress.update(task, description="warm-up")
-            for name in warm_up:
-                pipe.generate([prompts[0][: min(64, opts.context)]], max_new_tokens=2, selector=name)
-            state["warm"] = True
-        progress.update(task, description=f"step {step}: {label}")
         cfg = replace(base, num_draft_tokens=gamma, sparsity_ratio=sparsity or base.sparsity_ratio)
         pipe.config = cfg
-        t0 = time.monotonic()
-        runs = [summarize(pipe.generate(prompts, max_new_tokens=opts.new_tokens, selector=selector,
-                                        **{**sampled, "seed": opts.seed + r}))
-                for r in range(opts.repeats)]
+        try:
+            if selector not in warmed:  # first calls pay one-off costs; keep them out of the timings
+                progress.update(task, description=f"warm-up: {label}")
+                pipe.generate([prompts[0][: min(64, opts.context)]], max_new_tokens=2, selector=selector)
+                warmed.add(selector)
+            progress.update(task, description=f"step {step}: {label}")
+            t0 = time.monotonic()
+            runs = [summarize(pipe.generate(prompts, max_new_tokens=opts.new_tokens, selector=selector,
+                                            **{**sampled, "seed": opts.seed + r}))
+                    for r in range(opts.repeats)]
+        except VegasPluginError as exc:
+            if not opts.skip_failing or selector is None:
+                raise
+            skipped[selector] = str(exc)
+            console.print(f"[yellow]skipped: {exc}[/yellow]")
+            progress.advance(task)
+            return None
         state["last"] = time.monotonic() - t0
         point = {
             "step": step, "selector": selector, "num_draft_tokens": gamma,
@@ -295,24 +310,28 @@ def run_tune(opts: TuneOptions, console: Console | None = None, pipe: Pipeline |
         try:
             for sel in opts.selectors:  # step 1
                 for s in opts.sparsities:
-                    measure(1, sel, opts.num_draft_tokens, s)
+                    if measure(1, sel, opts.num_draft_tokens, s) is None:
+                        break  # skipped: a plugin selector that raised
             measure(2, None, 1, None)  # plain decoding, the speedup's reference
-            for sel in opts.selectors:  # step 2
+            for sel in live():  # step 2
                 s = _knee_of(store.points, sel, opts)["sparsity_ratio"]
                 for g in opts.gammas:
-                    measure(2, sel, g, s)
+                    if measure(2, sel, g, s) is None:
+                        break
             measure(3, None, 1, None)
-            for sel in opts.selectors:  # step 3
+            for sel in live():  # step 3
                 s = _knee_of(store.points, sel, opts)["sparsity_ratio"]
                 g = _best_gamma(store.points, sel, s, opts)
                 for f in fine_grid(s, opts.fine_factor, opts.fine_steps):
-                    measure(3, sel, g, f)
+                    if measure(3, sel, g, f) is None:
+                        break
         except _OutOfTime as exc:
             stopped = f"time budget of {opts.time_budget:g} s reached before {exc.args[0]}"
             console.print(f"[yellow]{stopped}; writing what was measured[/yellow]")
         finally:
             pipe.config = config_before
-    recommendation = recommend(store.points, opts)
+    recommendation = recommend(store.points, replace(opts, selectors=live()))
+    recommendation["skipped"] = skipped
     recommendation["complete"] = stopped is None
     recommendation["stopped"] = stopped
     recommendation["elapsed_seconds"] = time.monotonic() - started
@@ -350,7 +369,8 @@ def recommend(points: list[dict], opts: TuneOptions) -> dict:
     points keeps the previous step's choice (γ of step 1, the knee). The speedup divides by
     plain decoding of the chosen point's step. ``best``: the selector whose chosen point has
     the highest tokens/s; ``recommended``: its name when it is clearly faster than plain
-    decoding, else ``"none"`` (plain decoding).
+    decoding, ``"none"`` (plain decoding) when it is not, None while plain decoding of its step
+    is not measured (a run cut short by its time budget).
     """
     plain = {step: next(iter(points_of(points, step, None)), None) for step in (2, 3)}
     per: dict[str, dict] = {}
@@ -382,9 +402,13 @@ def recommend(points: list[dict], opts: TuneOptions) -> dict:
             "vllm": vllm_settings(sel, cfg),
         }
     best = max(per, key=lambda s: per[s]["tokens_per_second"], default=None)
+    if best is None or per[best]["speedup"] is None:
+        recommended = None  # nothing, or no plain decoding to compare with, measured yet
+    else:
+        recommended = best if per[best]["faster_than_plain"] else PLAIN
     return {
         "best": {"selector": best, **per[best]} if best else None,
-        "recommended": best if best and per[best]["faster_than_plain"] else PLAIN,
+        "recommended": recommended,
         "selectors": per,
         "plain_tokens_per_second": {str(step): p["tokens_per_second"] for step, p in plain.items() if p},
         "rule": f"knee: smallest sparsity with τ >= (1 - {opts.tolerance:g}) × best τ at γ={opts.num_draft_tokens}; "
@@ -413,7 +437,10 @@ def describe(recommendation: dict) -> list[str]:
     point = (f"selector {best['selector']}, γ={best['num_draft_tokens']}, sparsity {best['sparsity_ratio']:g} "
              f"(KV budget {best['kv_budget']} of {recommendation['context']} tokens): τ {best['acceptance_length']:.2f}, "
              f"{best['tokens_per_second']:.2f} tok/s{speed}")
-    if recommendation["recommended"] == PLAIN:
+    if recommendation["recommended"] is None:
+        lines = [f"no recommendation yet: plain decoding is not measured, so the best point so far, {point}, has "
+                 "nothing to be compared with"]
+    elif recommendation["recommended"] == PLAIN:
         lines = [
             f"plain decoding is as fast or faster on this machine: the best point, {point}, is not faster than plain "
             "decoding by more than the spread of their runs",
@@ -433,6 +460,8 @@ def describe(recommendation: dict) -> list[str]:
                          f"-g {best['num_draft_tokens']}   (docs/serving.md)")
             lines.append(f"  or by hand: vllm serve MODEL --attention-backend FLASH_ATTN --speculative-config '{spec}' "
                          f"--additional-config '{json.dumps(extra)}'")
+    for name in recommendation.get("skipped", {}):
+        lines.append(f"  skipped selector {name} (plugin error, above); name the selectors with --selectors to leave it out")
     if not recommendation.get("complete", True):
         lines.append(f"  incomplete: {recommendation['stopped']}; rerun the same command to resume")
     return lines
