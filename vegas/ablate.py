@@ -47,7 +47,7 @@ from rich.console import Console
 from .config import VegasConfig, VegasConfigError, VegasPluginError, kv_budget_for
 from .overlap import OverlapProbe
 from .pipeline import Pipeline
-from .plugins import create_selector, selector_names
+from .plugins import SelectorSkips, create_selector, selector_names
 from .progress import LoggedProgress
 from .prompts import cut_contexts, heldout_path, package_source, read_text_source, retrieval_prompts, source_label
 from .sampling import SamplingParams
@@ -331,9 +331,8 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
                       "heldout_code_dev.jsonl.xz) is not here: run from a checkout or pass --prompts[/yellow]")
     settings = {**{k: getattr(opts, k) for k in MEASUREMENT_SETTINGS}, "prompts": source or "package:click"}
     store = PointStore(out / POINTS_FILE, settings, opts.fresh, "vegas ablate")
-    every = opts.selectors is None  # "all": a plugin selector that raises is skipped, not fatal
+    skipped = SelectorSkips(opts.selectors is None, console.print)  # "all": one that raises is left out
     selectors = opts.selectors or selector_names() + [ORACLE]
-    skipped: dict[str, str] = {}
     specs = plan(opts, selectors)
     prompts = _Prompts(read_text_source(source) if source else package_source("click"), opts)
     pipes: dict[str, Pipeline] = {}
@@ -359,8 +358,11 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
         task = progress.add_task("vegas ablate", total=len(specs))
         try:
             for spec in specs:
-                if store.find(**point_key(spec)) is not None or spec["selector"] in skipped:
-                    state["reused"] += spec["selector"] not in skipped
+                if store.find(**point_key(spec)) is not None:
+                    state["reused"] += 1
+                    progress.advance(task)
+                    continue
+                if spec["selector"] in skipped:
                     progress.advance(task)
                     continue
                 label = (f"{spec['study']}: {spec['selector']} ctx {spec['context']} s={spec['sparsity_ratio']:g} "
@@ -373,10 +375,7 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
                 try:
                     point = {**measure(p, rows, spec, opts), "rope_scaling": rope}
                 except VegasPluginError as exc:
-                    if not every:
-                        raise
-                    skipped[spec["selector"]] = str(exc)
-                    console.print(f"[yellow]skipped: {exc}[/yellow]")
+                    skipped.skip(spec["selector"], exc)
                     progress.advance(task)
                     continue
                 state["last"] = point["wall_seconds"]
@@ -392,5 +391,5 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
     plots = plot_ablate(store.points, opts, out, source=label)
     write_ablate_tables(store.points, out / "tables.md", source=label)
     return {"points": len(store.points), "measured": state["measured"], "reused": state["reused"],
-            "complete": stopped is None and not skipped, "stopped": stopped, "skipped": skipped, "plots": plots,
+            "complete": stopped is None and not skipped, "stopped": stopped, "skipped": dict(skipped), "plots": plots,
             "tables": "tables.md", "options": asdict(opts)}

@@ -19,7 +19,7 @@ from rich.table import Table
 from .backends.base import RequestOutput
 from .config import VegasConfigError, VegasPluginError, kv_budget_for
 from .pipeline import Pipeline
-from .plugins import PLAIN, create_selector, selector_names
+from .plugins import PLAIN, SelectorSkips, create_selector, selector_names
 from .progress import LoggedProgress
 from .prompts import cut_contexts, package_source, read_text_source
 from .sampling import SamplingParams
@@ -123,19 +123,12 @@ def run_bench(opts: BenchOptions, console: Console | None = None) -> dict:
     every = opts.selectors is None  # "all": a failing plugin selector is skipped, not fatal
     if every:
         opts.selectors = selector_names()
-    skipped: dict[str, str] = {}
-
-    def skip(name: str, exc: VegasPluginError) -> None:
-        if not every:
-            raise exc
-        skipped[name] = str(exc)
-        console.print(f"[yellow]skipped: {exc}[/yellow]")
-
+    skipped = SelectorSkips(every, console.print)
     for name in list(opts.selectors):  # fail on an unknown name before any work
         try:
             create_selector(name, pipe.config)
         except VegasPluginError as exc:
-            skip(name, exc)
+            skipped.skip(name, exc)
             opts.selectors.remove(name)
     opts.selectors = [name for name in opts.selectors if name != PLAIN]  # plain decoding: the reference row
     prompts = _prompts(pipe, opts)
@@ -160,7 +153,7 @@ def run_bench(opts: BenchOptions, console: Console | None = None) -> dict:
             try:
                 greedy[name] = pipe.generate(prompts, max_new_tokens=opts.check_tokens, selector=name)
             except VegasPluginError as exc:
-                skip(name, exc)
+                skipped.skip(name, exc)
             progress.advance(task)
         timed: dict[str | None, list[dict]] = {None: [], **{name: [] for name in greedy}}
         kind = "greedy" if SamplingParams(**sampled).greedy else "sampled"
@@ -171,7 +164,7 @@ def run_bench(opts: BenchOptions, console: Console | None = None) -> dict:
                 try:
                     out = pipe.generate(prompts, max_new_tokens=opts.new_tokens, selector=name, **sampled)
                 except VegasPluginError as exc:
-                    skip(name, exc)
+                    skipped.skip(name, exc)
                     del timed[name]
                     continue
                 timed[name].append(summarize(out))

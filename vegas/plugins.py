@@ -25,6 +25,7 @@ import importlib.metadata
 import logging
 import os
 from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import pluggy
@@ -274,3 +275,30 @@ def get_backend_class(name: str):
             raise plugin_failure("backends", name, "failed to load",
                                  TypeError(f"its factory returned {cls!r}, not a Backend subclass"))
     return cls
+
+
+class SelectorSkips(dict):
+    """Selectors a run over every registered selector leaves out because they raised (name ->
+    error), as ``vegas bench``, ``vegas tune`` and ``vegas ablate`` do for ``--selectors all``.
+
+    Args:
+        every: the run asked for every selector; otherwise :meth:`skip` re-raises (a selector the
+            user named must not vanish from the results).
+        say: prints one line (a rich console's ``print``).
+    """
+
+    def __init__(self, every: bool, say: Callable[[str], object]) -> None:
+        super().__init__()
+        self.every, self.say = every, say
+
+    def skip(self, name: str, exc: VegasPluginError) -> None:
+        """Leave ``name`` out (and say so), or raise ``exc`` when the user named it.
+
+        Raises:
+            VegasPluginError: ``exc``, when the run did not ask for every selector.
+        """
+        if not self.every:
+            raise exc
+        self[name] = str(exc)
+        self.say(f"[yellow]skipped: {exc}[/yellow]")
+

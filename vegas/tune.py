@@ -56,7 +56,7 @@ from rich.console import Console
 from .bench import clearly_faster, median_row, summarize
 from .config import VegasConfig, VegasConfigError, VegasPluginError, kv_budget_for
 from .pipeline import Pipeline
-from .plugins import PLAIN, selector_names
+from .plugins import PLAIN, SelectorSkips, selector_names
 from .progress import LoggedProgress
 from .prompts import cut_contexts, package_source, read_text_source
 from .tune_points import PointStore, points_of, round_sparsity
@@ -257,7 +257,7 @@ def run_tune(opts: TuneOptions, console: Console | None = None, pipe: Pipeline |
     warmed: set[str | None] = set()  # selectors (None: plain decoding) run once before their first timing
     total = n_sel * len(opts.sparsities) + 2 + n_sel * len(opts.gammas) + n_sel * fine
     state = {"last": 0.0, "reused": 0}
-    skipped: dict[str, str] = {}
+    skipped = SelectorSkips(opts.skip_failing, console.print)
 
     def live() -> list[str]:
         return [sel for sel in opts.selectors if sel not in skipped]
@@ -287,10 +287,9 @@ def run_tune(opts: TuneOptions, console: Console | None = None, pipe: Pipeline |
                                             **{**sampled, "seed": opts.seed + r}))
                     for r in range(opts.repeats)]
         except VegasPluginError as exc:
-            if not opts.skip_failing or selector is None:
+            if selector is None:
                 raise
-            skipped[selector] = str(exc)
-            console.print(f"[yellow]skipped: {exc}[/yellow]")
+            skipped.skip(selector, exc)
             progress.advance(task)
             return None
         state["last"] = time.monotonic() - t0
@@ -331,7 +330,7 @@ def run_tune(opts: TuneOptions, console: Console | None = None, pipe: Pipeline |
         finally:
             pipe.config = config_before
     recommendation = recommend(store.points, replace(opts, selectors=live()))
-    recommendation["skipped"] = skipped
+    recommendation["skipped"] = dict(skipped)
     recommendation["complete"] = stopped is None
     recommendation["stopped"] = stopped
     recommendation["elapsed_seconds"] = time.monotonic() - started

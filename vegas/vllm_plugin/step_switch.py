@@ -164,10 +164,16 @@ class StepSwitch:
         self.prefill_skip_tokens = prefill_skip_tokens
         self.fallback = fallback
 
+    @staticmethod
+    def wanted(prefill_skip_tokens: int, fallback: bool) -> bool:
+        """Whether these settings need a switch (either rule on); the V2 speculator asks the same
+        to know whether it reads the scheduler's decision."""
+        return bool(prefill_skip_tokens) or bool(fallback)
+
     @classmethod
     def of(cls, gamma: int, prefill_skip_tokens: int, fallback: bool) -> StepSwitch | None:
         """The switch of these settings, or None when neither rule is on."""
-        if not prefill_skip_tokens and not fallback:
+        if not cls.wanted(prefill_skip_tokens, fallback):
             return None
         return cls(gamma, prefill_skip_tokens, MeasuredFallback(gamma) if fallback else None)
 

@@ -35,6 +35,7 @@ from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
 from ..drafting.engine import DraftBuffers, DraftEngine, attention_layers, draft_graph_key
 from ..selection.state import SelectionState
 from ..stats import take_finished, timing_event
+from ..step_switch import StepSwitch
 from .start import reserve_selection_buffers, start_drafter, use_path
 from .v2_helpers import (
     acceptance_counts,
@@ -97,8 +98,8 @@ class VegasSpeculator(DraftModelSpeculator):
         #: the scheduler decides which steps draft (:mod:`~vegas.vllm_plugin.step_switch`): async
         #: scheduling with ``prefill_skip_tokens`` or ``fallback`` set (as
         #: :func:`~vegas.vllm_plugin.patches.scheduler_switch`); then :meth:`on_schedule` reads each step's decision
-        self.scheduled_switch = bool(vllm_config.scheduler_config.async_scheduling) and (
-            self.state.prefill_skip_tokens > 0 or options.fallback)
+        self.scheduled_switch = bool(vllm_config.scheduler_config.async_scheduling) and StepSwitch.wanted(
+            options.prefill_skip_tokens, options.fallback)
         self.drafts_next = self.gamma  # drafts the current step makes (its num_spec_tokens_to_schedule)
         if self.scheduled_switch:
             from .. import patches
