@@ -121,6 +121,20 @@ def rate_label(rate) -> str:
 #: a method ``<selector>-skip`` runs that Vegas selector with ``vllm.prefill_skip_tokens``
 #: = ``--prefill-skip-tokens`` (no selection or drafting in forwards carrying a prefill chunk)
 SKIP_SUFFIX = "-skip"
+#: method suffix -> the ``VegasConfig.vllm`` fields it sets (``<selector><suffix>``, merged into --config)
+VARIANTS = {
+    SKIP_SUFFIX: lambda args: {"prefill_skip_tokens": args.prefill_skip_tokens},
+    "-overlap": lambda args: {"score_overlap": True},
+    "-fallback": lambda args: {"fallback": True},
+}
+
+
+def split_variant(method: str) -> tuple[str, str]:
+    """``(selector, suffix)`` of a method name (suffix ``""`` without a :data:`VARIANTS` suffix)."""
+    for suffix in VARIANTS:
+        if method.endswith(suffix):
+            return method.removesuffix(suffix), suffix
+    return method, ""
 
 
 def method_args(method: str, args) -> tuple[list[str], list[str]]:
@@ -131,11 +145,11 @@ def method_args(method: str, args) -> tuple[list[str], list[str]]:
         spec = {"method": "ngram", "num_speculative_tokens": args.gamma, "prompt_lookup_max": 4,
                 "prompt_lookup_min": 2}
         return ["--selector", "none"], ["--speculative-config", json.dumps(spec)]
-    selector = method.removesuffix(SKIP_SUFFIX)
+    selector, suffix = split_variant(method)
     opts = ["--selector", selector, "-g", str(args.gamma), "--sparsity-ratio", str(args.sparsity_ratio)]
     config = args.config_values
-    if method.endswith(SKIP_SUFFIX):
-        config = {**config, "vllm": {**config.get("vllm", {}), "prefill_skip_tokens": args.prefill_skip_tokens}}
+    if suffix:
+        config = {**config, "vllm": {**config.get("vllm", {}), **VARIANTS[suffix](args)}}
     if config:
         opts += ["--config", json.dumps(config)]
     return opts, []
@@ -488,7 +502,8 @@ def parse_args(argv=None):
                    help="Model name (smollm2-135m), .gguf file, model directory or hub id.")
     p.add_argument("--methods", default=",".join(METHODS), type=lambda s: [m for m in s.split(",") if m],
                    help="plain, ngram, or Vegas selector names (collect2, sliding_window, ...); "
-                        "<selector>-skip: that selector with --prefill-skip-tokens.")
+                        "<selector>-skip: that selector with --prefill-skip-tokens; <selector>-overlap: with "
+                        "vllm.score_overlap; <selector>-fallback: with vllm.fallback.")
     p.add_argument("--rates", default="1,2,4,8,16,inf", type=rate_list,
                    help="Request rates (requests/s, > 0; inf sends all at once: saturation).")
     p.add_argument("--num-prompts", type=int, default=64, help="Requests per rate.")
@@ -561,10 +576,10 @@ def raise_if_bad_args(args) -> None:
     from vegas.plugins import selector_names
 
     allowed = ["plain", "ngram"] + [n for n in selector_names() if n != "none"]
-    bad = [m for m in args.methods if m not in allowed and m.removesuffix(SKIP_SUFFIX) not in allowed[2:]]
+    bad = [m for m in args.methods if m not in allowed and split_variant(m)[0] not in allowed[2:]]
     if bad or not args.methods:
         raise VegasConfigError(f"--methods: unknown {', '.join(bad) or '(none given)'}; allowed: "
-                               f"{', '.join(allowed)}, and <selector>{SKIP_SUFFIX}")
+                               f"{', '.join(allowed)}, and <selector> with a suffix: {', '.join(VARIANTS)}")
     for flag, value, least in (("--num-prompts", args.num_prompts, 1), ("--repeats", args.repeats, 1),
                                ("--gamma", args.gamma, 1), ("--output-len", args.output_len, 1),
                                ("--input-len", args.input_len, 1), ("--prefill-skip-tokens", args.prefill_skip_tokens, 0)):

@@ -273,3 +273,22 @@ def test_a_client_run_is_logged_and_a_hanging_one_is_cancelled(sb, tmp_path, mon
     assert text.startswith("$ python -m vllm.entrypoints.cli.main bench serve") and "rate=16" in text
     assert ("RuntimeError: server went away" in text) == (outcome == "raises")
     assert ("no result within 0 s; cancelled" in text) == (outcome == "hangs")
+
+
+def test_variant_methods_set_their_vllm_option(sb, tmp_path, capsys):
+    """``<selector>-overlap`` and ``-fallback`` set ``vllm.score_overlap`` / ``vllm.fallback``
+    (merged into --config like ``-skip``); an unknown suffix is refused with the allowed ones."""
+    import json
+
+    model = _model(tmp_path, 8192)
+    args = sb.parse_args(["--model", model, "--methods", "plain,collect2-overlap,quest-fallback"])
+    opts, _ = sb.method_args("collect2-overlap", args)
+    assert opts[opts.index("--selector") + 1] == "collect2"
+    assert json.loads(opts[opts.index("--config") + 1]) == {"vllm": {"score_overlap": True}}
+    opts, _ = sb.method_args("quest-fallback", args)
+    assert opts[opts.index("--selector") + 1] == "quest"
+    assert json.loads(opts[opts.index("--config") + 1]) == {"vllm": {"fallback": True}}
+    assert sb.compile_family("collect2-overlap") == "vegas"
+    with pytest.raises(SystemExit):
+        sb.parse_args(["--model", model, "--methods", "plain,collect2-turbo"])
+    assert "unknown collect2-turbo" in capsys.readouterr().err

@@ -942,3 +942,44 @@ def test_attention_layers_keep_sliding_window_layers_and_refuse_an_all_sliding_m
     with pytest.raises(VegasConfigError, match="FLASH_ATTN"):
         attention_layers(SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context={
             "model.layers.0.attn": SimpleNamespace(impl=object())})), SelectionState())
+
+
+@pytest.mark.parametrize("selector", ["collect2", "aggregated"])
+def test_layer_by_layer_scores_select_what_the_one_launch_scores_select(monkeypatch, selector):
+    """``vllm.score_overlap``: in a forward captured into a full CUDA graph each layer is scored
+    right after its attention (on CUDA: a side stream) into one buffer; the selection equals
+    the one of the all-layers launch at the last layer, and eager forwards keep that launch."""
+    from types import SimpleNamespace
+
+    from vegas.vllm_plugin.selectors import scores as scores_mod
+
+    lens = [70, 40, 33]
+    bt, nb = _block_table(lens, 7)
+    qsl = torch.tensor([0, 5, 10, 15], dtype=torch.int32)
+    md = SimpleNamespace(query_start_loc=qsl, seq_lens=torch.tensor(lens, dtype=torch.int32),
+                         max_seq_len=70, block_table=bt)
+    g = torch.Generator().manual_seed(11)
+    kvs = [torch.randn(nb, 2, BS, 3, 16, generator=g) for _ in range(4)]
+    queries = [torch.randn(15, 9, 16, generator=g) for _ in range(4)]
+    launches = []
+    real = scores_mod.collect_scores_layers_reference
+    monkeypatch.setattr(scores_mod, "collect_scores_layers_reference",
+                        lambda q, *a: launches.append(q.shape[0]) or real(q, *a))
+
+    def select(overlap, capturing):
+        monkeypatch.setattr(SelectionState, "capturing", staticmethod(lambda query: capturing))
+        st = _state(selector, kv_budget=9, first_layer=0, last_layer=3, layers_ready=True,
+                    vllm={"score_overlap": overlap})
+        launches.clear()
+        for layer in range(4):
+            st.on_layer(layer, queries[layer], kvs[layer], md, 0.25)
+        sel, _, _ = st.selection(3)
+        return sel.clone(), list(launches)
+
+    want, one_launch = select(False, True)
+    assert one_launch == [4]
+    got, per_layer = select(True, True)
+    assert per_layer == [1, 1, 1, 1]
+    assert torch.equal(got, want)
+    _, eager = select(True, False)  # an eager (piecewise) forward: one launch at the last layer
+    assert eager == [4]

@@ -137,6 +137,13 @@ class VllmOptions:
             engine's own decode steps (a short probe of the other mode now and then) and keeps
             the faster; plain steps reserve no draft slots. Off by default until measured on a
             GPU; ignored elsewhere.
+        score_overlap: in verification forwards captured into vLLM's full CUDA graphs, score
+            each layer's collect queries on a side stream as soon as its attention is done, so
+            that the score pass (one read of every layer's keys, bandwidth-bound) runs beside
+            the later layers' launch-bound kernels instead of after the last one; the top-k
+            joins the side stream. Same scores, same selection. Eager (piecewise) forwards score
+            all layers in one launch at the last layer either way (a launch per layer would
+            cost host time there). Ignored by the generic path and the FA3 score path.
 
     Raises:
         VegasConfigError: a field is outside its allowed values.
@@ -148,6 +155,7 @@ class VllmOptions:
     draft_graph_max_rows: int = DEFAULT_DRAFT_GRAPH_MAX_ROWS
     prefill_skip_tokens: int = 0
     fallback: bool = False
+    score_overlap: bool = False
 
     def __post_init__(self) -> None:
         _raise_if_not_one_of("vllm.tp_selection", self.tp_selection, TP_SELECTIONS)
@@ -158,6 +166,8 @@ class VllmOptions:
         _raise_if_not_int("vllm.prefill_skip_tokens", self.prefill_skip_tokens, 0)
         if not isinstance(self.fallback, bool):
             raise VegasConfigError.bad("vllm.fallback", f"must be true or false, got {self.fallback!r}")
+        if not isinstance(self.score_overlap, bool):
+            raise VegasConfigError.bad("vllm.score_overlap", f"must be true or false, got {self.score_overlap!r}")
 
 
 @dataclass(frozen=True)

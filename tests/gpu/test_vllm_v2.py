@@ -63,6 +63,16 @@ def test_vllm_v2_prefill_skip_keeps_greedy_equal(plain_v2, monkeypatch):
     _assert_equal_up_to_ties(plain, vegas)
 
 
+def test_vllm_v2_score_overlap_keeps_greedy_equal(plain_v2, monkeypatch):
+    """vllm.score_overlap: the verification graphs score each layer on a side stream; they
+    capture (no graph failure), drafts are accepted as without it, and greedy equals plain."""
+    prompts, sp, plain = plain_v2
+    vegas, stats = _vegas_v2(monkeypatch, "collect2", prompts, sp, score_overlap=True)
+    assert stats["full_cuda_graphs"] and stats["layer_scored_forwards"] >= 1, stats
+    assert not stats["graph_failed"] and stats["proposals"] > 0 and stats["acceptance_length"] > 1.0, stats
+    _assert_equal_up_to_ties(plain, vegas)
+
+
 def test_vllm_v2_fallback_probes_plain_steps_and_keeps_greedy_equal(plain_v2, monkeypatch):
     """vllm.fallback: the scheduler's measured fallback (step_switch.MeasuredFallback) runs plain
     probe steps (no draft slots, no selection, no drafting) between drafting steps; the output

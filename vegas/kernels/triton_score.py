@@ -191,6 +191,7 @@ def collect_scores_layers_triton(
     key_offsets: tuple[torch.Tensor, int] | None = None,
     block_n: int = 64,
     softcap: float = 0.0,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """All layers in one launch.
 
@@ -206,6 +207,8 @@ def collect_scores_layers_triton(
         key_offsets: cached result of :func:`layer_offsets` for ``key_caches``.
         block_n: tokens per program (a power of two; at least 16 with ``softcap``).
         softcap: the layers' attention logit soft-cap (one value for all of them); 0 for none.
+        out: ``(L, num_seqs, max_len)`` float32 with unit last stride to write into (e.g. one
+            layer's row of a larger buffer); None allocates it.
 
     Returns:
         ``(L, num_seqs, max_len)`` float32, as :func:`vegas.kernels.collect_scores` per layer:
@@ -243,7 +246,12 @@ def collect_scores_layers_triton(
     if block_n < (16 if softcap else 1) or block_n & (block_n - 1):
         raise VegasConfigError(f"block_n must be a power of two (at least 16 with softcap), got {block_n}")
     koffs, align = key_offsets if key_offsets is not None else layer_offsets(key_caches)
-    out = torch.empty((num_layers, num_seqs, max_len), dtype=torch.float32, device=k0.device)
+    shape = (num_layers, num_seqs, max_len)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float32, device=k0.device)
+    elif tuple(out.shape) != shape or out.dtype != torch.float32 or (max_len > 1 and out.stride(2) != 1):
+        raise VegasConfigError(f"out must be float32 {shape} with a unit last stride, got {out.dtype} "
+                               f"{tuple(out.shape)} strides {out.stride()}")
     if num_seqs == 0 or max_len == 0:
         return out
     group = num_q_heads // num_kv_heads

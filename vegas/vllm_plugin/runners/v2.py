@@ -267,6 +267,8 @@ class VegasSpeculator(DraftModelSpeculator):
             "full_cuda_graphs": self.state.frozen,
             "draft_graphs": self.drafting.num_graphs,
             "graph_failed": self.drafting.graph_failed,
+            # forwards captured with the score pass layer by layer on a side stream (vllm.score_overlap)
+            "layer_scored_forwards": getattr(getattr(self.state.path, "collector", None), "layer_scored_forwards", 0),
         }
 
     # ---- drafting ---------------------------------------------------------------------------
