@@ -58,11 +58,15 @@ def test_a_fallback_keeps_drafting_where_drafting_pays():
     assert policy.interval == policy.max_interval  # a settled decision probes rarely
 
 
-def test_a_fallback_steps_plainly_where_drafting_loses_and_notices_when_it_pays_again():
+def test_a_fallback_steps_plainly_where_drafting_loses_and_notices_when_it_pays_again(caplog):
     policy = MeasuredFallback(4, interval=16, window=4)
     engine = Engine(policy, draft_ms=20.0, plain_ms=4.0, tau=4.0)  # 0.8x: weights dominate every forward
-    engine.run(200)
+    with caplog.at_level("INFO", logger="vegas.vllm"):
+        engine.run(200)
     assert not policy.drafting and policy.switches == 1
+    # the change of mode is logged once, with both measured rates (kept decisions are DEBUG)
+    changes = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
+    assert len(changes) == 1 and "takes plain steps" in changes[0] and "drafting 6,400" in changes[0], changes
     assert policy.rates[False] > policy.rates[True]
     engine.draft_ms = 8.0  # long contexts: drafting now pays 2x
     start, emitted = engine.now, engine.emitted

@@ -23,10 +23,13 @@ samples, whatever was drafted.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 
 __all__ = ["MeasuredFallback", "StepSwitch", "drafts_next_step", "prompt_tokens"]
+
+logger = logging.getLogger("vegas.vllm")
 
 
 def prompt_tokens(num_scheduled_tokens: Mapping[str, int], spec_decode_tokens: Mapping[str, Sequence]) -> int:
@@ -144,9 +147,18 @@ class MeasuredFallback:
             self.drafting = not self.drafting
             self.switches += 1
             self.interval = self.base_interval
+            level = logging.INFO  # a change of mode: the user sees it
         else:
             self.interval = min(2 * self.interval, self.max_interval)
+            level = logging.DEBUG
+        logger.log(level, "vegas: fallback %s (measured output tok/s: drafting %s, plain steps %s; next probe in %d steps)",
+                   "drafts" if self.drafting else "takes plain steps", _rate(self.rates[True]),
+                   _rate(self.rates[False]), self.interval)
         self.steps_left = self.interval
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"
 
 
 class StepSwitch:
