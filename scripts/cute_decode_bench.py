@@ -10,7 +10,19 @@ no nvcc), but only if its decode is as fast as FA3's. This measures that, per st
 
 - ``fa3``: vLLM's FA3 (``fa_version=3``, FA3's own split heuristic), as verification runs today;
 - ``cute``: the CuTe-DSL kernel with its split heuristic (``num_splits=0``);
-- ``cute/sN``: the CuTe-DSL kernel with N splits (``--splits``), to see whether only the heuristic lags.
+- ``cute/sN``: the CuTe-DSL kernel with N splits (``--splits``), to see whether only the heuristic lags;
+- ``cute/m64``: the CuTe-DSL kernel with a 64-row query tile (one MMA warpgroup, as FA3 picks for
+  decode: ``max_seqlen_q * G <= 64``), through ``_flash_attn_fwd(tile_mn=(64, 128))``; its default
+  tiles are 128-192 rows, of which a decode request fills ``qlen * G`` (5-20);
+- ``cute+scores`` / ``cute/m64+scores``: the same with a ``score_mod`` (:func:`vegas.kernels.cute_scores.score_writer`) that
+  stores ``scale * q . k`` of each request's first and last query row (collect2's two scored rows)
+  for every key before the chunk into a ``[batch, 2, q_heads, max_len]`` float32 buffer — the
+  verification logits written from inside the attention, the point of issue 22 — checked against
+  a reference of those logits on layer 0; each layer's call also sums the buffer over rows and
+  heads into its ``(batch, max_len)`` score row (the reduce a backend would run);
+- ``fa3+score``: what the vLLM backend runs today, FA3 per layer, the collect queries gathered per
+  layer and the separate all-layers score kernel (:mod:`vegas.kernels.triton_score`) at the end:
+  the figure a ``+scores`` variant must beat.
 
 For query lengths 1 (plain decode) and γ + 1 = 5 (verification), SmolLM2 (30 L, 9 q / 3 kv x 64) and
 Qwen3-8B (36 L, 32 q / 8 kv x 128) at 32K and 128K, batch 1 and 4. It also prints the first call's
@@ -22,6 +34,7 @@ carry-able parts of them, see csrc/README.md).
 
     python scripts/cute_decode_bench.py                      # everything (~4 device minutes)
     python scripts/cute_decode_bench.py --case qwen3-8b --ctx 131072 --batch 4 --qlen 5
+    python scripts/cute_decode_bench.py --case smollm2 --ctx 7680 --batch 32 --batch 128 --qlen 5   # serving shape
 """
 
 from __future__ import annotations
@@ -36,6 +49,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from vegas.kernels.cute_scores import score_writer  # noqa: E402
 from vegas.kernels.device_timer import interleaved  # noqa: E402
 
 PEAK = 4.3e12
@@ -68,39 +82,120 @@ def attention(b, layer, out, fa_version, num_splits):
 
 
 
+def cute_attention(b, layer, out, num_splits, tile_mn=None, score_mod=None):
+    """The CuTe-DSL forward called as vLLM's ``fa_version=4`` wrapper calls it, plus a tile
+    size and a ``score_mod``."""
+    from vllm.vllm_flash_attn.cute.interface import _flash_attn_fwd
+
+    k, v = b["kv"][layer]
+    _flash_attn_fwd(b["q"], k, v, cu_seqlens_q=b["cu"], seqused_k=b["seq_lens"], max_seqlen_q=b["qlen"],
+                    max_seqlen_k=b["max_len"], page_table=b["bt"], softmax_scale=b["scale"], causal=True,
+                    num_splits=num_splits, out=out, tile_mn=tile_mn, score_mod=score_mod)
+
+
+def separate_scores(b, layers, seqs, hq, hkv, d):
+    """A layer call of today's path: FA3, then the layer's two collect queries gathered into a
+    per-step buffer; after the last layer one all-layers launch of the separate score kernel."""
+    from vegas.kernels.triton_score import collect_scores_layers_triton, layer_offsets
+
+    qlen = b["qlen"]
+    cu = b["cu"][:-1].long()
+    q_idx = torch.stack([cu, cu + qlen - 1], dim=1)  # [seqs, 2]: first and last row of each chunk
+    weights = torch.ones(seqs, 2, device="cuda")
+    queries = torch.empty((layers, seqs, 2, hq, d), dtype=b["q"].dtype, device="cuda")
+    keys = [b["kv"][layer][0] for layer in range(layers)]
+    offsets = layer_offsets(keys)
+    ctx = b["seq_lens"] - qlen
+
+    def call(layer, out):
+        attention(b, layer, out, 3, 0)
+        torch.index_select(b["q"], 0, q_idx.reshape(-1), out=queries[layer].view(-1, hq, d))
+        if layer == layers - 1:
+            collect_scores_layers_triton(queries, weights, keys, b["bt"], ctx, b["max_len"], b["scale"],
+                                         key_offsets=offsets)
+    return call
+
+
+def reference_scores(b, layer, hq, hkv):
+    """``[batch, 2, q_heads, max_len]`` float32 logits (``scale * q . k``) of each request's first
+    and last query row for keys before its chunk; NaN elsewhere (not compared)."""
+    k = b["kv"][layer][0]  # [num_blocks, block_size, hkv, d]
+    seqs, qlen = b["bt"].shape[0], b["qlen"]
+    ref = torch.full((seqs, 2, hq, b["max_len"]), float("nan"), device=k.device)
+    group = hq // hkv
+    for s in range(seqs):
+        ctx = int(b["seq_lens"][s]) - qlen
+        pos = torch.arange(ctx, device=k.device)
+        keys = k[b["bt"][s, pos // BLOCK_SIZE].long(), pos % BLOCK_SIZE].float()  # [ctx, hkv, d]
+        keys = keys.repeat_interleave(group, dim=1)  # [ctx, hq, d]
+        for slot, row in enumerate((0, qlen - 1)):
+            q = b["q"][int(b["cu"][s]) + row].float()  # [hq, d]
+            ref[s, slot, :, :ctx] = torch.einsum("hd,phd->hp", q, keys) * b["scale"]
+    return ref
+
+
 def run_case(model, ctx, seqs, qlen, args):
     layers, hq, hkv, d = MODELS[model]
     torch.manual_seed(0)
     b = make_batch(layers, hq, hkv, d, seqs, ctx, qlen)
     out_fa3, out_cute = torch.empty_like(b["q"]), torch.empty_like(b["q"])
     attention(b, 0, out_fa3, 3, 0)
-    variants = {"fa3": (3, 0), "cute": (4, 0)}
-    variants.update({f"cute/s{s}": (4, s) for s in args.splits})
+    scores = torch.full((seqs, 2, hq, b["max_len"]), float("nan"), device="cuda")
+    writer = score_writer(scores) if args.scores else None
+    m64 = (64, 128)
+    # name -> a call of one layer: (layer, out) -> None
+    calls = {"fa3": lambda layer, out: attention(b, layer, out, 3, 0),
+             "cute": lambda layer, out: attention(b, layer, out, 4, 0)}
+    calls.update({f"cute/s{n}": (lambda n: lambda layer, out: attention(b, layer, out, 4, n))(n) for n in args.splits})
+    calls["cute/m64"] = lambda layer, out: cute_attention(b, layer, out, 0, tile_mn=m64)
+    if writer is not None:
+        calls["cute+scores"] = lambda layer, out: cute_attention(b, layer, out, 0, score_mod=writer)
+        calls["cute/m64+scores"] = lambda layer, out: cute_attention(b, layer, out, 0, tile_mn=m64, score_mod=writer)
+    rows = torch.empty((layers, seqs, b["max_len"]), device="cuda")  # per-layer score rows (the reduce's output)
+
+    def with_reduce(call):
+        def fn(layer, out):
+            call(layer, out)
+            torch.sum(scores, dim=(1, 2), out=rows[layer])
+        return fn
+
+    if writer is not None:
+        calls["cute+scores"] = with_reduce(calls["cute+scores"])
+        calls["cute/m64+scores"] = with_reduce(calls["cute/m64+scores"])
+    calls["fa3+score"] = separate_scores(b, layers, seqs, hq, hkv, d)
+    ref = reference_scores(b, 0, hq, hkv) if writer is not None else None
     first = {}
-    for name, (ver, ns) in variants.items():
-        if ver != 4:
+    for name, call in calls.items():
+        if name.startswith("fa3"):
             continue
         torch.cuda.synchronize()
+        scores.fill_(float("nan"))
         t0 = time.perf_counter()
         try:
-            attention(b, 0, out_cute, ver, ns)
+            call(0, out_cute)
             torch.cuda.synchronize()
-        except Exception as e:  # an unsupported configuration: report and drop it
-            print(f"  {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        except Exception as e:  # an unsupported configuration (or a DSL error): report and drop it
+            print(f"  {name}: {type(e).__name__}: {str(e)[:600]}", flush=True)
             first[name] = None
             continue
         first[name] = time.perf_counter() - t0
         diff = (out_cute.float() - out_fa3.float()).abs().max().item()
-        print(f"  {name}: first call {first[name]:.1f} s, max |cute - fa3| = {diff:.2e}", flush=True)
-    variants = {n: v for n, v in variants.items() if first.get(n, 0) is not None}
+        line = f"  {name}: first call {first[name]:.1f} s, max |cute - fa3| = {diff:.2e}"
+        if name.endswith("+scores"):
+            want = ~torch.isnan(ref)
+            got_ok = torch.equal(~torch.isnan(scores), want)  # written exactly where the reference is defined
+            err = ((scores[want] - ref[want]).norm() / ref[want].norm()).item() if want.any() else float("nan")
+            line += f", scores written where expected: {got_ok}, rel. error {err:.2e}"
+        print(line, flush=True)
+    calls = {n: c for n, c in calls.items() if first.get(n, 0) is not None}
 
-    def step(ver, ns):
+    def step(call):
         def fn():
             for layer in range(layers):
-                attention(b, layer, out_cute, ver, ns)
+                call(layer, out_cute)
         return fn
 
-    res = interleaved({n: step(*v) for n, v in variants.items()}, args.reps, args.iters)
+    res = interleaved({n: step(c) for n, c in calls.items()}, args.reps, args.iters)
     med = {n: statistics.median(v) for n, v in res.items()}
     kv_bytes = layers * seqs * (ctx + qlen) * hkv * d * 2 * 2
     title = f"{model} {layers}L {hq}q/{hkv}kv x {d}, ctx {ctx}, batch {seqs}, qlen {qlen}"
@@ -127,6 +222,8 @@ def main() -> int:
     ap.add_argument("--splits", type=int, nargs="*", default=[8, 32], help="fixed split counts tried besides the heuristic")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--no-scores", dest="scores", action="store_false",
+                    help="leave out the variants with the score-writing score_mod")
     ap.add_argument("--json", help="write every row here")
     args = ap.parse_args()
     from vllm.vllm_flash_attn.flash_attn_interface import fa_version_unsupported_reason, is_fa_version_supported

@@ -267,6 +267,9 @@ class VegasSpeculator(DraftModelSpeculator):
             "full_cuda_graphs": self.state.frozen,
             "draft_graphs": self.drafting.num_graphs,
             "graph_failed": self.drafting.graph_failed,
+            # the scores come from inside the verification attention: "fa3_ext" (_vegas_fa3_C), "cute"
+            # (vllm.cute_scores), else "separate" (the score kernel after the last layer)
+            "score_path": _score_path(self.state),
             # forwards captured with the score pass layer by layer on a side stream (vllm.score_overlap)
             "layer_scored_forwards": getattr(getattr(self.state.path, "collector", None), "layer_scored_forwards", 0),
         }
@@ -287,3 +290,9 @@ class VegasSpeculator(DraftModelSpeculator):
             apply_temperature=True, output_processed_logits=self.draft_logits,
             output_processed_logits_col=self.step_cols[j], use_fp64=self.use_fp64_gumbel,
         )
+
+
+def _score_path(state) -> str:
+    """Where this engine's verification scores come from (see :meth:`VegasSpeculator.stats`)."""
+    fa3 = state.fa3
+    return fa3.KIND if fa3 is not None and fa3.in_use else "separate"

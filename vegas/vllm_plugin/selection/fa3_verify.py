@@ -52,6 +52,21 @@ class FA3ScoreVerify:
         self.cu: torch.Tensor | None = None  # [num_seqs + 1] int32
         self._announced: str | None = None
 
+    #: the path's name in the engine's stats (``score_path``)
+    KIND = "fa3_ext"
+    #: what the log line calls this path when it runs
+    ANNOUNCE = "verification scores from FA3 (_vegas_fa3_C: one pass over the keys)"
+
+    @staticmethod
+    def kernel_unavailable() -> str | None:
+        """Why this path's kernel cannot run in this process, or None."""
+        return fa3_scores.unavailable_reason()
+
+    def path_reason(self, state) -> str | None:
+        """Why the selection path in force cannot take this path, or None."""
+        width = state.path.row_table.width
+        return f"{width} scored rows per request" if width > 2 else None
+
     @staticmethod
     def impl_reason(impl, query: torch.Tensor) -> str | None:
         """Why calls of this ``FlashAttentionImpl`` cannot use the extension, or None."""
@@ -65,9 +80,24 @@ class FA3ScoreVerify:
             sinks=getattr(impl, "sinks", None), kv_cache_dtype=impl.kv_cache_dtype,
         )
 
+    @staticmethod
+    def shape_reason(impl, query: torch.Tensor, attn_metadata) -> str | None:
+        """Why this forward's batch is not one this path takes (a prefill chunk), or None."""
+        return fa3_scores.unsupported_reason(
+            query.shape[1], impl.num_kv_heads, query.shape[2], query.dtype, int(attn_metadata.max_query_len))
+
+    def ready(self, state, impl, query: torch.Tensor) -> bool:
+        """Whether this path's own buffers exist for the forward about to run (made outside
+        CUDA-graph capture when a path needs them); the FA3 extension needs none."""
+        return True
+
+    @property
+    def in_use(self) -> bool:
+        """Whether this path was announced as the one that runs (every layer of a forward covered)."""
+        return self._announced == self.ANNOUNCE
+
     def _announce(self, reason: str | None) -> None:
-        msg = ("verification scores from FA3 (_vegas_fa3_C: one pass over the keys)" if reason is None
-               else f"verification scores from the separate score kernel ({reason})")
+        msg = self.ANNOUNCE if reason is None else f"verification scores from the separate score kernel ({reason})"
         if self._announced is None:
             log.info("vegas: %s", msg)
             self._announced = msg
@@ -75,15 +105,16 @@ class FA3ScoreVerify:
     def begin(self, state, impl, query: torch.Tensor, attn_metadata) -> bool:
         """At the first layer of a full-attention forward: whether it runs through the extension."""
         self.active = False
-        reason = fa3_scores.unavailable_reason()
+        reason = self.kernel_unavailable()
         if reason is not None:
             self._announce(reason)
             return False
         path = state.path
         if not getattr(path, "uses_fa3_scores", False) or path.row_table.width == 0:
             return False
-        if path.row_table.width > 2:
-            self._announce(f"{path.row_table.width} scored rows per request")
+        reason = self.path_reason(state)
+        if reason is not None:
+            self._announce(reason)
             return False
         row0 = self.impl_reason(impl, query)
         self.layer_reason[0] = row0
@@ -95,9 +126,9 @@ class FA3ScoreVerify:
             self._announce(None)
         if getattr(attn_metadata, "use_cascade", False) or getattr(attn_metadata, "causal", True) is not True:
             return False
-        shape = fa3_scores.unsupported_reason(
-            query.shape[1], impl.num_kv_heads, query.shape[2], query.dtype, int(attn_metadata.max_query_len))
-        if shape is not None:  # a prefill chunk: today's path, nothing to announce
+        if self.shape_reason(impl, query, attn_metadata) is not None:  # a prefill chunk: today's path
+            return False
+        if not self.ready(state, impl, query):
             return False
         self.active = True
         return True
