@@ -163,3 +163,37 @@ def test_what_the_cute_path_leaves_to_todays_path(monkeypatch, caplog):
     st = _state("collect2", kv_budget=7, first_layer=0, last_layer=1, layers_ready=True, vllm={"cute_scores": True})
     st.reserve(4, 7, 5 * 9 * 64, torch.bfloat16, torch.device("cpu"))  # max_model_len unknown
     assert not CuteScoreVerify().begin(st, _impl(3), q, md)
+
+
+_EDGE_CHILD = r"""
+import json, sys, traceback
+sys.path.insert(0, sys.argv[1])
+import torch, triton
+from vegas.kernels import triton_score_reduce as r
+out = {}
+try:
+    g = torch.Generator().manual_seed(2)
+    ws = torch.randn(5, 2, 9, 3000, generator=g)  # larger than the batch: 3 requests, 2,100 positions
+    weights = torch.tensor([[1.0, 1.0], [1.0, 0.0], [0.0, 1.0]])
+    ctx = torch.tensor([2100, 1030, 0])
+    got = torch.empty(3, 2100)
+    r._edge_reduce_kernel[(3, triton.cdiv(2100, r.REDUCE_BLOCK))](
+        ws, weights, ctx, got, 2100, ws.stride(0), ws.stride(1), ws.stride(2), got.stride(0), HQ=9, BLOCK=r.REDUCE_BLOCK)
+    want = torch.empty(3, 2100)
+    r.reduce_edge_rows(ws, weights, ctx, want)  # the PyTorch path of CPU tensors
+    finite = torch.isfinite(want)
+    ok = torch.equal(torch.isfinite(got), finite) and torch.allclose(got[finite], want[finite], rtol=1e-5, atol=1e-4)
+    out["edge"] = "ok" if ok else f"mismatch {(got[finite] - want[finite]).abs().max()}"
+except Exception:
+    out["edge"] = traceback.format_exc()[-2000:]
+print("RESULTS " + json.dumps(out))
+"""
+
+
+def test_the_triton_edge_reduce_matches_pytorch_interpreted():
+    """The one-pass Triton reduce of the writer's buffer (run by Triton's CPU interpreter) against
+    the PyTorch path: per-request slot weights, the ``-inf`` tail, a request with nothing to score."""
+    from .kernel_cases import run_interpreted
+
+    result = run_interpreted(_EDGE_CHILD)
+    assert result["edge"] == "ok", result["edge"]

@@ -172,21 +172,19 @@ def edge_row_weights(rows_by_length: list[list[int]], device=None) -> torch.Tens
 def reduce_edge_scores(ws: torch.Tensor, weights: torch.Tensor, ctx_sel: torch.Tensor, out: torch.Tensor) -> None:
     """The selector's score row from the writer's buffer: ``out[s, p] = sum_slot weights[s, slot] *
     sum_h ws[s, slot, h, p]`` for ``p < ctx_sel[s]``, ``-inf`` from ``ctx_sel[s]`` on (as the
-    separate score kernel writes it).
+    separate score kernel writes it); one Triton pass over the buffer on the GPU
+    (:func:`vegas.kernels.triton_score_reduce.reduce_edge_rows`), PyTorch elsewhere.
 
     Args:
-        ws: ``(>= num_seqs, 2, num_q_heads, >= max_len)`` float32, the writer's buffer (allocated
-            with zeros: a slot the kernel did not write must hold a finite value).
+        ws: ``(>= num_seqs, 2, num_q_heads, >= max_len)`` float32, the writer's buffer.
         weights: ``(num_seqs, 2)`` float32 slot weights of each request (:func:`edge_row_weights`
             indexed by its chunk length).
         ctx_sel: ``(num_seqs,)`` int64 selectable positions.
         out: ``(num_seqs, max_len)`` float32, written in place.
     """
-    num_seqs, max_len = out.shape
-    heads = ws[:num_seqs, :, :, :max_len].sum(dim=2)  # [num_seqs, 2, max_len]
-    torch.sum(heads * weights[:, :, None], dim=1, out=out)
-    keep = torch.arange(max_len, device=out.device)[None, :] < ctx_sel[:, None]
-    out.masked_fill_(~keep, float("-inf"))
+    from .triton_score_reduce import reduce_edge_rows
+
+    reduce_edge_rows(ws, weights.contiguous(), ctx_sel, out)
 
 
 def cute_verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,

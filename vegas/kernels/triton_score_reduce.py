@@ -7,6 +7,10 @@ max_len)`` float32 partial; :func:`reduce_head_scores` sums the KV heads in a fi
 from ``ctx_sel`` on: the convention of the separate score kernel
 (:mod:`vegas.kernels.triton_score`). A request with an empty chunk (a padded request of a captured
 batch) scored nothing and gets 0 before ``ctx_sel``.
+
+:func:`reduce_edge_rows` does the same for the CuTe score writer's per-query-head buffer
+(:mod:`vegas.kernels.cute_scores`): ``(num_seqs, 2, num_q_heads, max_len)``, the first and the
+last query row of each chunk, each weighted per request.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["reduce_head_scores"]
+__all__ = ["reduce_edge_rows", "reduce_head_scores"]
 
 #: positions per program
 REDUCE_BLOCK = 1024
@@ -86,5 +90,64 @@ def reduce_head_scores(
     _score_reduce_kernel[(num_seqs, triton.cdiv(max_len, REDUCE_BLOCK))](
         src, scores, cu_seqlens_q, ctx_sel, max_len, sg, ss, scores.stride(0),
         HKV=1 if direct else part.shape[0], DIRECT=direct, BLOCK=REDUCE_BLOCK,
+    )
+    return scores
+
+
+@triton.jit(do_not_specialize=["max_len"])
+def _edge_reduce_kernel(
+    ws_ptr,  # [>= num_seqs, 2, HQ, >= max_len] float32
+    w_ptr,  # [num_seqs, 2] float32 slot weights
+    ctx_ptr,  # [num_seqs] selectable positions
+    sc_ptr,  # [num_seqs, max_len] float32 view
+    max_len,
+    stride_ws, stride_wk, stride_wh,
+    stride_ss,
+    HQ: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    s = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ctx = tl.load(ctx_ptr + s).to(tl.int32)
+    sel = offs < ctx
+    w0 = tl.load(w_ptr + s * 2)
+    w1 = tl.load(w_ptr + s * 2 + 1)
+    base = ws_ptr + s.to(tl.int64) * stride_ws + offs
+    acc0 = tl.zeros([BLOCK], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK], dtype=tl.float32)
+    for h in tl.static_range(HQ):
+        acc0 += tl.load(base + h * stride_wh, mask=sel, other=0.0)
+        acc1 += tl.load(base + stride_wk + h * stride_wh, mask=sel, other=0.0)
+    out = tl.where(sel, w0 * acc0 + w1 * acc1, float("-inf"))
+    tl.store(sc_ptr + s.to(tl.int64) * stride_ss + offs, out, mask=offs < max_len)
+
+
+def reduce_edge_rows(ws: torch.Tensor, weights: torch.Tensor, ctx_sel: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """``scores[s, p] = weights[s, 0] * sum_h ws[s, 0, h, p] + weights[s, 1] * sum_h ws[s, 1, h, p]``
+    for ``p < ctx_sel[s]``, ``-inf`` from ``ctx_sel[s]`` on; one pass over ``ws`` on the GPU.
+
+    Args:
+        ws: ``(>= num_seqs, 2, num_q_heads, >= max_len)`` float32 with a unit last stride; only
+            positions before ``ctx_sel`` are read.
+        weights: ``(num_seqs, 2)`` float32, contiguous.
+        ctx_sel: ``(num_seqs,)`` selectable positions.
+        scores: ``(num_seqs, max_len)`` float32 with a unit last stride, written.
+
+    Returns:
+        ``scores``.
+    """
+    num_seqs, max_len = scores.shape
+    if num_seqs == 0 or max_len == 0:
+        return scores
+    if not scores.is_cuda:  # the same computation in PyTorch (CPU tests)
+        pos = torch.arange(max_len, device=scores.device)
+        heads = ws[:num_seqs, :, :, :max_len].sum(dim=2)  # [num_seqs, 2, max_len]
+        total = (heads * weights[:num_seqs, :, None]).sum(dim=1)
+        keep = pos[None, :] < ctx_sel[:num_seqs, None].to(pos.dtype)
+        scores.copy_(torch.where(keep, total, torch.full_like(total, float("-inf"))))
+        return scores
+    _edge_reduce_kernel[(num_seqs, triton.cdiv(max_len, REDUCE_BLOCK))](
+        ws, weights, ctx_sel, scores, max_len, ws.stride(0), ws.stride(1), ws.stride(2), scores.stride(0),
+        HQ=ws.shape[2], BLOCK=REDUCE_BLOCK,
     )
     return scores
