@@ -134,14 +134,32 @@ def reference_scores(b, layer, hq, hkv):
     return ref
 
 
+#: model -> (score buffer, its writer): one buffer at the largest case of the run, so that the writer
+#: (its address and shape compiled into the kernel) compiles once per model, not once per case
+_WRITERS: dict = {}
+
+
+def writer_for(model, hq, seqs, max_len, args):
+    """``(scores view (seqs, 2, hq, max_len), writer)`` of the model's shared buffer (None, None
+    without ``--scores``)."""
+    if not args.scores:
+        return torch.empty((seqs, 2, hq, max_len), device="cuda"), None
+    if model not in _WRITERS:
+        most_seqs = max(args.batch or [1, 4])
+        most_len = max(args.ctx or [32768, 131072]) + max(args.qlen or [1, 5])
+        buf = torch.zeros((most_seqs, 2, hq, most_len), device="cuda")
+        _WRITERS[model] = (buf, score_writer(buf))
+    buf, writer = _WRITERS[model]
+    return buf[:seqs, :, :, :max_len], writer
+
+
 def run_case(model, ctx, seqs, qlen, args):
     layers, hq, hkv, d = MODELS[model]
     torch.manual_seed(0)
     b = make_batch(layers, hq, hkv, d, seqs, ctx, qlen)
     out_fa3, out_cute = torch.empty_like(b["q"]), torch.empty_like(b["q"])
     attention(b, 0, out_fa3, 3, 0)
-    scores = torch.full((seqs, 2, hq, b["max_len"]), float("nan"), device="cuda")
-    writer = score_writer(scores) if args.scores else None
+    scores, writer = writer_for(model, hq, seqs, b["max_len"], args)
     m64 = (64, 128)
     # name -> a call of one layer: (layer, out) -> None
     calls = {"fa3": lambda layer, out: attention(b, layer, out, 3, 0),
