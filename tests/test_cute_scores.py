@@ -154,6 +154,7 @@ def test_what_the_cute_path_leaves_to_todays_path(monkeypatch, caplog):
     max_model_len (no buffer can be made at its largest) a forward takes today's path."""
     monkeypatch.setattr(cute_scores, "unavailable_reason", lambda: None)
     monkeypatch.setattr(cute_scores, "cute_verify_attention", lambda *a, **k: pytest.fail("kernel called"))
+    monkeypatch.setattr(cute_scores, "score_writer", lambda ws: ws)  # no CuTe DSL here
     md = SimpleNamespace(max_query_len=5, use_cascade=False, causal=True)
     q = torch.randn(10, 9, 64).to(torch.bfloat16)
     st = _state("aggregated", kv_budget=7, first_layer=0, last_layer=1, layers_ready=True, vllm={"cute_scores": True})
@@ -163,6 +164,14 @@ def test_what_the_cute_path_leaves_to_todays_path(monkeypatch, caplog):
     st = _state("collect2", kv_budget=7, first_layer=0, last_layer=1, layers_ready=True, vllm={"cute_scores": True})
     st.reserve(4, 7, 5 * 9 * 64, torch.bfloat16, torch.device("cpu"))  # max_model_len unknown
     assert not CuteScoreVerify().begin(st, _impl(3), q, md)
+    # a batch the buffer cannot hold (longer than max_model_len, or more requests) is not written past it
+    st.reserve(4, 7, 5 * 9 * 64, torch.bfloat16, torch.device("cpu"), max_model_len=80)
+    v = CuteScoreVerify()
+    qsl = torch.tensor([0, 5, 10], dtype=torch.int32)
+    assert v.begin(st, _impl(3), q, SimpleNamespace(**md.__dict__, query_start_loc=qsl, max_seq_len=80))
+    assert not v.begin(st, _impl(3), q, SimpleNamespace(**md.__dict__, query_start_loc=qsl, max_seq_len=81))
+    five = torch.arange(6, dtype=torch.int32) * 2
+    assert not v.begin(st, _impl(3), q, SimpleNamespace(**md.__dict__, query_start_loc=five, max_seq_len=80))
 
 
 _EDGE_CHILD = r"""

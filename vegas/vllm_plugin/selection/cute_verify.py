@@ -36,22 +36,27 @@ class CuteScoreVerify(FA3ScoreVerify):
         self.writer = None  # the score_mod of self.ws
         self.slot_weights: torch.Tensor | None = None  # [γ + 2, 2] float32 per chunk length
         self.weights: torch.Tensor | None = None  # [num_seqs, 2] float32 of this forward
+        self._path_reason: str | None = None  # cached by path_reason (it reads the row table once)
 
     @staticmethod
     def kernel_unavailable() -> str | None:
         return cute_scores.unavailable_reason()
 
     def path_reason(self, state) -> str | None:
+        """Whether the selector scores only the first and/or last query of a chunk; read from
+        its row table once (a host read: never inside CUDA-graph capture)."""
+        if self.slot_weights is not None or self._path_reason is not None:
+            return self._path_reason
         table = state.path.row_table
+        if table.rows.is_cuda and torch.cuda.is_current_stream_capturing():
+            return "the selector's scored rows were not read before CUDA-graph capture"
         rows = [[int(r) for r, w in zip(table.rows[c].tolist(), table.weights[c].tolist()) if w > 0]
                 for c in range(table.rows.shape[0])]
         try:
-            weights = cute_scores.edge_row_weights(rows)
+            self.slot_weights = cute_scores.edge_row_weights(rows).to(table.rows.device)
         except ValueError as e:
-            return str(e)
-        if self.slot_weights is None:
-            self.slot_weights = weights.to(table.rows.device)
-        return None
+            self._path_reason = str(e)
+        return self._path_reason
 
     @staticmethod
     def impl_reason(impl, query: torch.Tensor) -> str | None:
@@ -68,16 +73,19 @@ class CuteScoreVerify(FA3ScoreVerify):
         return cute_scores.unsupported_reason(
             query.shape[1], impl.num_kv_heads, query.shape[2], query.dtype, int(attn_metadata.max_query_len))
 
-    def ready(self, state, impl, query: torch.Tensor) -> bool:
-        """The writer's buffer exists (made here, at its largest, outside CUDA-graph capture)."""
-        if self.ws is not None:
-            return True
-        if state.capturing(query) or state.sel_buf is None or not state.max_model_len:
-            return False
-        shape = cute_scores.workspace_shape(state.sel_buf.shape[1], query.shape[1], state.max_model_len)
-        self.ws = torch.zeros(shape, dtype=torch.float32, device=query.device)
-        self.writer = cute_scores.score_writer(self.ws)
-        return True
+    def ready(self, state, impl, query: torch.Tensor, attn_metadata) -> bool:
+        """The writer's buffer exists (made here, at its largest, outside CUDA-graph capture) and
+        holds this batch: its requests, query heads and sequence length (else today's path: the
+        kernel would write past it)."""
+        if self.ws is None:
+            if state.capturing(query) or state.sel_buf is None or not state.max_model_len:
+                return False
+            shape = cute_scores.workspace_shape(state.sel_buf.shape[1], query.shape[1], state.max_model_len)
+            self.ws = torch.zeros(shape, dtype=torch.float32, device=query.device)
+            self.writer = cute_scores.score_writer(self.ws)
+        num_seqs = attn_metadata.query_start_loc.shape[0] - 1
+        return (num_seqs <= self.ws.shape[0] and query.shape[1] == self.ws.shape[2]
+                and int(attn_metadata.max_seq_len) <= self.ws.shape[3])
 
     def prepare(self, state, plan, attn_metadata, num_kv_heads: int, device) -> None:
         n = plan.num_seqs

@@ -86,7 +86,7 @@ class FA3ScoreVerify:
         return fa3_scores.unsupported_reason(
             query.shape[1], impl.num_kv_heads, query.shape[2], query.dtype, int(attn_metadata.max_query_len))
 
-    def ready(self, state, impl, query: torch.Tensor) -> bool:
+    def ready(self, state, impl, query: torch.Tensor, attn_metadata) -> bool:
         """Whether this path's own buffers exist for the forward about to run (made outside
         CUDA-graph capture when a path needs them); the FA3 extension needs none."""
         return True
@@ -128,7 +128,7 @@ class FA3ScoreVerify:
             return False
         if self.shape_reason(impl, query, attn_metadata) is not None:  # a prefill chunk: today's path
             return False
-        if not self.ready(state, impl, query):
+        if not self.ready(state, impl, query, attn_metadata):
             return False
         self.active = True
         return True
