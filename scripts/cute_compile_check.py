@@ -64,8 +64,21 @@ def main() -> int:
     ap.add_argument("--vllm-cute", required=True, type=Path, help="vllm/vllm_flash_attn/cute of a vLLM 0.24 wheel")
     ap.add_argument("--case", action="append", choices=list(SHAPES), help="default: both")
     args = ap.parse_args()
+    if not args.vllm_cute.is_dir():
+        print(f"--vllm-cute: no such directory: {args.vllm_cute}", file=sys.stderr)
+        return 2
     if not (args.vllm_cute / "interface.py").is_file():
-        print(f"--vllm-cute: no interface.py in {args.vllm_cute}", file=sys.stderr)
+        print(f"--vllm-cute: no interface.py in {args.vllm_cute} (give vllm/vllm_flash_attn/cute of a vLLM 0.24 wheel)",
+              file=sys.stderr)
+        return 2
+    try:
+        import cutlass.cute  # noqa: F401
+        import einops  # noqa: F401
+        import quack  # noqa: F401
+        import tvm_ffi  # noqa: F401
+    except ImportError as e:
+        print(f"needs Python 3.12 with nvidia-cutlass-dsl==4.5.2, quack-kernels, cuda-bindings 13, apache-tvm-ffi, "
+              f"torch-c-dlpack-ext, einops, pluggy and torch: {e}", file=sys.stderr)
         return 2
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     tmp = Path(tempfile.mkdtemp(prefix="fcute-"))

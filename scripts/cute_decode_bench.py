@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Plain decode speed of FlashAttention's CuTe-DSL sm90 kernel against FA3 on vLLM's paged cache (issue 22; H200).
+"""FlashAttention's CuTe-DSL sm90 kernel, with and without vegas' score writer, against FA3 and FA3 + the separate score pass on vLLM's paged cache (issue 22; H200).
 
 The alternative to patching FA3's C++ (csrc/README.md): vLLM 0.24 ships FlashAttention's CuTe-DSL
 forward (``vllm.vllm_flash_attn.cute``, ``flash_fwd_sm90.py``: paged KV through cp.async for
@@ -234,9 +234,12 @@ def run_case(model, ctx, seqs, qlen, args):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--case", action="append", choices=list(MODELS), help="default: both")
-    ap.add_argument("--ctx", type=int, action="append", help="default: 32768 and 131072")
-    ap.add_argument("--batch", type=int, action="append", help="default: 1 and 4")
-    ap.add_argument("--qlen", type=int, action="append", help="default: 1 (decode) and 5 (verification, γ = 4)")
+    ap.add_argument("--ctx", type=int, action="append",
+                    help="context tokens; repeat the flag for several (default: 32768 and 131072; the serving shape: 7680)")
+    ap.add_argument("--batch", type=int, action="append",
+                    help="requests; repeat the flag for several (default: 1 and 4; the serving shapes: 32 and 128)")
+    ap.add_argument("--qlen", type=int, action="append",
+                    help="queries per request; repeat for several (default: 1 (decode) and 5 (verification, γ = 4))")
     ap.add_argument("--splits", type=int, nargs="*", default=[8, 32], help="fixed split counts tried besides the heuristic")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--iters", type=int, default=10)
@@ -244,7 +247,14 @@ def main() -> int:
                     help="leave out the variants with the score-writing score_mod")
     ap.add_argument("--json", help="write every row here")
     args = ap.parse_args()
-    from vllm.vllm_flash_attn.flash_attn_interface import fa_version_unsupported_reason, is_fa_version_supported
+    for flag, values in (("--ctx", args.ctx), ("--batch", args.batch), ("--qlen", args.qlen)):
+        if any(v < 1 for v in values or []):
+            ap.error(f"{flag} must be integers >= 1, got {values}")
+    try:
+        from vllm.vllm_flash_attn.flash_attn_interface import fa_version_unsupported_reason, is_fa_version_supported
+    except ImportError as e:
+        print(f"this bench needs vLLM 0.24.0 (its FA3 and CuTe-DSL attention) and a Hopper GPU: {e}")
+        return 1
 
     for ver in (3, 4):
         if not is_fa_version_supported(ver):

@@ -605,9 +605,26 @@ def raise_if_bad_args(args) -> None:
             raise VegasConfigError("--prompts is read only with --dataset code")
         if not Path(args.prompts).exists():
             raise VegasConfigError(f"--prompts {args.prompts!r} is not a file or a directory")
+    if len(set(args.methods)) != len(args.methods):
+        raise VegasConfigError(f"--methods names a method twice: {','.join(args.methods)}")
     args.config_values = read_config(args.config)[0] if args.config else {}
     if "selector" in args.config_values:
         raise VegasConfigError("--config must not name a selector: --methods names them")
+    for method in args.methods:  # what each Vegas server would refuse at start, refused now
+        selector, suffix = split_variant(method)
+        if method in ("plain", "ngram"):
+            continue
+        from vegas.config import VegasConfig
+        from vegas.plugins import create_selector
+        from vegas.vllm_plugin.settings import raise_if_unsupported
+
+        values = args.config_values
+        extra = VARIANTS[suffix](args) if suffix else {}
+        config = VegasConfig(**{**values, "num_draft_tokens": args.gamma, "vllm": {**values.get("vllm", {}), **extra}})
+        try:
+            raise_if_unsupported(create_selector(selector, config), config)
+        except VegasConfigError as e:
+            raise VegasConfigError(f"--methods {method}: {e}") from None
 
 
 def main(argv=None) -> None:

@@ -206,3 +206,21 @@ def test_the_triton_edge_reduce_matches_pytorch_interpreted():
 
     result = run_interpreted(_EDGE_CHILD)
     assert result["edge"] == "ok", result["edge"]
+
+
+@pytest.mark.parametrize("selector, match", [("collect2", None), ("last_token", None),
+                                             ("aggregated", "a chunk of 3 scores rows"),
+                                             ("sliding_window", "'sliding_window' does not select by scores"),
+                                             ("quest", "'quest' does not select by scores")])
+def test_the_engine_settings_refuse_cute_scores_for_a_selector_it_cannot_serve(selector, match):
+    """Refused when the engine is configured (vegas serve, bench, Pipeline), by field and name."""
+    from vegas.plugins import create_selector
+    from vegas.vllm_plugin.settings import raise_if_unsupported
+
+    config = VegasConfig(vllm={"cute_scores": True})
+    if match is None:
+        raise_if_unsupported(create_selector(selector, config), config)
+        return
+    with pytest.raises(VegasConfigError, match=match) as info:
+        raise_if_unsupported(create_selector(selector, config), config)
+    assert str(info.value).startswith("vllm.cute_scores needs") and "collect2 or last_token" in str(info.value)

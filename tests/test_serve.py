@@ -301,3 +301,13 @@ def test_serve_refuses_contradictions_and_names_config_for_its_fields(args, mess
     --selector none (silently dropped), and --config errors that named --selector or no option."""
     result = CliRunner().invoke(main, ["serve", MODEL, "--dry-run", *args])
     assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+
+
+def test_top_level_fallback_fields_get_a_note_that_names_the_vllm_one():
+    """``fallback`` at the top of --config is the HF backend's draft policy: the plan says so and
+    names ``vllm.fallback``; settings that do not name it get no such note."""
+    plan = vegas_serve.plan_serve(MODEL, selector="collect2", config='{"fallback": true}')
+    assert any("fallback: the HF backend's draft policy" in n and '{"vllm": {"fallback": true}}' in n
+               for n in plan.notes), plan.notes
+    plan = vegas_serve.plan_serve(MODEL, selector="collect2", config='{"vllm": {"fallback": true}}')
+    assert not any("HF backend" in n for n in plan.notes) and plan.settings["vllm"]["fallback"] is True

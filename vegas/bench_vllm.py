@@ -599,9 +599,20 @@ def write_json(results: dict, path: str | Path) -> None:
 
 
 def summary_lines(results: dict) -> list[str]:
-    """What ``vegas bench --backend vllm`` prints after the table: exactness per method and the
-    engines that failed."""
-    lines = [f"exactness {m}: {v['identical']}/{v['total']} greedy outputs identical to plain vLLM"
+    """What ``vegas bench --backend vllm`` prints after the table: the Vegas engines' vLLM
+    options and where their verification scores came from (``score_path`` of their stats:
+    ``separate``, ``cute``, ``fa3_ext``), exactness per method and the engines that failed."""
+    lines = []
+    vllm_options = results.get("options", {}).get("vllm_options") or {}
+    if vllm_options:
+        lines.append(f"vLLM options of the Vegas engines: {json.dumps(vllm_options)}")
+    paths: dict[str, set] = {}
+    for row in results.get("rows", []):
+        path = (row.get("stats") or {}).get("score_path")
+        if path:
+            paths.setdefault(row["method"], set()).add(path)
+    lines += [f"score path {m}: {', '.join(sorted(p))}" for m, p in paths.items()]
+    lines += [f"exactness {m}: {v['identical']}/{v['total']} greedy outputs identical to plain vLLM"
              + (f", {v['near_ties']} differ first at a near-tie" if v.get("near_ties") else "")
              + (f"; first differences: {v['diffs']}" if v["diffs"] else "")
              for m, v in results["exactness"].items()]

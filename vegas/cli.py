@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from .config import VegasConfigError
+from .config import VegasConfig, VegasConfigError, parse_json_object
 
 ROPE_EXAMPLE = '{"rope_type": "yarn", "factor": 4}'
 
@@ -240,7 +240,7 @@ def _bench_vllm(names, json_path, plot_path, vllm_only: dict, kwargs: dict) -> N
         prompts=kwargs["prompts"],
         dtype="bfloat16" if kwargs["dtype"] == "float32" else kwargs["dtype"],  # the default float32: bf16 (FA3)
         engine_args=parse_json_object(engine_args, "--engine-args") if engine_args else {},
-        vllm_options=parse_json_object(vllm_options, "--vllm-options") if vllm_options else {},
+        vllm_options=_vllm_options(vllm_options),
     )
 
     def save(results: dict) -> None:
@@ -520,3 +520,22 @@ def serve(model, selector, num_draft_tokens, sparsity_ratio, kv_budget, config_j
     sys.stdout.flush()
     sys.stderr.flush()
     exec_plan(plan)
+
+
+def _vllm_options(text: str | None) -> dict:
+    """``--vllm-options``: the JSON object of ``VegasConfig.vllm`` fields, checked here so that an
+    error names the flag (an empty value is no options).
+
+    Raises:
+        VegasConfigError: not a JSON object, or a field outside ``VegasConfig.vllm``'s values.
+    """
+    if text is None or not text.strip():
+        return {}
+    options = parse_json_object(text, "--vllm-options")
+    try:
+        VegasConfig(vllm=options)
+    except VegasConfigError as e:
+        hint = (' (give the fields of "vllm" themselves, e.g. \'{"fallback": true}\', not \'{"vllm": {...}}\')'
+                if "vllm" in options else "")
+        raise VegasConfigError(f"--vllm-options: {e}{hint}") from None
+    return options

@@ -147,10 +147,12 @@ class VllmOptions:
         cute_scores: run decode-shaped verification through FlashAttention's CuTe-DSL attention
             (shipped with vLLM, JIT-compiled) with a ``score_mod`` that writes the scored rows'
             logits, instead of FA3 plus the separate score pass
-            (:mod:`vegas.vllm_plugin.selection.cute_verify`); needs ``nvidia-cutlass-dsl`` and
-            ``quack-kernels`` on a Hopper GPU (otherwise one log line says why and the usual path
-            runs) and a selector that scores the first and/or last query of the chunk (collect2,
-            last_token). Not yet run on a GPU; off by default.
+            (:mod:`vegas.vllm_plugin.selection.cute_verify`); needs a Hopper GPU and what
+            ``scripts/cute_dsl_bundle.sh`` carries (``nvidia-cutlass-dsl`` 4.5.2, ``quack-kernels``,
+            ``cuda-bindings`` 13, ``einops``, ``torch-c-dlpack-ext``; without them one log line says
+            why and the usual path runs) and a selector that scores the first and/or last query of
+            the chunk (collect2, last_token; others are refused when the engine is configured).
+            Not yet run on a GPU; off by default.
 
     Raises:
         VegasConfigError: a field is outside its allowed values.

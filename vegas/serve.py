@@ -256,6 +256,7 @@ def plan_serve(
         settings = None
     else:
         values, cfg = read_config(config) if config else ({}, VegasConfig())
+        given_fields = set(values)  # what --config named (values grows to every field below)
         from_config = selector is None and "selector" in values
         name = selector or values.get("selector") or "collect2"
         gamma = cfg.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
@@ -300,6 +301,10 @@ def plan_serve(
         argv += ["--host", host]
     argv += ["--port", str(port), *extra]
     notes = []
+    hf_only = sorted(k for k in given_fields if k.startswith("fallback")) if not plain else []
+    if hf_only:  # top-level fallback* fields are the HF backend's draft policy
+        notes.append(f"--config field(s) {', '.join(hf_only)}: the HF backend's draft policy, unused on vLLM; "
+                     'the measured fallback on vLLM is {"vllm": {"fallback": true}}')
     if not vllm_installed():
         notes.append(vllm_missing_message("the command below"))
     if not plain and not plugin_entry_point_installed():

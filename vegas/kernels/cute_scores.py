@@ -23,6 +23,11 @@ Two details of the writer:
 
 Compiles for sm_90a on a machine without a GPU (``scripts/cute_compile_check.py``); timed by
 ``scripts/cute_decode_bench.py``. Nothing here runs unless ``VegasConfig.vllm.cute_scores`` is set.
+
+Sources: the attention kernel is FlashAttention's CuTe-DSL forward (Dao-AILab/flash-attention,
+``flash_attn/cute``; the copy vLLM 0.24.0 ships as ``vllm/vllm_flash_attn/cute``, NVIDIA
+CUTLASS's CuTe DSL 4.5.2); the scored rows are Collect-2-Query's (the first and the last query of
+the verified chunk, ``vegas.strategies.collect2``).
 """
 
 from __future__ import annotations
@@ -112,6 +117,7 @@ def score_writer(out: torch.Tensor):
     one query stores its row in both slots.
 
     Raises:
+        ImportError: the CuTe DSL (``nvidia-cutlass-dsl``) is not installed.
         ValueError: ``out`` is not a contiguous 4-D float32 tensor.
     """
     import cutlass
@@ -190,11 +196,27 @@ def reduce_edge_scores(ws: torch.Tensor, weights: torch.Tensor, ctx_sel: torch.T
 def cute_verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                           cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                           scale: float, *, out: torch.Tensor, writer, num_splits: int = 0) -> torch.Tensor:
-    """vLLM's verification call through the CuTe-DSL forward with the score writer: causal, paged
-    (``k_cache``/``v_cache`` ``(num_blocks, block_size, num_kv_heads, head_dim)``), varlen
-    (``cu_seqlens_q`` int32, ``seq_lens`` int32 keys per request), the 64-row query tile
-    (:data:`SCORE_TILE`); ``out`` ``(num_tokens, num_q_heads, head_dim)`` is written and returned.
-    ``num_splits`` 0 lets the kernel choose its split-KV count."""
+    """vLLM's verification call through the CuTe-DSL forward with the score writer.
+
+    Causal, paged, varlen attention with the 64-row query tile (:data:`SCORE_TILE`), as vLLM's
+    ``flash_attn_varlen_func(..., fa_version=4)`` calls it, plus the ``score_mod``.
+
+    Args:
+        q: ``(num_tokens, num_q_heads, head_dim)`` bf16/fp16 queries of the actual tokens.
+        k_cache, v_cache: ``(num_blocks, block_size, num_kv_heads, head_dim)``, ``kv_cache.unbind(1)``.
+        block_table: ``(num_seqs, max_blocks)`` int32.
+        cu_seqlens_q: ``(num_seqs + 1,)`` int32 cumulative query lengths; seq_lens: ``(num_seqs,)``
+            int32 keys per request (the chunk included).
+        max_seqlen_q, max_seqlen_k: host bounds of the query and key lengths (tokens).
+        scale: the softmax scale.
+        out: ``(num_tokens, num_q_heads, head_dim)``, written and returned.
+        writer: :func:`score_writer` of the buffer the scores go to.
+        num_splits: split-KV count; 0 lets the kernel choose.
+
+    Raises:
+        ImportError: vLLM's CuTe-DSL attention or the CuTe DSL is not installed
+            (:func:`unavailable_reason` says so beforehand).
+    """
     from vllm.vllm_flash_attn.cute.interface import _flash_attn_fwd
 
     _flash_attn_fwd(q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seqused_k=seq_lens, max_seqlen_q=max_seqlen_q,

@@ -51,6 +51,8 @@ class FA3ScoreVerify:
         self.ctx: torch.Tensor | None = None  # [num_seqs] int32 scored prefix
         self.cu: torch.Tensor | None = None  # [num_seqs + 1] int32
         self._announced: str | None = None
+        #: forwards whose Python ran through this path's kernel (captures: each replay does too)
+        self.forwards = 0
 
     #: the path's name in the engine's stats (``score_path``)
     KIND = "fa3_ext"
@@ -93,8 +95,9 @@ class FA3ScoreVerify:
 
     @property
     def in_use(self) -> bool:
-        """Whether this path was announced as the one that runs (every layer of a forward covered)."""
-        return self._announced == self.ANNOUNCE
+        """Whether forwards ran through this path's kernel with every layer covered (and it was
+        announced as the path in force)."""
+        return self.forwards > 0 and self._announced == self.ANNOUNCE
 
     def _announce(self, reason: str | None) -> None:
         msg = self.ANNOUNCE if reason is None else f"verification scores from the separate score kernel ({reason})"
@@ -122,8 +125,6 @@ class FA3ScoreVerify:
         if bad is not None:
             self._announce(bad)
             return False
-        if len(self.layer_reason) == state.num_layers:
-            self._announce(None)
         if getattr(attn_metadata, "use_cascade", False) or getattr(attn_metadata, "causal", True) is not True:
             return False
         if self.shape_reason(impl, query, attn_metadata) is not None:  # a prefill chunk: today's path
@@ -131,6 +132,9 @@ class FA3ScoreVerify:
         if not self.ready(state, impl, query, attn_metadata):
             return False
         self.active = True
+        self.forwards += 1
+        if len(self.layer_reason) == state.num_layers:  # every layer seen and covered: say so once
+            self._announce(None)
         return True
 
     def prepare(self, state, plan, attn_metadata, num_kv_heads: int, device) -> None:
