@@ -138,6 +138,16 @@ def split_variant(method: str) -> tuple[str, str]:
     return method, ""
 
 
+def method_config(method: str, args) -> tuple[str, dict]:
+    """``(selector, --config values)`` of a Vegas method: ``--config``'s values with its
+    :data:`VARIANTS` suffix's ``vllm`` fields merged in."""
+    selector, suffix = split_variant(method)
+    config = args.config_values
+    if suffix:
+        config = {**config, "vllm": {**config.get("vllm", {}), **VARIANTS[suffix](args)}}
+    return selector, config
+
+
 def method_args(method: str, args) -> tuple[list[str], list[str]]:
     """``(vegas serve options, extra vllm serve arguments)`` of a method."""
     if method == "plain":
@@ -146,11 +156,8 @@ def method_args(method: str, args) -> tuple[list[str], list[str]]:
         spec = {"method": "ngram", "num_speculative_tokens": args.gamma, "prompt_lookup_max": 4,
                 "prompt_lookup_min": 2}
         return ["--selector", "none"], ["--speculative-config", json.dumps(spec)]
-    selector, suffix = split_variant(method)
+    selector, config = method_config(method, args)
     opts = ["--selector", selector, "-g", str(args.gamma), "--sparsity-ratio", str(args.sparsity_ratio)]
-    config = args.config_values
-    if suffix:
-        config = {**config, "vllm": {**config.get("vllm", {}), **VARIANTS[suffix](args)}}
     if config:
         opts += ["--config", json.dumps(config)]
     return opts, []
@@ -610,17 +617,13 @@ def raise_if_bad_args(args) -> None:
     args.config_values = read_config(args.config)[0] if args.config else {}
     if "selector" in args.config_values:
         raise VegasConfigError("--config must not name a selector: --methods names them")
-    for method in args.methods:  # what each Vegas server would refuse at start, refused now
-        selector, suffix = split_variant(method)
-        if method in ("plain", "ngram"):
-            continue
-        from vegas.config import VegasConfig
-        from vegas.plugins import create_selector
-        from vegas.vllm_plugin.settings import raise_if_unsupported
+    from vegas.config import VegasConfig
+    from vegas.plugins import create_selector
+    from vegas.vllm_plugin.settings import raise_if_unsupported
 
-        values = args.config_values
-        extra = VARIANTS[suffix](args) if suffix else {}
-        config = VegasConfig(**{**values, "num_draft_tokens": args.gamma, "vllm": {**values.get("vllm", {}), **extra}})
+    for method in [m for m in args.methods if m not in ("plain", "ngram")]:  # what its server would refuse, now
+        selector, values = method_config(method, args)
+        config = VegasConfig(**{**values, "num_draft_tokens": args.gamma})
         try:
             raise_if_unsupported(create_selector(selector, config), config)
         except VegasConfigError as e:

@@ -16,6 +16,7 @@ from vegas.config import VegasConfig, VegasConfigError
 from vegas.kernels import cute_scores
 from vegas.vllm_plugin.selection.cute_verify import CuteScoreVerify
 
+from .test_fa3_scores import _impl
 from .test_vllm_state import BS, _block_table, _state
 
 
@@ -97,11 +98,6 @@ def _fake_cute(calls):
         return out
 
     return cute_verify_attention
-
-
-def _impl(hkv, window=None):
-    return SimpleNamespace(dcp_world_size=1, num_kv_heads=hkv, sliding_window=window, logits_soft_cap=None,
-                           alibi_slopes=None, sinks=None, kv_cache_dtype="auto", scale=0.5)
 
 
 @pytest.mark.parametrize("selector", ["collect2", "last_token"])

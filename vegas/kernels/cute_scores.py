@@ -36,6 +36,8 @@ import importlib
 
 import torch
 
+from .fa3_scores import attention_reason, sm90_reason
+
 __all__ = [
     "SCORE_TILE",
     "cute_verify_attention",
@@ -60,13 +62,9 @@ def unavailable_reason() -> str | None:
     """Why the CuTe-DSL forward cannot run in this process, or None when it can (checked once)."""
     if "reason" in _checked:
         return _checked["reason"]
-    reason = None
+    reason = sm90_reason(exact=False)
     try:
-        if not torch.cuda.is_available():
-            reason = "no CUDA device"
-        elif torch.cuda.get_device_capability()[0] != 9:
-            reason = f"compute capability {torch.cuda.get_device_capability()} is not sm90 (Hopper)"
-        else:
+        if reason is None:
             for module in ("cutlass.cute", "quack", "vllm.vllm_flash_attn.cute.interface"):
                 importlib.import_module(module)
     except ImportError as e:
@@ -87,16 +85,10 @@ def unsupported_reason(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype
         return f"dtype {dtype} (bf16 or fp16)"
     if head_dim % 8 or not 8 <= head_dim <= 256:
         return f"head_dim {head_dim} (a multiple of 8 up to 256)"
-    if num_q_heads % num_kv_heads:
-        return f"{num_q_heads} query heads over {num_kv_heads} KV heads"
-    if sliding_window is not None and tuple(sliding_window) not in ((-1, -1), (-1, 0)):
-        return f"sliding window {sliding_window}"
-    if softcap:
-        return f"soft-capping {softcap}"
-    if alibi_slopes is not None or sinks is not None:
-        return "ALiBi or attention sinks"
-    if kv_cache_dtype != "auto":
-        return f"kv_cache_dtype {kv_cache_dtype}"
+    reason = attention_reason(num_q_heads, num_kv_heads, sliding_window=sliding_window, softcap=softcap,
+                              alibi_slopes=alibi_slopes, sinks=sinks, kv_cache_dtype=kv_cache_dtype)
+    if reason is not None:
+        return reason
     if not 1 <= max_query_len <= MAX_QUERY_LEN:
         return f"max_query_len {max_query_len} (decode-shaped verification: 1..{MAX_QUERY_LEN})"
     return None

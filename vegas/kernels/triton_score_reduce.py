@@ -56,6 +56,14 @@ def _score_reduce_kernel(
         tl.store(out_row, tl.where(sel, acc, float("-inf")), mask=in_row)
 
 
+def _store_before_ctx(total: torch.Tensor, ctx_sel: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """``scores`` = ``total`` before each request's ``ctx_sel``, ``-inf`` from it on (PyTorch path)."""
+    pos = torch.arange(scores.shape[1], device=scores.device)
+    keep = pos[None, :] < ctx_sel[: scores.shape[0], None].to(pos.dtype)
+    scores.copy_(torch.where(keep, total, torch.full_like(total, float("-inf"))))
+    return scores
+
+
 def reduce_head_scores(
     part: torch.Tensor, scores: torch.Tensor, cu_seqlens_q: torch.Tensor, ctx_sel: torch.Tensor, *, direct: bool = False
 ) -> torch.Tensor:
@@ -78,13 +86,9 @@ def reduce_head_scores(
     if num_seqs == 0 or max_len == 0:
         return scores
     if not scores.is_cuda:  # the same computation in PyTorch (CPU tests)
-        pos = torch.arange(max_len, device=scores.device)
-        ctx = ctx_sel[:num_seqs].to(pos.dtype)[:, None]
         scored = (cu_seqlens_q[1 : num_seqs + 1] > cu_seqlens_q[:num_seqs])[:, None]
         total = scores.clone() if direct else part[:, :num_seqs, :max_len].sum(0)
-        total = torch.where(scored, total, torch.zeros_like(total))
-        scores.copy_(torch.where(pos[None, :] < ctx, total, torch.full_like(total, float("-inf"))))
-        return scores
+        return _store_before_ctx(torch.where(scored, total, torch.zeros_like(total)), ctx_sel, scores)
     src = scores if direct else part
     sg, ss = (0, scores.stride(0)) if direct else (part.stride(0), part.stride(1))
     _score_reduce_kernel[(num_seqs, triton.cdiv(max_len, REDUCE_BLOCK))](
@@ -140,12 +144,8 @@ def reduce_edge_rows(ws: torch.Tensor, weights: torch.Tensor, ctx_sel: torch.Ten
     if num_seqs == 0 or max_len == 0:
         return scores
     if not scores.is_cuda:  # the same computation in PyTorch (CPU tests)
-        pos = torch.arange(max_len, device=scores.device)
         heads = ws[:num_seqs, :, :, :max_len].sum(dim=2)  # [num_seqs, 2, max_len]
-        total = (heads * weights[:num_seqs, :, None]).sum(dim=1)
-        keep = pos[None, :] < ctx_sel[:num_seqs, None].to(pos.dtype)
-        scores.copy_(torch.where(keep, total, torch.full_like(total, float("-inf"))))
-        return scores
+        return _store_before_ctx((heads * weights[:num_seqs, :, None]).sum(dim=1), ctx_sel, scores)
     _edge_reduce_kernel[(num_seqs, triton.cdiv(max_len, REDUCE_BLOCK))](
         ws, weights, ctx_sel, scores, max_len, ws.stride(0), ws.stride(1), ws.stride(2), scores.stride(0),
         HQ=ws.shape[2], BLOCK=REDUCE_BLOCK,

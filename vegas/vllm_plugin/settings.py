@@ -142,15 +142,14 @@ def raise_if_cute_scores_unsupported(selector: Selector, config: VegasConfig) ->
         VegasConfigError: (field ``vllm.cute_scores``) naming the selector and the ones it serves.
     """
     from ..kernels.cute_scores import edge_row_weights
-    from ..plugins import run_selector
+    from .selectors.plan import score_rows_by_length
 
     allowed = "collect2 or last_token (the first and/or the last query of the verified chunk)"
     if not getattr(path_class(selector), "uses_fa3_scores", False):
         raise VegasConfigError.bad("vllm.cute_scores", f"needs a score-based selector, {allowed}; "
                                    f"{selector.name!r} does not select by scores on vLLM")
-    rows = [[]] + [sorted(set(run_selector(selector, "score_rows", c))) for c in range(1, config.num_draft_tokens + 2)]
     try:
-        edge_row_weights(rows)
+        edge_row_weights(score_rows_by_length(selector, config.num_draft_tokens))
     except ValueError as e:
         raise VegasConfigError.bad("vllm.cute_scores", f"needs {allowed}; {selector.name!r}: {e}") from None
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from ...kernels import cute_scores
+from ..selectors.plan import score_rows_by_length
 from .fa3_verify import FA3ScoreVerify
 
 __all__ = ["CuteScoreVerify"]
@@ -29,6 +30,7 @@ class CuteScoreVerify(FA3ScoreVerify):
     """Per-process state of the CuTe score path."""
 
     KIND = "cute"
+    KERNEL = cute_scores
     ANNOUNCE = "verification scores from the CuTe-DSL attention's score_mod (vllm.cute_scores: one pass over the keys)"
 
     def __init__(self) -> None:
@@ -36,26 +38,20 @@ class CuteScoreVerify(FA3ScoreVerify):
         self.writer = None  # the score_mod of self.ws
         self.slot_weights: torch.Tensor | None = None  # [γ + 2, 2] float32 per chunk length
         self.weights: torch.Tensor | None = None  # [num_seqs, 2] float32 of this forward
-        self._path_reason: str | None = None  # cached by path_reason (it reads the row table once)
-
-    @staticmethod
-    def kernel_unavailable() -> str | None:
-        return cute_scores.unavailable_reason()
+        self._path_reason: str | None = None  # cached by path_reason
 
     def path_reason(self, state) -> str | None:
-        """Whether the selector scores only the first and/or last query of a chunk; read from
-        its row table once (a host read: never inside CUDA-graph capture)."""
-        if self.slot_weights is not None or self._path_reason is not None:
-            return self._path_reason
-        table = state.path.row_table
-        if table.rows.is_cuda and torch.cuda.is_current_stream_capturing():
-            return "the selector's scored rows were not read before CUDA-graph capture"
-        rows = [[int(r) for r, w in zip(table.rows[c].tolist(), table.weights[c].tolist()) if w > 0]
-                for c in range(table.rows.shape[0])]
-        try:
-            self.slot_weights = cute_scores.edge_row_weights(rows).to(table.rows.device)
-        except ValueError as e:
-            self._path_reason = str(e)
+        """Whether the selector scores only the first and/or last query of a chunk (its
+        ``score_rows``, asked once, outside CUDA-graph capture: the weights are copied to the device)."""
+        if self.slot_weights is None and self._path_reason is None:
+            device = state.path.row_table.rows.device
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return "the selector's scored rows were not read before CUDA-graph capture"
+            try:
+                weights = cute_scores.edge_row_weights(score_rows_by_length(state.path.selector, state.gamma))
+                self.slot_weights = weights.to(device)
+            except ValueError as e:
+                self._path_reason = str(e)
         return self._path_reason
 
     @staticmethod
@@ -67,11 +63,6 @@ class CuteScoreVerify(FA3ScoreVerify):
             sliding_window=impl.sliding_window, softcap=impl.logits_soft_cap, alibi_slopes=impl.alibi_slopes,
             sinks=getattr(impl, "sinks", None), kv_cache_dtype=impl.kv_cache_dtype,
         )
-
-    @staticmethod
-    def shape_reason(impl, query: torch.Tensor, attn_metadata) -> str | None:
-        return cute_scores.unsupported_reason(
-            query.shape[1], impl.num_kv_heads, query.shape[2], query.dtype, int(attn_metadata.max_query_len))
 
     def ready(self, state, impl, query: torch.Tensor, attn_metadata) -> bool:
         """The writer's buffer exists (made here, at its largest, outside CUDA-graph capture) and

@@ -56,13 +56,14 @@ class FA3ScoreVerify:
 
     #: the path's name in the engine's stats (``score_path``)
     KIND = "fa3_ext"
+    #: the module of the path's kernel: ``unavailable_reason()`` and ``unsupported_reason(...)``
+    KERNEL = fa3_scores
     #: what the log line calls this path when it runs
     ANNOUNCE = "verification scores from FA3 (_vegas_fa3_C: one pass over the keys)"
 
-    @staticmethod
-    def kernel_unavailable() -> str | None:
+    def kernel_unavailable(self) -> str | None:
         """Why this path's kernel cannot run in this process, or None."""
-        return fa3_scores.unavailable_reason()
+        return self.KERNEL.unavailable_reason()
 
     def path_reason(self, state) -> str | None:
         """Why the selection path in force cannot take this path, or None."""
@@ -82,10 +83,9 @@ class FA3ScoreVerify:
             sinks=getattr(impl, "sinks", None), kv_cache_dtype=impl.kv_cache_dtype,
         )
 
-    @staticmethod
-    def shape_reason(impl, query: torch.Tensor, attn_metadata) -> str | None:
+    def shape_reason(self, impl, query: torch.Tensor, attn_metadata) -> str | None:
         """Why this forward's batch is not one this path takes (a prefill chunk), or None."""
-        return fa3_scores.unsupported_reason(
+        return self.KERNEL.unsupported_reason(
             query.shape[1], impl.num_kv_heads, query.shape[2], query.dtype, int(attn_metadata.max_query_len))
 
     def ready(self, state, impl, query: torch.Tensor, attn_metadata) -> bool:
