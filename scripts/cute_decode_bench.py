@@ -14,7 +14,7 @@ no nvcc), but only if its decode is as fast as FA3's. This measures that, per st
 - ``cute/m64``: the CuTe-DSL kernel with a 64-row query tile (one MMA warpgroup, as FA3 picks for
   decode: ``max_seqlen_q * G <= 64``), through ``_flash_attn_fwd(tile_mn=(64, 128))``; its default
   tiles are 128-192 rows, of which a decode request fills ``qlen * G`` (5-20);
-- ``cute+scores`` / ``cute/m64+scores``: the same with a ``score_mod`` (:func:`vegas.kernels.cute_scores.score_writer`) that
+- ``cute+scores`` / ``cute/m64+scores``: the same with a ``score_mod`` (:func:`score_writer`) that
   stores ``scale * q . k`` of each request's first and last query row (collect2's two scored rows)
   for every key before the chunk into a ``[batch, 2, q_heads, max_len]`` float32 buffer — the
   verification logits written from inside the attention, the point of issue 22 — checked against
@@ -31,6 +31,10 @@ time of each CuTe configuration (the JIT compile) and the largest output differe
 Needs ``nvidia-cutlass-dsl[cu13]==4.5.2`` and ``quack-kernels>=0.3.3`` (vLLM 0.24.0's pins; the
 wheels are not in the device bundle of shared/device: ``scripts/cute_dsl_bundle.sh`` makes
 carry-able parts of them, see csrc/README.md).
+
+Measured on an H200 on 2026-12-02 (benchmarks/results/cute_h200_2026-12-02): every ``+scores``
+variant lost to ``fa3+score``, so the vLLM backend's opt-in CuTe score path (``vllm.cute_scores``)
+was removed; it is at commit 919ef0f. This script keeps the experiment reproducible.
 
     python scripts/cute_decode_bench.py                      # everything (~4 device minutes)
     python scripts/cute_decode_bench.py --case qwen3-8b --ctx 131072 --batch 4 --qlen 5
@@ -49,7 +53,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from vegas.kernels.cute_scores import score_writer  # noqa: E402
 from vegas.kernels.device_timer import interleaved  # noqa: E402
 
 PEAK = 4.3e12
@@ -91,6 +94,62 @@ def cute_attention(b, layer, out, num_splits, tile_mn=None, score_mod=None):
     _flash_attn_fwd(b["q"], k, v, cu_seqlens_q=b["cu"], seqused_k=b["seq_lens"], max_seqlen_q=b["qlen"],
                     max_seqlen_k=b["max_len"], page_table=b["bt"], softmax_scale=b["scale"], causal=True,
                     num_splits=num_splits, out=out, tile_mn=tile_mn, score_mod=score_mod)
+
+
+def score_writer(out: torch.Tensor):
+    """A CuTe-DSL ``score_mod`` that leaves the scores as they are and stores the scaled logits
+    of each request's first and last query row (collect2's two scored rows), for keys
+    ``kv < seqlen_k - seqlen_q`` (the keys before the chunk: the selectable prefix), into ``out``
+    (float32, contiguous, ``(seqs, 2, q_heads, max_len)``: slot 0 the first row, slot 1 the last).
+
+    The kernel applies ``score_mod(scores, batch, head, q_idx, kv_idx, seqlen_info, aux_tensors)``
+    to every QK tile before the mask and the online softmax, with the logical query row and head
+    (PackGQA unpacked). ``out`` is addressed through its device pointer, baked into the compiled
+    kernel (a closure value, part of the CuTe compile key): through ``aux_tensors`` the kernel
+    wraps ``q_idx`` and ``kv_idx`` modulo the sequence lengths, and a tile's padded rows and keys
+    would then write over real positions. So ``out`` must outlive the kernel and keep its address;
+    raw indices past a sequence fail the conditions and store nothing; a chunk of one query stores
+    its row in both slots. With a ``score_mod`` the kernel multiplies by the softmax scale before
+    it, so its attention output is not bitwise that of the kernel without one (nor FA3's).
+
+    Raises:
+        ImportError: the CuTe DSL (``nvidia-cutlass-dsl``) is not installed.
+        ValueError: ``out`` is not a contiguous 4-D float32 tensor with two slots.
+    """
+    import cutlass
+    import cutlass.cute as cute
+
+    if out.dtype != torch.float32 or not out.is_contiguous() or out.dim() != 4 or out.shape[1] != 2:
+        raise ValueError(f"the score buffer must be contiguous float32 (seqs, 2, heads, len), got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    addr, shape, stride = out.data_ptr(), tuple(out.shape), tuple(out.stride())
+
+    @cute.jit
+    def write_scores(tSrS_ssa, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+        n = cutlass.const_expr(cute.size(tSrS_ssa.shape))
+        ptr = cute.make_ptr(cutlass.Float32, addr, cute.AddressSpace.gmem, assumed_align=4)
+        dst = cute.make_tensor(ptr, cute.make_layout(shape, stride=stride))
+        s_f = cute.make_rmem_tensor(n, cutlass.Float32)
+        b_f = cute.make_rmem_tensor(n, cutlass.Int32)
+        h_f = cute.make_rmem_tensor(n, cutlass.Int32)
+        q_f = cute.make_rmem_tensor(n, cutlass.Int32)
+        k_f = cute.make_rmem_tensor(n, cutlass.Int32)
+        s_f.store(tSrS_ssa)
+        b_f.store(b_idx)
+        h_f.store(h_idx)
+        q_f.store(q_idx)
+        k_f.store(kv_idx)
+        ctx = seqlen_info.seqlen_k - seqlen_info.seqlen_q
+        last = seqlen_info.seqlen_q - 1
+        for j in cutlass.range(n, unroll_full=True):
+            if k_f[j] < ctx:
+                if q_f[j] == 0:
+                    dst[b_f[j], 0, h_f[j], k_f[j]] = s_f[j]
+                if q_f[j] == last:
+                    dst[b_f[j], 1, h_f[j], k_f[j]] = s_f[j]
+        return tSrS_ssa
+
+    return write_scores
 
 
 def separate_scores(b, layers, seqs, hq, hkv, d):

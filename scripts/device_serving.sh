@@ -7,7 +7,7 @@
 #   bash scripts/device_serving.sh serve-start          # the serve run detached (outlives the device call)
 #   bash scripts/device_serving.sh serve-wait [SECONDS]  # wait for it (default 540 s); when done, $OUT/serve.tgz
 #   bash scripts/device_serving.sh cute      # issue 22: the CuTe-DSL attention (+ score writer) against FA3 and
-#                                            # FA3 + the separate score pass, then its greedy GPU test; needs
+#                                            # FA3 + the separate score pass (scripts/cute_decode_bench.py); needs
 #                                            # the .device/cute parts unpacked after the vLLM bundle
 # A serve run with servers started one after another takes ~2 min per server start plus the runs; with
 # --kv-cache-gib (fixed KV pools) the servers start side by side. Longer than one 10-minute device call:
@@ -63,7 +63,6 @@ case ${1:-} in
       --qlen 5 --splits --reps 3 --json "$OUT/cute_smollm2.json" 2>&1 | grep -v "it/s\]" | tee "$OUT/cute_bench.log" | tail -40
     timeout ${CUTE_QWEN_S:-200} python3 scripts/cute_decode_bench.py --case qwen3-8b --ctx 32768 --ctx 131072 --batch 4 \
       --qlen 5 --splits --reps 3 --json "$OUT/cute_qwen3.json" 2>&1 | grep -v "it/s\]" | tee -a "$OUT/cute_bench.log" | tail -30
-    timeout ${CUTE_GREEDY_S:-200} python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_vllm_v2.py -k cute_scores 2>&1 | tail -8
     ;;
   greedy)
     timeout ${GREEDY_S:-300} python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_vllm_v2.py \

@@ -4,13 +4,13 @@
 #   call 1:     run(command="bash .device/vllm/p0/unpack.sh && bash scripts/device_session.sh start",
 #                   carry=[".device/vllm/p0"])
 #               starts, in the background (setsid; it outlives the call while the machine is held), the
-#               GPU tests that need no vLLM: the fused verification kernel, the score/Quest kernels, the HF
-#               backend on CUDA. Logs in /tmp/vegas_bg.
+#               GPU tests that need no vLLM: the score/Quest kernels, the HF backend on CUDA. Logs in
+#               /tmp/vegas_bg.
 #   calls 2-7:  run(command="bash .device/vllm/pN/unpack.sh", carry=[".device/vllm/pN"])     N = 1..6
 #   call 8:     run(command="bash scripts/device_session.sh finish")
 #               the vLLM tests (greedy equal to plain vLLM for built-in fast paths, Quest, the h2o plugin
-#               and a selector defined in a test file on the generic path; FA page tables), the fused
-#               kernel against FA3, then the background logs; everything lands in $OUT.
+#               and a selector defined in a test file on the generic path; FA page tables), then the
+#               background logs; everything lands in $OUT.
 # FINISH_S bounds call 8 (seconds; default 420). Phases that do not fit are skipped and say so.
 set -u
 cd "$(dirname "$0")/.."
@@ -32,10 +32,9 @@ case ${1:-} in
     rm -rf /tmp/vegas_src && mkdir -p /tmp/vegas_src && cp -r vegas tests scripts plugins pyproject.toml /tmp/vegas_src/
     setsid nohup bash -c "
       cd /tmp/vegas_src; export PYTHONPATH=/tmp/vegas_src
-      timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_fused_verify_cuda.py > $BG/fused_tests.log 2>&1
       timeout 120 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_kernels_cuda.py tests/gpu/test_vllm_quest_cuda.py tests/gpu/test_device_timer.py > $BG/kernel_tests.log 2>&1
       timeout 150 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_hf_cuda.py > $BG/hf_cuda_tests.log 2>&1
-      timeout 150 python3 scripts/fused_verify_bench.py --case smollm2 --no-sweep > $BG/fused_bench.log 2>&1
+      timeout 150 python3 scripts/fused_verify_bench.py --case smollm2 > $BG/fused_bench.log 2>&1
       echo done > $BG/DONE" > /dev/null 2>&1 < /dev/null &
     say "background GPU tests started (logs in $BG)"; cat "$BG/env.log"
     ;;
@@ -55,9 +54,9 @@ case ${1:-} in
     timeout $(( $(left) - 150 )) python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_vllm_backend_cuda.py \
       -k "plugin or quest or (async and True)" -s 2>&1 | grep -v "it/s\]" > "$OUT/vllm_backend_tests.log"
     grep -E "on vllm|passed|failed|Error|FAILED" "$OUT/vllm_backend_tests.log" | tail -15
-    say "FA page tables + fused kernel vs FA3"
+    say "FA page tables"
     timeout $(( $(left) - 60 > 10 ? $(left) - 60 : 10 )) python3 -m pytest -q -rs -p no:cacheprovider \
-      tests/gpu/test_vllm_fa_pages.py "tests/gpu/test_fused_verify_cuda.py::test_fused_matches_fa3_bf16" > "$OUT/fa_tests.log" 2>&1
+      tests/gpu/test_vllm_fa_pages.py > "$OUT/fa_tests.log" 2>&1
     tail -3 "$OUT/fa_tests.log"
     if [ -f scripts/vllm_v2_smoke.py ] && [ "$(left)" -gt 100 ]; then
       say "V2 runner smoke"

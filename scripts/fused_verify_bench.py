@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Times verification attention with and without selection scoring (issue 14; CUDA + vLLM).
+"""Times verification attention with and without selection scoring (issues 14 and 22; CUDA + vLLM).
 
 Per verification step (every layer of the model, γ + 1 = 5 queries per request, bf16, block
 size 16, contexts padded to two alternating cache allocations so that no layer hits L2):
@@ -7,30 +7,32 @@ size 16, contexts padded to two alternating cache allocations so that no layer h
 - ``fa3``: vLLM's FA3 (``flash_attn_varlen_func``) per layer, what verification costs alone;
 - ``fa3+score``: FA3 per layer, the collect-query gather per layer and today's separate
   all-layers Triton score kernel (:mod:`vegas.kernels.triton_score`), as the vLLM backend runs;
-- ``fused``: :func:`vegas.kernels.triton_fused_verify.fused_verify_attention` per layer, scores
-  into row ``l`` of the ``(L, num_seqs, max_len)`` buffer (best tuning of a short sweep, and the
-  default heuristic as ``fused(default)``);
-- ``fused-noscore``: the same kernel without scores (Triton attention against FA3);
 - ``fa3s``: FA3 with the score output (the optional ``_vegas_fa3_C`` extension, issue 22,
-  :mod:`vegas.kernels.fa3_scores`) per layer, its per-KV-head partial summed into row ``l``
+  :mod:`vegas.kernels.fa3_scores`) per layer, its per-KV-head partial summed into row ``l`` of the
+  ``(L, num_seqs, max_len)`` buffer
   (:func:`vegas.kernels.triton_score_reduce.reduce_head_scores`), the path the vLLM backend takes
   when the extension loads; ``fa3s-noscore``: the extension without scores (its FA3 against
   vLLM's). Skipped, with the reason, when the extension is absent (``VEGAS_FA3_EXT``).
 - ``topk``: :func:`vegas.kernels.select_topk_layers` over that buffer (budget 5 %, recent 64),
   the rest of the selection, the same for both scoring paths.
 
+The Triton fused verification kernel (issue 14: attention and scores in one Triton kernel) was
+timed here too (variants ``fused``, ``fused-noscore``): 2.30x FA3 for SmolLM2 and 1.58x for
+Qwen3-8B at 128K on the H200 (2026-12-01), against 1.31x / 1.435x for ``fa3+score``; it was
+removed and is at commit 919ef0f (csrc/README.md).
+
 With the extension the correctness line also says whether its output is bitwise FA3's, its
 scores' relative error against the separate kernel and whether the top-k selections are equal.
 
 Each variant: CUDA events around ``--iters`` steps, ``--reps`` interleaved repeats; the table
 gives the median (min-max) ms per step, the ratio to ``fa3``, the K+V bandwidth, and the floor:
-K+V bytes read / 4.3 TB/s (H200 HBM3e). Selection overhead = ``fused - fa3 + topk`` (fused) or
+K+V bytes read / 4.3 TB/s (H200 HBM3e). Selection overhead = ``fa3s - fa3 + topk`` (extension) or
 ``fa3+score - fa3 + topk`` (today); compare it with the decode step time of ``vegas bench --backend vllm``.
 
     python scripts/fused_verify_bench.py                  # every case
-    python scripts/fused_verify_bench.py --case tiny --no-sweep
+    python scripts/fused_verify_bench.py --case tiny
     VEGAS_FA3_EXT=/tmp/vfa3/_vegas_fa3_C.so python scripts/fused_verify_bench.py --case qwen3-8b --case smollm2 \
-        --ctx 32768 --ctx 131072 --batch 1 --batch 4 --no-sweep --no-triton      # issue 22's table
+        --ctx 32768 --ctx 131072 --batch 1 --batch 4      # issue 22's table
 """
 
 from __future__ import annotations
@@ -45,10 +47,9 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.fused_cases import plan_rows, rel_err  # noqa: E402
+from tests.verify_cases import plan_rows, rel_err  # noqa: E402
 from vegas.kernels import fa3_scores, select_topk_layers  # noqa: E402
 from vegas.kernels.device_timer import interleaved  # noqa: E402
-from vegas.kernels.triton_fused_verify import choose_num_splits, fused_verify_attention  # noqa: E402
 from vegas.kernels.triton_score import collect_scores_layers_triton, layer_offsets  # noqa: E402
 from vegas.kernels.triton_score_reduce import reduce_head_scores  # noqa: E402
 
@@ -61,8 +62,6 @@ CASES = {
     "qwen3-8b": ("Qwen3-8B 36L 32q/8kv x 128, 128K, batch 4", 36, 32, 8, 128, 4, 131072),
     "smollm2-b128": ("SmolLM2 30L 9q/3kv x 64, 7.5K, batch 128", 30, 9, 3, 64, 128, 7680),
 }
-#: (block_n, num_warps, num_stages) tried by the sweep, with every num_splits that fits
-TUNINGS = [(64, 4, 2), (64, 4, 3), (32, 4, 3), (64, 8, 3), (128, 8, 2)]
 
 
 def batch(layers, hq, hkv, d, seqs, ctx, block_size=16):
@@ -100,34 +99,6 @@ def fa3s_layer(b, l, out, ws=None, rows=None, ctx32=None, scores=None):
         reduce_head_scores(ws, scores[l], b["cu"], b["ctx_sel"])
 
 
-def fused_layer(b, l, out, scores, **tune):
-    k, v = b["kv"][l]
-    kw = {}
-    if scores is not None:
-        kw = dict(scores=scores[l], q_idx=b["q_idx"], q_weight=b["q_weight"], ctx_sel=b["ctx_sel"],
-                  score_span=b["qlen"])
-    fused_verify_attention(b["q"], k, v, b["bt"], b["cu"], b["seq_lens"], b["qlen"], b["scale"], out=out, **kw,
-                           **tune)
-
-
-
-def sweep(b, layers, out, scores):
-    """Best ``(num_splits, block_n, num_warps, num_stages)`` of the fused kernel (one layer's
-    median of ``triton.testing.do_bench``), and each tried configuration's time."""
-    splits = [s for s in (1, 2, 4, 8, 16, 32, 64) if s == 1 or b["max_len"] // s >= 512]
-    times = {}
-    for ns in splits:
-        for bn, nw, st in TUNINGS:
-            tune = dict(num_splits=ns, block_n=bn, num_warps=nw, num_stages=st)
-            try:
-                times[(ns, bn, nw, st)] = triton.testing.do_bench(
-                    lambda: fused_layer(b, 0, out, scores, **tune), return_mode="median")
-            except Exception as e:  # e.g. out of shared memory for a tile
-                print(f"  skip {tune}: {type(e).__name__}: {str(e)[:80]}")
-    best = min(times, key=times.get)
-    return best, times
-
-
 def run_case(key, args, seqs=None, ctx=None):
     name, layers, hq, hkv, d, seqs0, ctx0 = CASES[key]
     seqs, ctx = seqs or seqs0, ctx or ctx0
@@ -144,19 +115,13 @@ def run_case(key, args, seqs=None, ctx=None):
     koffs = layer_offsets(kcs)
     nrow = b["q_idx"].shape[1]
     qbuf = torch.empty(layers, seqs * nrow, hq, d, device="cuda", dtype=torch.bfloat16)
-    default_splits = choose_num_splits(seqs * hkv, b["max_len"], torch.cuda.get_device_properties(0).multi_processor_count)
 
-    # correctness at this shape: fused vs FA3 (output), fused vs separate kernel (scores)
+    # correctness at this shape: the extension vs FA3 (output), vs the separate kernel (scores)
     fa3_layer(b, 0, out_fa)
     rows = b["q"][b["q_idx"].reshape(-1)].view(1, seqs, nrow, hq, d)
     sep = collect_scores_layers_triton(rows, b["q_weight"], kcs[:1], b["bt"], b["ctx_sel"], b["max_len"], b["scale"])
     fin = torch.isfinite(sep[0])
     print(f"\n== {name}", flush=True)
-    if not args.no_triton:
-        fused_layer(b, 0, out, scores)
-        print(f"  fused vs FA3 output rel err {rel_err(out, out_fa):.2e}; fused vs separate scores rel err "
-              f"{rel_err(scores[0][fin], sep[0][fin]):.2e}, -inf pattern equal: "
-              f"{torch.equal(torch.isfinite(scores[0]), fin)}", flush=True)
     ext = fa3_scores.unavailable_reason() or fa3_scores.unsupported_reason(hq, hkv, d, torch.bfloat16, b["qlen"])
     if ext is None:
         ws = torch.empty(hkv, seqs, b["max_len"], device="cuda")
@@ -177,14 +142,6 @@ def run_case(key, args, seqs=None, ctx=None):
     else:
         print(f"  fa3s skipped: {ext}")
 
-    tune = dict(num_splits=default_splits)
-    if not args.no_sweep and not args.no_triton:
-        best, times = sweep(b, layers, out, scores)
-        top = sorted(times.items(), key=lambda kv: kv[1])[:5]
-        print("  sweep (num_splits, block_n, warps, stages) -> ms per layer, best 5: "
-              + "; ".join(f"{k}: {v:.3f}" for k, v in top) + f"  [default num_splits {default_splits}]")
-        tune = dict(zip(("num_splits", "block_n", "num_warps", "num_stages"), best))
-
     def fa3():
         for l in range(layers):
             fa3_layer(b, l, out_fa)
@@ -196,24 +153,10 @@ def run_case(key, args, seqs=None, ctx=None):
         collect_scores_layers_triton(qbuf.view(layers, seqs, nrow, hq, d), b["q_weight"], kcs, b["bt"],
                                      b["ctx_sel"], b["max_len"], b["scale"], key_offsets=koffs)
 
-    def fused():
-        for l in range(layers):
-            fused_layer(b, l, out, scores, **tune)
-
-    def fused_default():
-        for l in range(layers):
-            fused_layer(b, l, out, scores, num_splits=default_splits)
-
-    def fused_noscore():
-        for l in range(layers):
-            fused_layer(b, l, out, None, **tune)
-
     def topk():
         select_topk_layers(scores, budgets, k_max, b["bt"], 16, recent, b["ctx_sel"])
 
     fns = {"fa3": fa3, "fa3+score": fa3_score}
-    if not args.no_triton:
-        fns.update({"fused": fused, "fused(default)": fused_default, "fused-noscore": fused_noscore})
     if ext is None:
         def fa3s():
             for l in range(layers):
@@ -229,16 +172,15 @@ def run_case(key, args, seqs=None, ctx=None):
     kv_bytes = layers * seqs * (ctx + b["qlen"]) * hkv * d * 2 * 2
     floor = kv_bytes / PEAK * 1e3
     med = {n: statistics.median(v) for n, v in res.items()}
-    print(f"  tuning {tune}; K+V {kv_bytes / 1e9:.2f} GB per step, floor at 4.3 TB/s {floor:.3f} ms")
+    print(f"  K+V {kv_bytes / 1e9:.2f} GB per step, floor at 4.3 TB/s {floor:.3f} ms")
     print(f"  {'variant':<16}{'ms/step':>10}{'min-max':>20}{'x fa3':>8}{'TB/s':>8}")
     for n, v in res.items():
         bw = "" if n == "topk" else f"{kv_bytes / med[n] / 1e9:8.2f}"
         print(f"  {n:<16}{med[n]:10.3f}{f'{min(v):.3f}-{max(v):.3f}':>20}{med[n] / med['fa3']:8.3f}{bw}")
     today = med["fa3+score"] - med["fa3"] + med["topk"]
     line = f"  selection overhead per step: today {today:.3f} ms"
-    for n in ("fused", "fa3s"):
-        if n in med:
-            line += f", {n} {med[n] - med['fa3'] + med['topk']:.3f} ms ({n}/fa3 = {med[n] / med['fa3']:.3f})"
+    if "fa3s" in med:
+        line += f", fa3s {med['fa3s'] - med['fa3'] + med['topk']:.3f} ms (fa3s/fa3 = {med['fa3s'] / med['fa3']:.3f})"
     print(line + "; targets: fa3s/fa3 <= 1.1 at head_dim 128, <= 1.3 at 64", flush=True)
 
 
@@ -247,8 +189,6 @@ def main() -> int:
     ap.add_argument("--case", action="append", choices=list(CASES), help="default: all")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--no-sweep", action="store_true", help="use the default num_splits heuristic only")
-    ap.add_argument("--no-triton", action="store_true", help="skip the Triton fused kernel's variants")
     ap.add_argument("--ctx", type=int, action="append", help="contexts instead of each case's own")
     ap.add_argument("--batch", type=int, action="append", help="batch sizes instead of each case's own")
     args = ap.parse_args()

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.verify_cases import shuffled_block_table
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -58,14 +60,7 @@ def paged_layers(num_layers, ctx_lens, hkv, d, block_size, device, dtype, seed=0
     ``separate``, one allocation each (as vLLM allocates them); and a shuffled block table
     ``(num_seqs, max_blocks)`` int32 giving each sequence its own blocks."""
     g = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [(n + block_size - 1) // block_size + 1 for n in ctx_lens]
-    num_blocks = sum(blocks_per_seq) + 3
-    perm = torch.randperm(num_blocks, generator=g)
-    block_table = torch.zeros(len(ctx_lens), max(blocks_per_seq), dtype=torch.int32)
-    used = 0
-    for s, nb in enumerate(blocks_per_seq):
-        block_table[s, :nb] = perm[used : used + nb].to(torch.int32)
-        used += nb
+    block_table, num_blocks = shuffled_block_table(ctx_lens, block_size, g)
     kv = torch.randn(num_layers, num_blocks, 2, block_size, hkv, d, generator=g).to(dtype).to(device)
     layers = [kv[l].clone() if separate else kv[l] for l in range(num_layers)]
     return [x.unbind(1)[0] for x in layers], block_table.to(device)

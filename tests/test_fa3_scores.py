@@ -190,3 +190,22 @@ def test_the_path_is_announced_once(monkeypatch, caplog):
             assert not v.begin(st, _impl(2), torch.randn(10, 4, 64).to(torch.bfloat16), md)
     lines = [r.getMessage() for r in caplog.records if "verification scores" in r.getMessage()]
     assert lines == ["vegas: verification scores from the separate score kernel (extension _vegas_fa3_C not loaded (test))"]
+
+
+def test_plan_rows_match_make_plan():
+    """The scored rows of the shared verification cases (``tests/verify_cases.py``, used by the
+    extension's GPU test and the bench) are the vLLM plan's (collect2 and aggregated, a one-token chunk)."""
+    from vegas.config import VegasConfig
+    from vegas.plugins import create_selector
+    from vegas.vllm_plugin.selectors.plan import RowTable, make_plan
+
+    from .verify_cases import plan_rows, verify_batch
+
+    b = verify_batch([5, 5, 1], [40, 55, 70], (9, 3, 64), pad_tokens=0)
+    for selector in ("collect2", "aggregated"):
+        sel = create_selector(selector, VegasConfig(num_draft_tokens=4))
+        rows = RowTable.of(sel, 4, torch.device("cpu"))
+        plan = make_plan(b["cu_seqlens_q"], b["seq_lens"], int(b["seq_lens"].max()), 4, sel, rows)
+        q_idx, q_weight, ctx_sel = plan_rows(b["cu_seqlens_q"], b["seq_lens"], 4, selector)
+        assert torch.equal(plan.q_idx, q_idx) and torch.equal(plan.q_weight, q_weight)
+        assert torch.equal(plan.ctx_sel, ctx_sel)

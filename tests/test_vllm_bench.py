@@ -343,10 +343,10 @@ def test_vllm_options_reach_every_vegas_engine():
 
 def test_summary_says_the_vllm_options_and_where_the_scores_came_from():
     """After the table: the Vegas engines' vLLM options and each method's score path (from its
-    engine's stats), so that a run with vllm.cute_scores shows whether the CuTe path ran."""
-    results = {"options": {"vllm_options": {"cute_scores": True}}, "exactness": {}, "errors": {},
-               "rows": [_row("plain"), _row("collect2", stats={"score_path": "cute"}),
-                        _row("collect2", stats={"score_path": "cute"})]}
+    engine's stats), so that a run shows whether the FA3 extension's score path ran."""
+    results = {"options": {"vllm_options": {"score_overlap": True}}, "exactness": {}, "errors": {},
+               "rows": [_row("plain"), _row("collect2", stats={"score_path": "fa3_ext"}),
+                        _row("collect2", stats={"score_path": "fa3_ext"})]}
     lines = vb.summary_lines(results)
-    assert lines[:2] == ['vLLM options of the Vegas engines: {"cute_scores": true}', "score path collect2: cute"]
+    assert lines[:2] == ['vLLM options of the Vegas engines: {"score_overlap": true}', "score path collect2: fa3_ext"]
     assert vb.summary_lines({"rows": [_row("plain")], "exactness": {}, "errors": {}}) == []

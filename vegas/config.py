@@ -144,15 +144,6 @@ class VllmOptions:
             joins the side stream. Same scores, same selection. Eager (piecewise) forwards score
             all layers in one launch at the last layer either way (a launch per layer would
             cost host time there). Ignored by the generic path and the FA3 score path.
-        cute_scores: run decode-shaped verification through FlashAttention's CuTe-DSL attention
-            (shipped with vLLM, JIT-compiled) with a ``score_mod`` that writes the scored rows'
-            logits, instead of FA3 plus the separate score pass
-            (:mod:`vegas.vllm_plugin.selection.cute_verify`); needs a Hopper GPU and what
-            ``scripts/cute_dsl_bundle.sh`` carries (``nvidia-cutlass-dsl`` 4.5.2, ``quack-kernels``,
-            ``cuda-bindings`` 13, ``einops``, ``torch-c-dlpack-ext``; without them one log line says
-            why and the usual path runs) and a selector that scores the first and/or last query of
-            the chunk (collect2, last_token; others are refused when the engine is configured).
-            Not yet run on a GPU; off by default.
 
     Raises:
         VegasConfigError: a field is outside its allowed values.
@@ -165,7 +156,6 @@ class VllmOptions:
     prefill_skip_tokens: int = 0
     fallback: bool = False
     score_overlap: bool = False
-    cute_scores: bool = False
 
     def __post_init__(self) -> None:
         _raise_if_not_one_of("vllm.tp_selection", self.tp_selection, TP_SELECTIONS)
@@ -176,9 +166,8 @@ class VllmOptions:
         _raise_if_not_int("vllm.prefill_skip_tokens", self.prefill_skip_tokens, 0)
         if not isinstance(self.fallback, bool):
             raise VegasConfigError.bad("vllm.fallback", f"must be true or false, got {self.fallback!r}")
-        for name in ("score_overlap", "cute_scores"):
-            if not isinstance(getattr(self, name), bool):
-                raise VegasConfigError.bad(f"vllm.{name}", f"must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.score_overlap, bool):
+            raise VegasConfigError.bad("vllm.score_overlap", f"must be true or false, got {self.score_overlap!r}")
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.fused_cases import plan_rows, rel_err, verify_batch
+from tests.verify_cases import plan_rows, rel_err, verify_batch
 
 GAMMA = 4
 #: SmolLM2, Qwen3-8B, head_dim 256 (two MMA warpgroups, one score buffer), MQA at the limit (12 x 5 rows)

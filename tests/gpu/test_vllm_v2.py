@@ -73,22 +73,6 @@ def test_vllm_v2_score_overlap_keeps_greedy_equal(plain_v2, monkeypatch):
     _assert_equal_up_to_ties(plain, vegas)
 
 
-def test_vllm_v2_cute_scores_keep_greedy_equal(plain_v2, monkeypatch):
-    """vllm.cute_scores: verification through vLLM's CuTe-DSL attention with the score-writing
-    score_mod (needs nvidia-cutlass-dsl and quack-kernels: scripts/cute_dsl_bundle.sh); the
-    scores come from inside the attention and greedy equals plain up to bf16 ties."""
-    from vegas.kernels import cute_scores
-
-    reason = cute_scores.unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    prompts, sp, plain = plain_v2
-    vegas, stats = _vegas_v2(monkeypatch, "collect2", prompts, sp, cute_scores=True)
-    assert stats["score_path"] == "cute", stats
-    assert not stats["graph_failed"] and stats["proposals"] > 0 and stats["acceptance_length"] > 1.0, stats
-    _assert_equal_up_to_ties(plain, vegas)
-
-
 def test_vllm_v2_fallback_probes_plain_steps_and_keeps_greedy_equal(plain_v2, monkeypatch):
     """vllm.fallback: the scheduler's measured fallback (step_switch.MeasuredFallback) runs plain
     probe steps (no draft slots, no selection, no drafting) between drafting steps; the output

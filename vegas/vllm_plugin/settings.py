@@ -41,7 +41,6 @@ __all__ = [
     "build_selector",
     "parse_settings",
     "path_class",
-    "raise_if_cute_scores_unsupported",
     "raise_if_unsupported",
     "read_settings",
     "settings_json",
@@ -119,39 +118,14 @@ def raise_if_unsupported(selector: Selector, config: VegasConfig, block_size: in
 
     Raises:
         VegasConfigError: ``granularity`` other than ``"layer"``, ``score_mode`` other than
-            ``"logit"``, a query-aware selector without a fast path, what the selector's
-            path refuses (Quest: ``page_size`` other than the engine's ``block_size``), or
-            ``vllm.cute_scores`` with a selector whose scores the CuTe writer cannot give
-            (:func:`raise_if_cute_scores_unsupported`).
+            ``"logit"``, a query-aware selector without a fast path, or what the selector's
+            path refuses (Quest: ``page_size`` other than the engine's ``block_size``).
     """
     if config.granularity != "layer":
         raise VegasConfigError("the vllm backend selects per layer only; use granularity='layer'")
     if config.score_mode != "logit":
         raise VegasConfigError("the vllm backend ranks by summed logits only; use score_mode='logit'")
     path_class(selector).raise_if_unsupported(selector, config, block_size=block_size)
-    if config.vllm.cute_scores:
-        raise_if_cute_scores_unsupported(selector, config)
-
-
-def raise_if_cute_scores_unsupported(selector: Selector, config: VegasConfig) -> None:
-    """Refuse ``vllm.cute_scores`` for a selector it cannot serve: the CuTe score writer
-    (:mod:`vegas.kernels.cute_scores`) gives the logits of the first and last query of a chunk,
-    for the score top-k fast path (collect2, last_token; not aggregated, which scores every row).
-
-    Raises:
-        VegasConfigError: (field ``vllm.cute_scores``) naming the selector and the ones it serves.
-    """
-    from ..kernels.cute_scores import edge_row_weights
-    from .selectors.plan import score_rows_by_length
-
-    allowed = "collect2 or last_token (the first and/or the last query of the verified chunk)"
-    if not getattr(path_class(selector), "uses_fa3_scores", False):
-        raise VegasConfigError.bad("vllm.cute_scores", f"needs a score-based selector, {allowed}; "
-                                   f"{selector.name!r} does not select by scores on vLLM")
-    try:
-        edge_row_weights(score_rows_by_length(selector, config.num_draft_tokens))
-    except ValueError as e:
-        raise VegasConfigError.bad("vllm.cute_scores", f"needs {allowed}; {selector.name!r}: {e}") from None
 
 
 def build_selector(name: str, config: VegasConfig, gamma: int, block_size: int | None = None) -> Selector:

@@ -106,4 +106,4 @@ def reserve_selection_buffers(state: SelectionState, vllm_config, selector: Sele
     model_config, parallel = vllm_config.model_config, vllm_config.parallel_config
     q_elems = (gamma + 1) * model_config.get_num_attention_heads(parallel) * model_config.get_head_size()
     k_cap = budget_cap(selector, model_config.max_model_len)
-    state.reserve(max_seqs, k_cap, q_elems, model_config.dtype, device, model_config.max_model_len)
+    state.reserve(max_seqs, k_cap, q_elems, model_config.dtype, device)

@@ -56,19 +56,8 @@ class FA3ScoreVerify:
 
     #: the path's name in the engine's stats (``score_path``)
     KIND = "fa3_ext"
-    #: the module of the path's kernel: ``unavailable_reason()`` and ``unsupported_reason(...)``
-    KERNEL = fa3_scores
     #: what the log line calls this path when it runs
     ANNOUNCE = "verification scores from FA3 (_vegas_fa3_C: one pass over the keys)"
-
-    def kernel_unavailable(self) -> str | None:
-        """Why this path's kernel cannot run in this process, or None."""
-        return self.KERNEL.unavailable_reason()
-
-    def path_reason(self, state) -> str | None:
-        """Why the selection path in force cannot take this path, or None."""
-        width = state.path.row_table.width
-        return f"{width} scored rows per request" if width > 2 else None
 
     @staticmethod
     def impl_reason(impl, query: torch.Tensor) -> str | None:
@@ -82,16 +71,6 @@ class FA3ScoreVerify:
             sliding_window=impl.sliding_window, softcap=impl.logits_soft_cap, alibi_slopes=impl.alibi_slopes,
             sinks=getattr(impl, "sinks", None), kv_cache_dtype=impl.kv_cache_dtype,
         )
-
-    def shape_reason(self, impl, query: torch.Tensor, attn_metadata) -> str | None:
-        """Why this forward's batch is not one this path takes (a prefill chunk), or None."""
-        return self.KERNEL.unsupported_reason(
-            query.shape[1], impl.num_kv_heads, query.shape[2], query.dtype, int(attn_metadata.max_query_len))
-
-    def ready(self, state, impl, query: torch.Tensor, attn_metadata) -> bool:
-        """Whether this path's own buffers exist for the forward about to run (made outside
-        CUDA-graph capture when a path needs them); the FA3 extension needs none."""
-        return True
 
     @property
     def in_use(self) -> bool:
@@ -108,16 +87,15 @@ class FA3ScoreVerify:
     def begin(self, state, impl, query: torch.Tensor, attn_metadata) -> bool:
         """At the first layer of a full-attention forward: whether it runs through the extension."""
         self.active = False
-        reason = self.kernel_unavailable()
+        reason = fa3_scores.unavailable_reason()
         if reason is not None:
             self._announce(reason)
             return False
         path = state.path
         if not getattr(path, "uses_fa3_scores", False) or path.row_table.width == 0:
             return False
-        reason = self.path_reason(state)
-        if reason is not None:
-            self._announce(reason)
+        if path.row_table.width > 2:
+            self._announce(f"{path.row_table.width} scored rows per request")
             return False
         row0 = self.impl_reason(impl, query)
         self.layer_reason[0] = row0
@@ -127,9 +105,9 @@ class FA3ScoreVerify:
             return False
         if getattr(attn_metadata, "use_cascade", False) or getattr(attn_metadata, "causal", True) is not True:
             return False
-        if self.shape_reason(impl, query, attn_metadata) is not None:  # a prefill chunk: today's path
-            return False
-        if not self.ready(state, impl, query, attn_metadata):
+        shape = fa3_scores.unsupported_reason(
+            query.shape[1], impl.num_kv_heads, query.shape[2], query.dtype, int(attn_metadata.max_query_len))
+        if shape is not None:  # a prefill chunk: today's path, nothing to announce
             return False
         self.active = True
         self.forwards += 1

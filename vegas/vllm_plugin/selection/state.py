@@ -83,13 +83,9 @@ class SelectionState:
     #: Quest page bounds ``(L, num_blocks + 1, kv_heads, head_dim)`` (see :mod:`vegas.vllm_plugin.selectors.quest`)
     quest_min: torch.Tensor | None = None
     quest_max: torch.Tensor | None = None
-    #: the score path inside the verification attention (:class:`~.fa3_verify.FA3ScoreVerify`, or
-    #: :class:`~.cute_verify.CuteScoreVerify` with ``vllm.cute_scores``), made by the first
+    #: the FA3 score path (:class:`~.fa3_verify.FA3ScoreVerify`), made by the first
     #: :meth:`verify_layer` of a path that takes it
     fa3: object | None = None
-    #: the engine's ``max_model_len`` (tokens; 0 until :meth:`reserve` learns it): sizes buffers
-    #: that must be made once at their largest
-    max_model_len: int = 0
     #: forwards carrying at least this many prompt tokens neither select nor draft
     #: (``VegasConfig.vllm.prefill_skip_tokens``; 0: never skip)
     prefill_skip_tokens: int = 0
@@ -109,16 +105,14 @@ class SelectionState:
         """Make ``path`` (a :class:`~vegas.vllm_plugin.selectors.base.SelectionPath`) the one in force."""
         self.path, self.settings = path, settings
 
-    def reserve(self, max_seqs: int, k_cap: int, q_elems: int, dtype, device, max_model_len: int = 0) -> None:
+    def reserve(self, max_seqs: int, k_cap: int, q_elems: int, dtype, device) -> None:
         """Allocate the persistent buffers (before vLLM captures CUDA graphs; grows only).
 
         Args:
             max_seqs: requests per forward (vLLM's ``max_num_seqs``, padded batches included).
             k_cap: widest KV budget (the budget at ``max_model_len``), tokens.
             q_elems: collect-query elements per request and layer (``(γ+1) * heads * head_dim``).
-            max_model_len: the engine's longest sequence (tokens), kept in :attr:`max_model_len`.
         """
-        self.max_model_len = max(self.max_model_len, int(max_model_len))
         layers = self.num_layers
         sel = self.sel_buf
         if sel is None or sel.shape[0] < layers or sel.shape[1] < max_seqs or sel.shape[2] < k_cap:
@@ -273,14 +267,9 @@ class SelectionState:
         if not self.layers_ready or self.path is None or not getattr(self.path, "uses_fa3_scores", False):
             return False
         if self.fa3 is None:
-            if self.path.selector.config.vllm.cute_scores:
-                from .cute_verify import CuteScoreVerify
+            from .fa3_verify import FA3ScoreVerify
 
-                self.fa3 = CuteScoreVerify()
-            else:
-                from .fa3_verify import FA3ScoreVerify
-
-                self.fa3 = FA3ScoreVerify()
+            self.fa3 = FA3ScoreVerify()
         fa3 = self.fa3
         row = layer_idx - self.first_layer
         if row == 0:
