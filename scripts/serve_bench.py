@@ -18,7 +18,12 @@ starts. On a GPU::
 
 (The defaults, 6,000 ± 20 % prompt tokens plus 256 output tokens, fit SmolLM2's 8,192-token context.)
 
-Results: ``OUT/raw/<method>_r<rate>.json`` (vLLM's result files), ``OUT/summary.json``,
+Prompts: every timed run (rate, repeat) sends prompts of its own (:func:`run_seed`), the same
+for every method, after an untimed warm-up run per server (``--warmup-prompts``): with vLLM's
+prefix caching on, as users run it, a run that re-sent earlier prompts would measure no prefill.
+
+Results: ``OUT/raw/<method>_r<rate>_k<repeat>.json`` (vLLM's result files; the warm-ups' in
+``OUT/warmup``), ``OUT/summary.json``,
 ``OUT/table.md``, the two PNGs and each server's log in ``OUT/logs``.
 """
 
@@ -251,12 +256,22 @@ def run_client(argv: list[str], log: Path, timeout: float) -> int:
     return 0
 
 
+def run_seed(args, rate, repeat: int) -> int:
+    """The prompt seed of one timed run: its own for every (rate, repeat), the same for every
+    method, never ``args.seed`` itself (the warm-up's). A run that re-sent earlier prompts would
+    find them in vLLM's prefix cache (on by default, as users run it) and measure no prefill."""
+    return args.seed + 1 + repeat * len(args.rates) + args.rates.index(rate)
+
+
 def bench_argv(method: str, rate, args, port: int, result_dir: Path, dataset_path: Path | None,
-               repeat: int = 0) -> list[str]:
-    """The ``vllm bench serve`` command of one method, request rate and repeat."""
+               repeat: int = 0, *, seed: int | None = None, num_prompts: int | None = None) -> list[str]:
+    """The ``vllm bench serve`` command of one method, request rate and repeat; ``seed``
+    (default :func:`run_seed`) picks the prompts, ``num_prompts`` defaults to ``--num-prompts``."""
+    seed = run_seed(args, rate, repeat) if seed is None else seed
     argv = [*vllm_command(), "bench", "serve", "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}",
             "--endpoint", "/v1/completions", "--model", NAME, "--tokenizer", args.model,
-            "--num-prompts", str(args.num_prompts), "--request-rate", rate_label(rate), "--seed", "0",
+            "--num-prompts", str(num_prompts or args.num_prompts), "--request-rate", rate_label(rate),
+            "--seed", str(seed),
             "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
             "--save-result", "--result-dir", str(result_dir),
             "--result-filename", f"{method}_r{rate_label(rate)}_k{repeat}.json", "--metadata", f"method={method}"]
@@ -269,9 +284,10 @@ def bench_argv(method: str, rate, args, port: int, result_dir: Path, dataset_pat
     return argv
 
 
-def write_code_prompts(path: Path, args) -> Path:
+def write_code_prompts(path: Path, args, seed: int = 0, num_prompts: int | None = None) -> Path:
     """Held-out code prompts as vLLM's custom dataset (JSONL, one ``{"prompt": text}`` a line):
-    cuts of ``args.prompts`` (default: the installed click source) of ``--input-len`` x (1 ± ``--range-ratio``) tokens."""
+    ``num_prompts`` (default ``--num-prompts``) cuts of ``args.prompts`` (default: the installed
+    click source) of ``--input-len`` x (1 ± ``--range-ratio``) tokens at places drawn with ``seed``."""
     import random
 
     from transformers import AutoTokenizer
@@ -282,9 +298,9 @@ def write_code_prompts(path: Path, args) -> Path:
     tok = AutoTokenizer.from_pretrained(args.model)
     ids = tok(text, add_special_tokens=False).input_ids
     lo, hi = int(args.input_len * (1 - args.range_ratio)), int(args.input_len * (1 + args.range_ratio))
-    rng = random.Random(0)
+    rng = random.Random(seed)
     with path.open("w") as f:
-        for _ in range(args.num_prompts):
+        for _ in range(num_prompts or args.num_prompts):
             n = min(rng.randint(lo, hi), len(ids) - 1)
             start = rng.randrange(0, len(ids) - n)
             f.write(json.dumps({"prompt": tok.decode(ids[start:start + n])}) + "\n")
@@ -428,7 +444,13 @@ def run(args) -> None:
     (out / "logs").mkdir(exist_ok=True)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(ROOT)) if p)
-    dataset = write_code_prompts(out / "code_prompts.jsonl", args) if args.dataset == "code" else None
+    def dataset(seed: int, num_prompts: int | None = None) -> Path | None:
+        """The custom dataset file of one prompt seed (``--dataset code``), None for vLLM's random one."""
+        if args.dataset != "code":
+            return None
+        path = out / f"code_prompts_s{seed}.jsonl"
+        return path if path.exists() else write_code_prompts(path, args, seed, num_prompts)
+
     t_end = time.monotonic() + args.time_budget if args.time_budget else math.inf
     groups = [[m] for m in args.methods] if args.one_server_at_a_time else [list(args.methods)]
     util = args.gpu_memory_utilization / (1 if args.one_server_at_a_time else len(args.methods))
@@ -460,6 +482,13 @@ def run(args) -> None:
                     servers[method] = (server, port)
                     memory[method] = kv_cache_tokens(server.log)
                     print(f"[{method}] KV cache: {memory[method]} tokens", flush=True)
+            for method, (server, port) in servers.items() if args.warmup_prompts else ():
+                # untimed, prompts of their own (seed args.seed): lazy JIT and first-use paths of
+                # every server run here, not inside a timed run
+                cmd = bench_argv(method, math.inf, args, port, out / "warmup", dataset(args.seed, args.warmup_prompts),
+                                 seed=args.seed, num_prompts=args.warmup_prompts)
+                rc = run_client(cmd, out / "logs" / f"warmup_{method}.log", bench_timeout(math.inf, args))
+                print(f"[{method}] warm-up ({args.warmup_prompts} prompts, rate inf): rc={rc}", flush=True)
             for rep, rate, method in ((rep, rate, m) for rep in range(args.repeats) for rate in args.rates
                                       for m in servers):
                 if time.monotonic() > t_end:
@@ -472,7 +501,8 @@ def run(args) -> None:
                     print(f"[{method}] rate {rate_label(rate)} #{rep}: skipped, the server exited with "
                           f"{server.proc.returncode}", flush=True)
                     continue
-                cmd = bench_argv(method, rate, args, servers[method][1], out / "raw", dataset, rep)
+                cmd = bench_argv(method, rate, args, servers[method][1], out / "raw",
+                                 dataset(run_seed(args, rate, rep)), rep)
                 log = out / "logs" / f"bench_{method}_r{rate_label(rate)}_k{rep}.log"
                 t0 = time.monotonic()
                 rc = run_client(cmd, log, bench_timeout(rate, args))
@@ -521,6 +551,11 @@ def parse_args(argv=None):
     p.add_argument("--input-len", type=int, default=6000, help="Mean prompt tokens.")
     p.add_argument("--range-ratio", type=float, default=0.2, help="Prompt length in input-len x (1 ± ratio).")
     p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0,
+                   help="Prompt seed: the warm-up's; timed run k of rate r uses its own (seed + 1 + k x rates + r), "
+                        "the same for every method, so that no run finds its prompts in the prefix cache.")
+    p.add_argument("--warmup-prompts", type=int, default=16,
+                   help="Untimed requests (rate inf, prompts of their own) sent to every server before the runs; 0: none.")
     p.add_argument("-g", "--gamma", type=int, default=4, help="γ of Vegas and ngram.")
     p.add_argument("--sparsity-ratio", type=float, default=0.05)
     p.add_argument("--config", default=None, help="Further Vegas settings (vegas serve --config).")
@@ -589,7 +624,8 @@ def raise_if_bad_args(args) -> None:
                                f"{', '.join(allowed)}, and <selector> with a suffix: {', '.join(VARIANTS)}")
     for flag, value, least in (("--num-prompts", args.num_prompts, 1), ("--repeats", args.repeats, 1),
                                ("--gamma", args.gamma, 1), ("--output-len", args.output_len, 1),
-                               ("--input-len", args.input_len, 1), ("--prefill-skip-tokens", args.prefill_skip_tokens, 0)):
+                               ("--input-len", args.input_len, 1), ("--prefill-skip-tokens", args.prefill_skip_tokens, 0),
+                               ("--warmup-prompts", args.warmup_prompts, 0), ("--seed", args.seed, 0)):
         if value < least:
             raise VegasConfigError(f"{flag} must be an integer >= {least}, got {value}")
     for flag, value in (("--kv-cache-gib", args.kv_cache_gib), ("--bench-timeout", args.bench_timeout)):

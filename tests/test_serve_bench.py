@@ -57,6 +57,28 @@ def test_commands_per_method(sb, tmp_path):
     assert code[code.index("--dataset-name") + 1] == "custom" and "--skip-chat-template" in code
 
 
+def test_every_timed_run_sends_prompts_of_its_own_the_same_for_every_method(sb, tmp_path, capsys):
+    """vLLM's prefix cache would otherwise hold a repeat's prompts (the 2026-12-02 serve runs sent
+    the same 64 prompts every time: ~86 % prefix-cache hits, no prefill measured)."""
+    args = sb.parse_args(["--model", _model(tmp_path, 32768), "--rates", "4,16,inf", "--repeats", "3"])
+
+    def seed(argv):
+        return int(argv[argv.index("--seed") + 1])
+
+    runs = [(rate, rep) for rep in range(3) for rate in args.rates]
+    seeds = [seed(sb.bench_argv("plain", rate, args, 9000, Path("/r"), None, rep)) for rate, rep in runs]
+    assert len(set(seeds)) == len(runs) and args.seed not in seeds  # the warm-up's seed is its own
+    for rate, rep in runs:
+        assert seed(sb.bench_argv("collect2", rate, args, 9001, Path("/r"), None, rep)) == \
+            seed(sb.bench_argv("plain", rate, args, 9000, Path("/r"), None, rep))
+    warm = sb.bench_argv("plain", math.inf, args, 9000, Path("/w"), None, seed=args.seed,
+                         num_prompts=args.warmup_prompts)
+    assert seed(warm) == 0 and warm[warm.index("--num-prompts") + 1] == "16"
+    with pytest.raises(SystemExit):
+        sb.parse_args(["--model", args.model, "--warmup-prompts", "-1"])
+    assert "--warmup-prompts must be an integer >= 0" in capsys.readouterr().err
+
+
 def test_max_model_len_is_derived_from_the_requests_within_the_model_context(sb, tmp_path, capsys):
     """The default prompts (6000 x (1 ± 0.2)) + 256 output need 7456 tokens: 7680 with the margin,
     on a 32K model and on SmolLM2's 8,192 alike; longer prompts do not fit SmolLM2, and the error
@@ -292,3 +314,45 @@ def test_variant_methods_set_their_vllm_option(sb, tmp_path, capsys):
     with pytest.raises(SystemExit):
         sb.parse_args(["--model", model, "--methods", "plain,collect2-turbo"])
     assert "unknown collect2-turbo" in capsys.readouterr().err
+
+
+def test_run_warms_every_server_up_then_interleaves_runs_with_prompts_of_their_own(sb, tmp_path, monkeypatch):
+    """run() without vLLM: servers and the client faked, the commands it would send recorded."""
+    import types
+
+    import vegas.backends.vllm as vb
+
+    monkeypatch.setattr(vb, "vllm_installed", lambda: True)
+    sent = []
+
+    class FakeServer:
+        def __init__(self, label, argv, log, port, env=None, cwd=None):
+            self.argv, self.log, self.proc = argv, log, types.SimpleNamespace(poll=lambda: None, returncode=None)
+            log.write_text("")
+
+        def wait_ready(self, timeout):
+            return 0.0
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(sb, "ServerProcess", FakeServer)
+    monkeypatch.setattr(sb, "run_client", lambda argv, log, timeout: sent.append(argv) or 0)
+    out = tmp_path / "out"
+    args = sb.parse_args(["--model", _model(tmp_path, 32768), "--methods", "plain,collect2", "--rates", "4,inf",
+                          "--repeats", "2", "--kv-cache-gib", "4", "--out", str(out)])
+    with pytest.raises(SystemExit, match="no vllm bench serve results"):  # the fake client writes none
+        sb.run(args)
+
+    def opt(argv, flag):
+        return argv[argv.index(flag) + 1]
+
+    warm, timed = sent[:2], sent[2:]
+    assert [opt(a, "--num-prompts") for a in warm] == ["16", "16"] and {opt(a, "--seed") for a in warm} == {"0"}
+    assert all(str(out / "warmup") == opt(a, "--result-dir") for a in warm)
+    assert len(timed) == 8 and all(opt(a, "--result-dir") == str(out / "raw") for a in timed)
+    by_run = {}
+    for a in timed:  # (rate, repeat) -> seeds of the two methods
+        by_run.setdefault(opt(a, "--result-filename").split("_", 1)[1], set()).add(opt(a, "--seed"))
+    assert all(len(s) == 1 for s in by_run.values())  # the same prompts for both methods
+    assert len({next(iter(s)) for s in by_run.values()} | {"0"}) == 5  # 4 runs + the warm-up, all different
