@@ -6,6 +6,8 @@
 #   bash scripts/device_serving.sh greedy    # greedy Vegas (V2 runner) against plain vLLM (tests/gpu/test_vllm_v2.py)
 #   bash scripts/device_serving.sh serve-start          # the serve run detached (outlives the device call)
 #   bash scripts/device_serving.sh serve-wait [SECONDS]  # wait for it (default 540 s); when done, $OUT/serve.tgz
+#   bash scripts/device_serving.sh tests21 [NAMES]  # issue 21's GPU tests, one after another, each with its own
+#                                            # time limit (seeds plugin softcap serve invariant faults; default all)
 #   bash scripts/device_serving.sh cute      # issue 22: the CuTe-DSL attention (+ score writer) against FA3 and
 #                                            # FA3 + the separate score pass (scripts/cute_decode_bench.py); needs
 #                                            # the .device/cute parts unpacked after the vLLM bundle
@@ -64,9 +66,26 @@ case ${1:-} in
     timeout ${CUTE_QWEN_S:-200} python3 scripts/cute_decode_bench.py --case qwen3-8b --ctx 32768 --ctx 131072 --batch 4 \
       --qlen 5 --splits --reps 3 --json "$OUT/cute_qwen3.json" 2>&1 | grep -v "it/s\]" | tee -a "$OUT/cute_bench.log" | tail -30
     ;;
+  tests21)  # logs: $OUT/t21_<name>.log; the summary line of each
+    v1="env VLLM_USE_V2_MODEL_RUNNER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn"
+    for t in ${2:-seeds plugin softcap serve invariant faults}; do
+      case $t in
+        seeds) cmd="$v1 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_vllm_seeds_cuda.py"; lim=240 ;;
+        plugin) cmd="$v1 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_vllm_backend_cuda.py -k plugin"; lim=300 ;;
+        softcap) cmd="$v1 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_vllm_backend_cuda.py -k soft_capped"; lim=240 ;;
+        serve) cmd="python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_serve_cuda.py"; lim=480 ;;
+        invariant) cmd="python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_vllm_batch_invariant.py"; lim=360 ;;
+        faults) cmd="python3 -m pytest -s -q -rs -p no:cacheprovider tests/gpu/test_vllm_serving_faults.py"; lim=360 ;;
+        *) echo "tests21: unknown test group $t (seeds plugin softcap serve invariant faults)" >&2; exit 2 ;;
+      esac
+      t0=$(date +%s)
+      timeout $lim $cmd > "$OUT/t21_$t.log" 2>&1; rc=$?
+      echo "[$t] rc=$rc $(( $(date +%s) - t0 )) s: $(grep -E "passed|failed|error|skipped" "$OUT/t21_$t.log" | tail -1)"
+    done
+    ;;
   greedy)
     timeout ${GREEDY_S:-300} python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_vllm_v2.py \
       ${GREEDY_K:+-k "$GREEDY_K"} 2>&1 | tail -15
     ;;
-  *) echo "usage: device_serving.sh profile|serve|serve-start|serve-wait [SECONDS]|greedy|cute" >&2; exit 2 ;;
+  *) echo "usage: device_serving.sh profile|serve|serve-start|serve-wait [SECONDS]|greedy|cute|tests21 [NAMES]" >&2; exit 2 ;;
 esac
