@@ -20,6 +20,13 @@ no nvcc), but only if its decode is as fast as FA3's. This measures that, per st
   verification logits written from inside the attention, the point of issue 22 — checked against
   a reference of those logits on layer 0; each layer's call also sums the buffer over rows and
   heads into its ``(batch, max_len)`` score row (the reduce a backend would run);
+- ``cute/m64+rowsum``: the 64-row tile with the score sums taken from the QK tile in registers
+  (:mod:`cute_rowsum`: a subclass of vLLM's ``FlashAttentionForwardSm90``; per layer
+  ``out[b, kv_head, p]`` = the first and last query rows' logits summed over the group's heads, for
+  keys before the chunk, added with one vector atomic per warp and column; no ``score_mod``, so
+  the attention output is the plain kernel's), into a per-step ``(layers, batch, kv_heads, L)``
+  buffer zeroed at layer 0; checked against a torch reference on layer 0 (unsplit or the split
+  heuristic's count, and once more with a split count that leaves an empty split);
 - ``fa3+score``: what the vLLM backend runs today, FA3 per layer, the collect queries gathered per
   layer and the separate all-layers score kernel (:mod:`vegas.kernels.triton_score`) at the end:
   the figure a ``+scores`` variant must beat.
@@ -54,6 +61,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from vegas.kernels.device_timer import interleaved  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cute_rowsum  # noqa: E402
 
 PEAK = 4.3e12
 BLOCK_SIZE = 16
@@ -152,6 +162,38 @@ def score_writer(out: torch.Tensor):
     return write_scores
 
 
+def rowsum_call(b, layers, seqs, hkv, num_splits=0):
+    """``(call, buffer)``: a layer call of ``cute/m64+rowsum`` and its per-step score buffer
+    ``(layers, seqs, hkv, L)``; layer 0's call zeroes the buffer (one memset per step)."""
+    buf = torch.empty((layers, seqs, hkv, cute_rowsum.padded_len(b["max_len"])), device="cuda")
+
+    def call(layer, out):
+        if layer == 0:
+            buf.zero_()
+        k, v = b["kv"][layer]
+        cute_rowsum.rowsum_attention(b["q"], k, v, out, buf[layer], b["cu"], b["seq_lens"], b["qlen"],
+                                     b["max_len"], b["bt"], b["scale"], num_splits=num_splits)
+    return call, buf
+
+
+def split_with_empty(n_blocks):
+    """The smallest split count for which the kernel's last split gets no K block (the case the
+    rowsum kernel must skip: such a split still runs its first block, the previous split's last)."""
+    for s in range(2, n_blocks + 1):
+        if -(-n_blocks // s) * (s - 1) >= n_blocks:
+            return s
+    return None
+
+
+def check_rowsum(b, layers, seqs, hkv, d, ref, splits, out):
+    """Relative error of layer 0's ``cute/m64+rowsum`` scores against ``ref`` at ``splits`` splits."""
+    call, buf = rowsum_call(b, layers, seqs, hkv, num_splits=splits)
+    call(0, out)
+    torch.cuda.synchronize()
+    got = buf[0, :, :, : ref.shape[-1]]
+    return ((got - ref).norm() / ref.norm()).item(), bool(torch.isfinite(got).all())
+
+
 def separate_scores(b, layers, seqs, hq, hkv, d):
     """A layer call of today's path: FA3, then the layer's two collect queries gathered into a
     per-step buffer; after the last layer one all-layers launch of the separate score kernel."""
@@ -239,9 +281,16 @@ def run_case(model, ctx, seqs, qlen, args):
     if writer is not None:
         calls["cute+scores"] = with_reduce(calls["cute+scores"])
         calls["cute/m64+scores"] = with_reduce(calls["cute/m64+scores"])
+    rowsum_ref = None
+    if args.rowsum:
+        calls["cute/m64+rowsum"], rowsum_buf = rowsum_call(b, layers, seqs, hkv)
+        k0 = b["kv"][0][0]
+        rowsum_ref = cute_rowsum.reference_rowsum(b["q"], k0, b["bt"], b["cu"], b["seq_lens"], qlen, b["scale"],
+                                                  b["max_len"])
     calls["fa3+score"] = separate_scores(b, layers, seqs, hq, hkv, d)
     ref = reference_scores(b, 0, hq, hkv) if writer is not None else None
     first = {}
+    out_m64 = None
     for name, call in calls.items():
         if name.startswith("fa3"):
             continue
@@ -258,12 +307,29 @@ def run_case(model, ctx, seqs, qlen, args):
         first[name] = time.perf_counter() - t0
         diff = (out_cute.float() - out_fa3.float()).abs().max().item()
         line = f"  {name}: first call {first[name]:.1f} s, max |cute - fa3| = {diff:.2e}"
+        if name == "cute/m64":
+            out_m64 = out_cute.clone()
+        if name.endswith("+rowsum"):
+            got = rowsum_buf[0, :, :, : b["max_len"]]
+            err = ((got - rowsum_ref).norm() / rowsum_ref.norm()).item()
+            same = "n/a" if out_m64 is None else torch.equal(out_cute, out_m64)
+            line += (f", scores rel. error {err:.2e} (finite: {bool(torch.isfinite(got).all())}), "
+                     f"output bitwise = cute/m64: {same}")
         if name.endswith("+scores"):
             want = ~torch.isnan(ref)
             got_ok = torch.equal(~torch.isnan(scores), want)  # written exactly where the reference is defined
             err = ((scores[want] - ref[want]).norm() / ref[want].norm()).item() if want.any() else float("nan")
             line += f", scores written where expected: {got_ok}, rel. error {err:.2e}"
         print(line, flush=True)
+    if args.rowsum and first.get("cute/m64+rowsum") is not None:
+        empty = split_with_empty(-(-b["max_len"] // 128))
+        if empty is not None:
+            try:
+                err, finite = check_rowsum(b, layers, seqs, hkv, d, rowsum_ref, empty, out_cute)
+                print(f"  cute/m64+rowsum at {empty} splits (one empty): scores rel. error {err:.2e} "
+                      f"(finite: {finite})", flush=True)
+            except Exception as e:
+                print(f"  cute/m64+rowsum at {empty} splits: {type(e).__name__}: {str(e)[:600]}", flush=True)
     calls = {n: c for n, c in calls.items() if first.get(n, 0) is not None}
 
     def step(call):
@@ -304,6 +370,8 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--no-scores", dest="scores", action="store_false",
                     help="leave out the variants with the score-writing score_mod")
+    ap.add_argument("--no-rowsum", dest="rowsum", action="store_false",
+                    help="leave out cute/m64+rowsum (the in-register score sums, scripts/cute_rowsum.py)")
     ap.add_argument("--json", help="write every row here")
     args = ap.parse_args()
     for flag, values in (("--ctx", args.ctx), ("--batch", args.batch), ("--qlen", args.qlen)):
