@@ -60,11 +60,18 @@ case ${1:-} in
       echo "still running; call serve-wait again"
     fi
     ;;
-  cute)
-    timeout ${CUTE_S:-330} python3 scripts/cute_decode_bench.py --case smollm2 --ctx 7680 --batch 32 --batch 128 \
-      --qlen 5 --splits --reps 3 --json "$OUT/cute_smollm2.json" 2>&1 | grep -v "it/s\]" | tee "$OUT/cute_bench.log" | tail -40
-    timeout ${CUTE_QWEN_S:-200} python3 scripts/cute_decode_bench.py --case qwen3-8b --ctx 32768 --ctx 131072 --batch 4 \
-      --qlen 5 --splits --reps 3 --json "$OUT/cute_qwen3.json" 2>&1 | grep -v "it/s\]" | tee -a "$OUT/cute_bench.log" | tail -30
+  cute)  # CUTE_CASES="smollm2" or "qwen3" runs one half (each can take most of a call); CUTE_ARGS adds
+         # flags, e.g. CUTE_ARGS=--no-scores to leave out the per-element score_mod writer measured 2026-12-02
+    case " ${CUTE_CASES:-smollm2 qwen3} " in *" smollm2 "*)
+      timeout ${CUTE_S:-330} python3 scripts/cute_decode_bench.py --case smollm2 --ctx 7680 --batch 32 --batch 128 \
+        --qlen 5 --splits --reps 3 ${CUTE_ARGS:-} --json "$OUT/cute_smollm2.json" 2>&1 | grep -v "it/s\]" \
+        | tee "$OUT/cute_bench.log" | tail -40 ;;
+    esac
+    case " ${CUTE_CASES:-smollm2 qwen3} " in *" qwen3 "*)
+      timeout ${CUTE_QWEN_S:-200} python3 scripts/cute_decode_bench.py --case qwen3-8b --ctx 32768 --ctx 131072 --batch 4 \
+        --qlen 5 --splits --reps 3 ${CUTE_ARGS:-} --json "$OUT/cute_qwen3.json" 2>&1 | grep -v "it/s\]" \
+        | tee -a "$OUT/cute_bench.log" | tail -30 ;;
+    esac
     ;;
   tests21)  # logs: $OUT/t21_<name>.log; the summary line of each
     v1="env VLLM_USE_V2_MODEL_RUNNER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn"
