@@ -19,6 +19,10 @@
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# the cutlass-dsl wheel (.device/cute parts) keeps its packages in python_packages/, named by a .pth that a
+# pip --target directory does not read
+CUTLASS_PY=/tmp/site/nvidia_cutlass_dsl/python_packages
+[ -d "$CUTLASS_PY" ] && export PYTHONPATH=$PYTHONPATH:$CUTLASS_PY
 OUT=${OUT:-/tmp/vegas_out}; mkdir -p "$OUT"
 MODEL=${SMOLLM2_HF:-/tmp/smollm2-hf}
 # vegas is on PYTHONPATH, not installed: its vllm.general_plugins entry point, for vllm serve's processes
