@@ -444,12 +444,15 @@ def run(args) -> None:
     (out / "logs").mkdir(exist_ok=True)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(ROOT)) if p)
+    written: dict[int, Path] = {}  # seed -> its prompt file, written once in this run (every method reads it)
+
     def dataset(seed: int, num_prompts: int | None = None) -> Path | None:
         """The custom dataset file of one prompt seed (``--dataset code``), None for vLLM's random one."""
         if args.dataset != "code":
             return None
-        path = out / f"code_prompts_s{seed}.jsonl"
-        return path if path.exists() else write_code_prompts(path, args, seed, num_prompts)
+        if seed not in written:  # never a file left by an earlier run with other lengths
+            written[seed] = write_code_prompts(out / f"code_prompts_s{seed}.jsonl", args, seed, num_prompts)
+        return written[seed]
 
     t_end = time.monotonic() + args.time_budget if args.time_budget else math.inf
     groups = [[m] for m in args.methods] if args.one_server_at_a_time else [list(args.methods)]
