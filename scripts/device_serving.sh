@@ -81,9 +81,9 @@ case ${1:-} in
     v1="env VLLM_USE_V2_MODEL_RUNNER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn"
     for t in ${2:-seeds plugin softcap serve invariant faults}; do
       case $t in
-        seeds) cmd="$v1 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_vllm_seeds_cuda.py"; lim=240 ;;
+        seeds) cmd="$v1 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_vllm_seeds_cuda.py"; lim=280 ;;
         plugin) cmd="$v1 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_vllm_backend_cuda.py -k plugin"; lim=300 ;;
-        softcap) cmd="$v1 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_vllm_backend_cuda.py -k soft_capped"; lim=240 ;;
+        softcap) cmd="$v1 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_vllm_backend_cuda.py -k soft_capped"; lim=300 ;;
         serve) cmd="python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_serve_cuda.py"; lim=480 ;;
         invariant) cmd="python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_vllm_batch_invariant.py"; lim=360 ;;
         faults) cmd="python3 -m pytest -s -q -rs -p no:cacheprovider tests/gpu/test_vllm_serving_faults.py"; lim=360 ;;

@@ -919,11 +919,12 @@ def test_attention_layers_keep_sliding_window_layers_and_refuse_an_all_sliding_m
     monkeypatch.setitem(sys.modules, "vllm.model_executor.models.utils", utils)
     monkeypatch.setattr(attention_mod, "_layer_idx", {})
 
-    def config(windows):
+    def config(windows, max_model_len=8192):
         ctx = {f"model.layers.{i}.self_attn.attn": SimpleNamespace(impl=FlashAttentionImpl(w))
                for i, w in enumerate(windows)}
         ctx["model.norm"] = SimpleNamespace()  # not an attention layer
-        return SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context=ctx))
+        return SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context=ctx),
+                               model_config=SimpleNamespace(max_model_len=max_model_len))
 
     state = SelectionState()
     gemma2 = config([(4095, 0), None, (4095, 0), (-1, -1)])
@@ -939,6 +940,13 @@ def test_attention_layers_keep_sliding_window_layers_and_refuse_an_all_sliding_m
     with pytest.raises(VegasConfigError, match="every attention layer of this model attends a sliding window"):
         attention_layers(all_sliding, SelectionState())
     assert not any(hasattr(m, LAYER_ATTR) for m in all_sliding.compilation_config.static_forward_context.values())
+    # a window as long as the engine's context drops no key: those layers attend everything
+    # (vLLM windows every layer of a non-interleaved config that sets sliding_window)
+    long_windows = config([(4095, 0), (4095, 0)], max_model_len=3200)
+    assert sliding_windows(long_windows, attention_layers(long_windows, SelectionState())) == {}
+    at_edge = config([(3198, 0), (3199, 0)], max_model_len=3200)
+    assert sliding_windows(at_edge, attention_layers(at_edge, SelectionState())) == {
+        "model.layers.0.self_attn.attn": (3198, 0)}
     with pytest.raises(VegasConfigError, match="FLASH_ATTN"):
         attention_layers(SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context={
             "model.layers.0.attn": SimpleNamespace(impl=object())})), SelectionState())

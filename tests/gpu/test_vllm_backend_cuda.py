@@ -225,7 +225,11 @@ def test_soft_capped_model_scores_capped_logits_and_equals_plain(tmp_path_factor
     reports it), and Vegas greedy equals plain vLLM greedy up to bf16 near-ties; with Gemma 2's
     alternating sliding-window layers (window 256, prompts of 700-2,000 tokens) too, whose
     drafts attend their own window (plain vLLM keeps its hybrid KV-cache manager, Vegas asks for
-    one KV-cache group)."""
+    one KV-cache group). vLLM gives every layer of a config whose ``layer_types`` are not
+    interleaved the config's ``sliding_window`` (``EngineArgs``: ``cache_config.sliding_window``),
+    so the all-full variant sets a window longer than ``max_model_len``: no key is dropped, and
+    Vegas counts those layers as full attention (with 256 vLLM would run every layer windowed and
+    Vegas would refuse the model: nothing to select)."""
     pytest.importorskip("vllm")
     import transformers
     from vllm import SamplingParams
@@ -236,8 +240,8 @@ def test_soft_capped_model_scores_capped_logits_and_equals_plain(tmp_path_factor
     config = transformers.Gemma2Config(
         vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=128, max_position_embeddings=4096, initializer_range=0.1,
-        attn_logit_softcapping=2.0, final_logit_softcapping=30.0, sliding_window=256,
-        layer_types=layer_types, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        attn_logit_softcapping=2.0, final_logit_softcapping=30.0,
+        sliding_window=256 if len(set(layer_types)) > 1 else 4096, layer_types=layer_types, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(path)

@@ -228,13 +228,25 @@ def sliding_windows(vllm_config, layers: list[tuple[str, int]]) -> dict[str, tup
     """Layer name -> FA3's ``(left, right)`` window of each sliding-window layer among ``layers``
     (vLLM's ``FlashAttentionImpl.sliding_window``, ``(window - 1, 0)``); full-attention layers
     are left out. A sliding layer drafts over its own window of the paged cache, as the layer
-    attends in the target model (exact, ``window`` keys per draft token)."""
+    attends in the target model (exact, ``window`` keys per draft token).
+
+    A window that covers ``model_config.max_model_len`` positions never drops a key: such a
+    layer attends everything and counts as a full-attention layer. (vLLM gives every layer of a
+    model whose config sets ``sliding_window`` without interleaved ``layer_types`` that window,
+    e.g. a Gemma 2 config with ``layer_types`` all ``"full_attention"``: ``EngineArgs`` then
+    sets ``cache_config.sliding_window``, which the attention layers without a per-layer window
+    take.)"""
     forward_context = vllm_config.compilation_config.static_forward_context
+    model_config = getattr(vllm_config, "model_config", None)
+    max_len = getattr(model_config, "max_model_len", None)
     windows = {}
     for name, _ in layers:
         window = getattr(forward_context[name].impl, "sliding_window", None)
-        if window is not None and tuple(window) != (-1, -1):
-            windows[name] = tuple(window)
+        if window is None or tuple(window) == (-1, -1):
+            continue
+        if max_len is not None and window[0] + 1 >= max_len:
+            continue  # the window holds every position the engine can reach
+        windows[name] = tuple(window)
     return windows
 
 
