@@ -135,6 +135,8 @@ def test_all_sliding_window_models_are_refused_before_start(tmp_path):
     with pytest.raises(VegasConfigError, match="sliding window .* in all"):
         vegas_serve.plan_serve(model)
     assert "--speculative-config" not in vegas_serve.plan_serve(model, selector="none").argv  # plain: allowed
+    # an engine no longer than the window: no key is dropped, Vegas runs
+    assert "--speculative-config" in vegas_serve.plan_serve(model, extra_args=["--max-model-len", "4096"]).argv
 
 
 def test_cli_dry_run_prints_the_command_and_starts_nothing():

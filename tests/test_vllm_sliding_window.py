@@ -56,6 +56,32 @@ def test_models_with_a_full_attention_layer_pass(tmp_path, name, config, layers)
     assert vllm_backend.sliding_window_layers(AutoConfig.from_pretrained(model)) == layers
 
 
+@pytest.mark.parametrize(
+    "name,config,max_model_len,refused",
+    [
+        # vLLM windows every layer of a config that sets sliding_window without interleaved layer_types
+        ("gemma2-all-full", {"model_type": "gemma2", "sliding_window": 256, "max_position_embeddings": 8192,
+                             "layer_types": ["full_attention"] * 6}, None, True),
+        ("phi3-4k", {"model_type": "phi3", "sliding_window": 2047, "max_position_embeddings": 4096}, None, True),
+        # a window as long as the context drops no key: every layer attends everything
+        ("gemma2-long-window", {"model_type": "gemma2", "sliding_window": 8192, "max_position_embeddings": 8192,
+                                "layer_types": ["full_attention"] * 6}, None, False),
+        ("phi3-128k", {"model_type": "phi3", "sliding_window": 262144, "max_position_embeddings": 131072},
+         None, False),
+        ("mistral-short-engine", {"model_type": "mistral", "sliding_window": 4096}, 4096, False),
+        ("mistral-long-engine", {"model_type": "mistral", "sliding_window": 4096}, 4097, True),
+    ],
+)
+def test_windows_are_read_as_vllm_builds_them_and_a_window_covering_the_context_is_full(
+        tmp_path, name, config, max_model_len, refused):
+    model = _model_dir(tmp_path, name, **config)
+    if refused:
+        with pytest.raises(VegasConfigError, match="in all 6 of its layers"):
+            vllm_backend.raise_if_only_sliding_window(model, max_model_len)
+    else:
+        vllm_backend.raise_if_only_sliding_window(model, max_model_len)
+
+
 def test_an_unreadable_config_is_left_to_vllm(tmp_path):
     vllm_backend.raise_if_only_sliding_window(str(tmp_path / "missing"))  # no config.json: vLLM names it
 

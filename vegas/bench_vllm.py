@@ -494,8 +494,9 @@ def run_vllm_bench(opts: VllmBenchOptions, log: Callable[[str], None] = print,
     vegas = [m for m in methods if m not in (PLAIN_ROW, NGRAM)]
     for name in vegas:
         vegas_settings.raise_if_unsupported(create_selector(name, config), config, opts.engine_args.get("block_size"))
+    max_model_len = min(max(opts.contexts) + max(opts.new_tokens, opts.check_tokens) + 64, model_max_context(model))
     if vegas:
-        raise_if_only_sliding_window(model)
+        raise_if_only_sliding_window(model, max_model_len)
 
     n_prompts = max([requests_of(opts, b) for b in opts.batches] + [opts.exact_prompts])
     longest = load_prompts(model, n_prompts, max(opts.contexts), opts.prompts)
@@ -503,7 +504,6 @@ def run_vllm_bench(opts: VllmBenchOptions, log: Callable[[str], None] = print,
     log(f"prompts: {len(longest)} x {max(opts.contexts)} tokens")
     cfg = _model_config(model)
     tp = int(opts.engine_args.get("tensor_parallel_size", 1))
-    max_model_len = min(max(opts.contexts) + max(opts.new_tokens, opts.check_tokens) + 64, model_max_context(model))
     total_mem = float(opts.engine_args.get("gpu_memory_utilization", GPU_MEMORY_UTILIZATION))
     results: dict = {"options": asdict(opts), "model": model, "config": asdict(config), "methods": methods,
                      "rows": [], "exactness": {}, "errors": {}}

@@ -279,8 +279,9 @@ def plan_serve(
                 f"vllm serve argument {extra[start]} is set by vegas serve for Vegas; use --selector none "
                 "for vLLM's own speculative methods"
             )
-        if check_model:
-            raise_if_only_sliding_window(model)
+        if check_model:  # a window covering --max-model-len (a plain integer there) drops no key
+            max_len = next((int(v) for _, _, v in _option_values(extra, ("--max-model-len",)) if v.isdigit()), None)
+            raise_if_only_sliding_window(model, max_len)
         settings = json.loads(settings_json(name, sel.config))
         kw = vllm_engine_kwargs(model, dtype=dtype, num_draft_tokens=gamma,
                                 verify_cuda_graphs=verify_cuda_graphs(sel, sel.config))

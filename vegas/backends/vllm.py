@@ -24,7 +24,8 @@ is this process's and a selector registered by hand is found there by name.
 
 Models whose every layer attends a sliding window (Mistral-style ``sliding_window``) are
 refused by name before a Vegas engine is built (:func:`raise_if_only_sliding_window`): there is
-nothing to select. Models that mix sliding-window and full-attention layers (Gemma 2/3, Qwen2
+nothing to select; a window at least as long as the engine's context drops no key and counts as
+full attention (Phi-3-mini-128k). Models that mix sliding-window and full-attention layers (Gemma 2/3, Qwen2
 with ``use_sliding_window``) run: their sliding-window layers draft over their own window, and
 their KV stays in one cache group (``disable_hybrid_kv_cache_manager``, set by the plugin unless
 the user set it).
@@ -104,17 +105,19 @@ def _engine_core_in_process(selector: str | None):
 
 
 def sliding_window_layers(config: Any) -> list[int]:
-    """Indices of the layers of a transformers config that attend through a sliding window.
+    """Indices of the layers of a transformers config that vLLM builds with a sliding window.
 
-    ``layer_types`` entries ``"sliding_attention"`` (Gemma 2/3, Qwen2 with
-    ``use_sliding_window``, ...) when the config has them; else every layer when
-    ``sliding_window`` is set and ``use_sliding_window`` is not false (Mistral-style configs,
-    where the window applies to all layers). Multimodal configs are read through their text
-    config.
+    Interleaved ``layer_types`` (Gemma 2/3, Qwen2 with ``use_sliding_window``, ...): the
+    ``"sliding_attention"`` entries. Otherwise every layer when ``sliding_window`` is set and
+    ``use_sliding_window`` is not false: vLLM then sets ``cache_config.sliding_window``, which
+    every attention layer without a window of its own takes (``EngineArgs``, vLLM 0.24.0) —
+    Mistral-style configs, Phi-3, and also a config whose ``layer_types`` are all
+    ``"full_attention"`` but which sets ``sliding_window`` (transformers would not window those
+    layers; vLLM does). Multimodal configs are read through their text config.
     """
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     types = getattr(text, "layer_types", None)
-    if types:
+    if types and len(set(types)) > 1:
         return [i for i, t in enumerate(types) if t == "sliding_attention"]
     window = getattr(text, "sliding_window", None)
     if window and getattr(text, "use_sliding_window", True) is not False:
@@ -136,15 +139,19 @@ def _spans(indices: list[int]) -> str:
     return ", ".join(out)
 
 
-def raise_if_only_sliding_window(model: str) -> None:
+def raise_if_only_sliding_window(model: str, max_model_len: int | None = None) -> None:
     """Refuse a model whose every layer attends a sliding window before a Vegas engine is built.
 
     Vegas selects KV entries for full-attention layers; a model's sliding-window layers draft
     over their own window (as they attend in the target), so a model with no full-attention
-    layer leaves nothing to select. Reads the model's transformers config (``AutoConfig``,
-    ``trust_remote_code`` off, so no code of the model runs). A config that cannot be read that
-    way is let through: vLLM's own loading names the problem, and the drafter checks every
-    attention layer when it starts.
+    layer leaves nothing to select. A window at least as long as the engine's context (the
+    model's ``max_position_embeddings``, or ``max_model_len`` when given and shorter) never
+    drops a key: such a model attends everything and passes (Phi-3-mini-128k: window 262,144,
+    context 131,072); the drafter applies the same rule to the layers vLLM builds
+    (:func:`vegas.vllm_plugin.drafting.engine.sliding_windows`). Reads the model's transformers
+    config (``AutoConfig``, ``trust_remote_code`` off, so no code of the model runs). A config
+    that cannot be read that way is let through: vLLM's own loading names the problem, and the
+    drafter checks every attention layer when it starts.
 
     Raises:
         VegasConfigError: naming the model, its window and layer count, and pointing to the HF
@@ -161,6 +168,12 @@ def raise_if_only_sliding_window(model: str) -> None:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     total = int(getattr(text, "num_hidden_layers", 0) or len(layers))
     if not layers or len(layers) < total:
+        return
+    window = getattr(text, "sliding_window", None)
+    reach = [n for n in (getattr(text, "max_position_embeddings", None), max_model_len) if n]
+    if window and reach and window >= min(reach):
+        log.info("vllm backend: %r windows every layer by %d positions, at least its context (%d): "
+                 "no key is dropped, every layer attends the whole context", model, window, min(reach))
         return
     raise VegasConfigError(
         f"model {model!r} attends a sliding window (window {getattr(text, 'sliding_window', None)}) "
@@ -457,7 +470,7 @@ class VLLMBackend(Backend):
         if selector is not None:
             vegas_settings.raise_if_unsupported(selector, config, self.engine_args.get("block_size"))
             if not self._checked_model:
-                raise_if_only_sliding_window(self.model)
+                raise_if_only_sliding_window(self.model, self.engine_args.get("max_model_len"))
                 self._checked_model = True
         from vllm import SamplingParams as VllmSamplingParams
 
