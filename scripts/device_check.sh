@@ -6,20 +6,20 @@
 #
 # The plan: build here once, then device calls made back to back (the machine stays warm only ~30 s
 # after a call; a carried folder is removed there when the next call does not carry it):
-#   bash ../shared/device/make_vllm_bundle.sh .device/vllm       # here: .device/vllm/p0..p6 (26 MB each)
-#   bash scripts/make_smollm2_parts.sh .device/smollm2            # here: .device/smollm2/p0..p3 (26 MB each)
-#   calls 1-7:   run(command="bash .device/vllm/pN/unpack.sh", carry=[".device/vllm/pN"])         N = 0..6
-#   calls 8-10:  run(command="bash .device/smollm2/pN/unpack.sh", carry=[".device/smollm2/pN"])    N = 0..2
-#   call 11:     run(command="bash .device/smollm2/p3/unpack.sh && bash scripts/device_smollm2.sh",
-#                    carry=[".device/smollm2/p3"])      # reassembles the GGUF (sha256), converts it (~1 min)
+#   PART_MB=23 bash ../shared/device/make_vllm_bundle.sh .device/vllm  # here: .device/vllm/p0..p7 (23 MB each)
+#   bash scripts/make_smollm2_parts.sh .device/smollm2            # here: .device/smollm2/p0..p4 (23 MB each)
+#   calls 1-8:   run(command="bash .device/vllm/pN/unpack.sh", carry=[".device/vllm/pN"])         N = 0..7
+#   calls 9-12:  run(command="bash .device/smollm2/pN/unpack.sh", carry=[".device/smollm2/pN"])    N = 0..3
+#   call 13:     run(command="bash .device/smollm2/p4/unpack.sh && bash scripts/device_smollm2.sh",
+#                    carry=[".device/smollm2/p4"])      # reassembles the GGUF (sha256), converts it (~1 min)
 #                                                       # into the HF checkpoint /tmp/smollm2-hf
-#   call 12 (GPU tests, ~7-8 min):
+#   call 14 (GPU tests, ~7-8 min):
 #     run(command="KTEST_S=480 PHASES='env smollm2 kernels cuda' bash scripts/device_check.sh", carry=[])
-#   call 13 (benchmark, ~7-8 min; one run per KV budget (BENCH_SPARSITIES, 5 % and 2 %), each plain + 4
+#   call 15 (benchmark, ~7-8 min; one run per KV budget (BENCH_SPARSITIES, 5 % and 2 %), each plain + 4
 #   selectors = 5 engines alive at once; greedy exactness of 32 prompts x 64 tokens against plain greedy;
 #   batches 32 and 128 at T = 0.8, top-p 1):
 #     run(command="PHASES=bench BENCH_S=480 bash scripts/device_check.sh", carry=[])
-#   (call 13's BENCH_ARGS are the default below; call 12 alone takes the PHASES default's place.)
+#   (call 15's BENCH_ARGS are the default below; call 14 alone takes the PHASES default's place.)
 # The smollm2 phase is a no-op once /tmp/smollm2-hf exists; without the SmolLM2 parts it says what to carry.
 # Tensor parallelism (kind nvidia-h200-x2; NVLink multicast stays off, NCCL_NVLS_ENABLE=0):
 #   KTEST_S=480 PHASES="env kernels bench" BENCH_ARGS="... --engine-args '{\"tensor_parallel_size\": 2}'" \
