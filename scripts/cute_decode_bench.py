@@ -21,7 +21,7 @@ no nvcc), but only if its decode is as fast as FA3's. This measures that, per st
   a reference of those logits on layer 0; each layer's call also sums the buffer over rows and
   heads into its ``(batch, max_len)`` score row (the reduce a backend would run);
 - ``cute/m64+rowsum``: the 64-row tile with the score sums taken from the QK tile in registers
-  (:mod:`cute_rowsum`: a subclass of vLLM's ``FlashAttentionForwardSm90``; per layer
+  (:mod:`vegas.kernels.cute_rowsum`: a subclass of vLLM's ``FlashAttentionForwardSm90``; per layer
   ``out[b, kv_head, p]`` = the first and last query rows' logits summed over the group's heads, for
   keys before the chunk, added with one vector atomic per warp and column; no ``score_mod``, so
   the attention output is the plain kernel's), into a per-step ``(layers, batch, kv_heads, L)``
@@ -41,7 +41,8 @@ carry-able parts of them, see csrc/README.md).
 
 Measured on an H200 on 2026-12-02 (benchmarks/results/cute_h200_2026-12-02): every ``+scores``
 variant lost to ``fa3+score``, so the vLLM backend's opt-in CuTe score path (``vllm.cute_scores``)
-was removed; it is at commit 919ef0f. This script keeps the experiment reproducible.
+was removed; it is at commit 919ef0f. ``cute/m64+rowsum`` (benchmarks/results/cute_rowsum_h200_2026-12-02)
+beats it at head_dim 128 and is the backend's opt-in ``vllm.score_path="cute"``.
 
     python scripts/cute_decode_bench.py                      # everything (~4 device minutes)
     python scripts/cute_decode_bench.py --case qwen3-8b --ctx 131072 --batch 4 --qlen 5
@@ -60,10 +61,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from vegas.kernels import cute_rowsum  # noqa: E402
 from vegas.kernels.device_timer import interleaved  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import cute_rowsum  # noqa: E402
 
 PEAK = 4.3e12
 BLOCK_SIZE = 16
@@ -371,7 +370,7 @@ def main() -> int:
     ap.add_argument("--no-scores", dest="scores", action="store_false",
                     help="leave out the variants with the score-writing score_mod")
     ap.add_argument("--no-rowsum", dest="rowsum", action="store_false",
-                    help="leave out cute/m64+rowsum (the in-register score sums, scripts/cute_rowsum.py)")
+                    help="leave out cute/m64+rowsum (the in-register score sums, vegas/kernels/cute_rowsum.py)")
     ap.add_argument("--json", help="write every row here")
     args = ap.parse_args()
     for flag, values in (("--ctx", args.ctx), ("--batch", args.batch), ("--qlen", args.qlen)):

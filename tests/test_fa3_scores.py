@@ -114,6 +114,17 @@ def _impl(hkv, window=None):
                            logits_soft_cap=None, alibi_slopes=None, sinks=None, kv_cache_dtype="auto", scale=0.5)
 
 
+def assert_same_selection(st, today, num_seqs=2, num_layers=3, k=7):
+    """``st`` and ``today`` (two selection states) selected the same ``k`` slots per layer and
+    request, with the same selectable prefixes and budgets."""
+    got, ctx_sel, budgets = st.selection(num_seqs)
+    want, want_ctx, want_budgets = today.selection(num_seqs)
+    assert torch.equal(ctx_sel, want_ctx) and torch.equal(budgets, want_budgets)
+    for layer in range(num_layers):
+        for i in range(num_seqs):
+            assert sorted(got[layer, i, :k].tolist()) == sorted(want[layer, i, :k].tolist())
+
+
 @pytest.mark.parametrize("bad_layer", [None, 1])
 def test_verify_layer_selects_what_on_layer_selects(monkeypatch, bad_layer):
     """SmolLM2's heads (9 q / 3 kv x 64), two verification requests, three layers: the FA3 score
@@ -151,12 +162,7 @@ def test_verify_layer_selects_what_on_layer_selects(monkeypatch, bad_layer):
     assert fallback == ([] if bad_layer is None else [bad_layer])
     assert len(calls) == 3 - len(fallback)
     assert not st.fa3.active  # the forward is over
-    got, ctx_sel, budgets = st.selection(2)
-    want, want_ctx, want_budgets = today.selection(2)
-    assert torch.equal(ctx_sel, want_ctx) and torch.equal(budgets, want_budgets)
-    for layer in range(3):
-        for i in range(2):
-            assert sorted(got[layer, i, :7].tolist()) == sorted(want[layer, i, :7].tolist())
+    assert_same_selection(st, today)
     # the next forward knows the uncovered layer: today's path throughout
     out = torch.zeros(12, hq, d, dtype=torch.bfloat16)
     routed = st.verify_layer(_impl(hkv), 0, queries[0], kvs[0], md, out)

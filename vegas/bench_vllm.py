@@ -601,7 +601,7 @@ def write_json(results: dict, path: str | Path) -> None:
 def summary_lines(results: dict) -> list[str]:
     """What ``vegas bench --backend vllm`` prints after the table: the Vegas engines' vLLM
     options and where their verification scores came from (``score_path`` of their stats:
-    ``separate``, ``fa3_ext``), exactness per method and the engines that failed."""
+    ``separate``, ``fa3_ext``, ``cute``), exactness per method and the engines that failed."""
     lines = []
     vllm_options = results.get("options", {}).get("vllm_options") or {}
     if vllm_options:

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, TypeVar
 
 __all__ = [
+    "SCORE_PATHS",
     "TP_SELECTIONS",
     "VERIFY_CUDA_GRAPH_MODES",
     "VegasConfig",
@@ -26,6 +27,8 @@ __all__ = [
 TP_SELECTIONS = ("all_reduce", "per_rank")
 #: CUDA-graph modes of the vLLM backend's verification forward
 VERIFY_CUDA_GRAPH_MODES = ("full", "piecewise")
+#: where the vLLM backend's verification scores come from (``VegasConfig.vllm.score_path``)
+SCORE_PATHS = ("auto", "cute")
 #: default largest row count (requests) the vLLM backend captures a draft CUDA graph for
 DEFAULT_DRAFT_GRAPH_MAX_ROWS = 256
 #: default cost of one sparse draft forward over one plain decode step: the dummy Qwen3-8B
@@ -144,6 +147,25 @@ class VllmOptions:
             joins the side stream. Same scores, same selection. Eager (piecewise) forwards score
             all layers in one launch at the last layer either way (a launch per layer would
             cost host time there). Ignored by the generic path and the FA3 score path.
+        score_path: where a score-based selector's verification scores come from. ``"auto"``
+            (default): FA3 with the score output when the optional ``_vegas_fa3_C`` extension
+            loads (``VEGAS_FA3_EXT``), else FA3 and the separate score pass over the prefix keys
+            (:mod:`vegas.kernels.triton_score`). ``"cute"``: decode-shaped verification runs
+            through vLLM's CuTe-DSL attention with the scored rows' logits summed in registers
+            (:mod:`vegas.kernels.cute_rowsum`, :mod:`vegas.vllm_plugin.selection.cute_verify`),
+            for collect2 and last_token (others are refused when the engine is configured);
+            calls it does not cover (prefill chunks, a window, soft-capping, FP8 cache, head_dim
+            other than 64/128, a group size whose atomic sums would not be deterministic, a
+            variant not compiled before CUDA-graph capture) take FA3 and the separate pass.
+            Needs an sm90 GPU and ``nvidia-cutlass-dsl[cu13]==4.5.2`` + ``quack-kernels``
+            (``scripts/cute_dsl_bundle.sh``); without them one log line says why and ``"auto"``'s
+            path runs. Its kernels JIT-compile when the engine starts (~12 s each on an H200).
+            Measured on an H200 (``benchmarks/results/cute_rowsum_h200_2026-12-02``, per model
+            step, qlen 5, x FA3): Qwen3-8B shape (head_dim 128), batch 4, 32K context 1.108x
+            against 1.428x for FA3 + the separate pass, 128K 1.233x against 1.453x; SmolLM2 shape
+            (head_dim 64), 7,680 context, batch 32 1.219x against 1.223x (a tie), batch 128
+            1.403x against 1.248x (slower): worth it at head_dim 128, not at 64. Not yet run
+            in an engine on a GPU; opt-in.
 
     Raises:
         VegasConfigError: a field is outside its allowed values.
@@ -156,6 +178,7 @@ class VllmOptions:
     prefill_skip_tokens: int = 0
     fallback: bool = False
     score_overlap: bool = False
+    score_path: Literal["auto", "cute"] = "auto"
 
     def __post_init__(self) -> None:
         _raise_if_not_one_of("vllm.tp_selection", self.tp_selection, TP_SELECTIONS)
@@ -168,6 +191,7 @@ class VllmOptions:
             raise VegasConfigError.bad("vllm.fallback", f"must be true or false, got {self.fallback!r}")
         if not isinstance(self.score_overlap, bool):
             raise VegasConfigError.bad("vllm.score_overlap", f"must be true or false, got {self.score_overlap!r}")
+        _raise_if_not_one_of("vllm.score_path", self.score_path, SCORE_PATHS)
 
 
 @dataclass(frozen=True)

@@ -28,9 +28,11 @@ import torch
 __all__ = [
     "EXT_ENV",
     "MAX_PACKED_ROWS",
+    "attention_reason",
     "available",
     "fa3_verify_attention",
     "score_rows_in_chunk",
+    "sm90_reason",
     "unavailable_reason",
     "unsupported_reason",
 ]
@@ -46,17 +48,42 @@ HEAD_DIMS = (64, 128, 256)
 _loaded: dict[str, str | None] = {}
 
 
+def sm90_reason(exact: bool) -> str | None:
+    """Why this process has no Hopper GPU, or None: no CUDA device, or a compute capability other
+    than 9.0 (``exact``, what an sm90a build runs on) or 9.x."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    capability = torch.cuda.get_device_capability()
+    if (capability != (9, 0)) if exact else (capability[0] != 9):
+        return f"compute capability {capability} is not sm90 (Hopper)"
+    return None
+
+
+def attention_reason(num_q_heads: int, num_kv_heads: int, *, sliding_window=None, softcap: float | None = None,
+                     alibi_slopes=None, sinks=None, kv_cache_dtype: str = "auto") -> str | None:
+    """Why a layer's attention is not the plain causal GQA that both score-writing kernels (this
+    extension and :mod:`vegas.kernels.cute_rowsum`) cover (whole query groups per KV head; no
+    window, soft-capping, ALiBi, sinks or quantized cache), or None."""
+    if num_q_heads % num_kv_heads:
+        return f"{num_q_heads} query heads over {num_kv_heads} KV heads"
+    if sliding_window is not None and tuple(sliding_window) not in ((-1, -1), (-1, 0)):
+        return f"sliding window {sliding_window}"
+    if softcap:
+        return f"soft-capping {softcap}"
+    if alibi_slopes is not None or sinks is not None:
+        return "ALiBi or attention sinks"
+    if kv_cache_dtype != "auto":
+        return f"kv_cache_dtype {kv_cache_dtype}"
+    return None
+
+
 def unavailable_reason() -> str | None:
     """Why the extension cannot be used in this process, or None when it can (checked once)."""
     if "reason" in _loaded:
         return _loaded["reason"]
-    reason = None
+    reason = sm90_reason(exact=True)
     try:
-        if not torch.cuda.is_available():
-            reason = "no CUDA device"
-        elif torch.cuda.get_device_capability() != (9, 0):
-            reason = f"compute capability {torch.cuda.get_device_capability()} is not sm90 (Hopper)"
-        else:
+        if reason is None:
             path = os.environ.get(EXT_ENV)
             if path:
                 torch.ops.load_library(path)
@@ -99,18 +126,12 @@ def unsupported_reason(
         return f"dtype {dtype} (the build is bf16 only)"
     if head_dim not in HEAD_DIMS:
         return f"head_dim {head_dim} (built: {HEAD_DIMS})"
-    if num_q_heads % num_kv_heads:
-        return f"{num_q_heads} query heads over {num_kv_heads} KV heads"
     if score_rows > 2:
         return f"{score_rows} scored rows per request (the kernel writes at most 2)"
-    if sliding_window is not None and tuple(sliding_window) not in ((-1, -1), (-1, 0)):
-        return f"sliding window {sliding_window}"
-    if softcap:
-        return f"soft-capping {softcap}"
-    if alibi_slopes is not None or sinks is not None:
-        return "ALiBi or attention sinks"
-    if kv_cache_dtype != "auto":
-        return f"kv_cache_dtype {kv_cache_dtype}"
+    reason = attention_reason(num_q_heads, num_kv_heads, sliding_window=sliding_window, softcap=softcap,
+                              alibi_slopes=alibi_slopes, sinks=sinks, kv_cache_dtype=kv_cache_dtype)
+    if reason is not None:
+        return reason
     rows = max_query_len * (num_q_heads // num_kv_heads)
     if max_query_len < 2 or rows > MAX_PACKED_ROWS:
         return f"max_query_len {max_query_len} x group {num_q_heads // num_kv_heads} = {rows} packed rows (2..64 tokens fit)"

@@ -41,6 +41,7 @@ __all__ = [
     "build_selector",
     "parse_settings",
     "path_class",
+    "raise_if_score_path_unsupported",
     "raise_if_unsupported",
     "read_settings",
     "settings_json",
@@ -118,14 +119,46 @@ def raise_if_unsupported(selector: Selector, config: VegasConfig, block_size: in
 
     Raises:
         VegasConfigError: ``granularity`` other than ``"layer"``, ``score_mode`` other than
-            ``"logit"``, a query-aware selector without a fast path, or what the selector's
-            path refuses (Quest: ``page_size`` other than the engine's ``block_size``).
+            ``"logit"``, a query-aware selector without a fast path, what the selector's
+            path refuses (Quest: ``page_size`` other than the engine's ``block_size``), or
+            ``vllm.score_path="cute"`` with a selector the CuTe rowsum cannot serve
+            (:func:`raise_if_score_path_unsupported`).
     """
     if config.granularity != "layer":
         raise VegasConfigError("the vllm backend selects per layer only; use granularity='layer'")
     if config.score_mode != "logit":
         raise VegasConfigError("the vllm backend ranks by summed logits only; use score_mode='logit'")
     path_class(selector).raise_if_unsupported(selector, config, block_size=block_size)
+    raise_if_score_path_unsupported(selector, config, block_size)
+
+
+def raise_if_score_path_unsupported(selector: Selector, config: VegasConfig, block_size: int | None = None) -> None:
+    """Refuse ``vllm.score_path="cute"`` where it can never run, what is known before an engine
+    exists: the CuTe rowsum (:mod:`vegas.kernels.cute_rowsum`) sums the logits of the chunk's
+    first and last query (collect2) or its first alone (last_token), for the score top-k fast
+    path; its kernel reads a paged cache without TMA (``block_size`` other than 128). Whether
+    the GPU, the DSL, the model's layers and each batch fit is decided at run time (today's path
+    where not).
+
+    Raises:
+        VegasConfigError: (field ``vllm.score_path``) naming the selector or the block size.
+    """
+    if config.vllm.score_path != "cute":
+        return
+    from ..kernels.cute_rowsum import SCORE_TILE, row_mode
+    from .selectors.plan import score_rows_by_length
+
+    allowed = "collect2 or last_token (the first and/or the last query of the verified chunk)"
+    if not getattr(path_class(selector), "uses_fa3_scores", False):
+        raise VegasConfigError.bad("vllm.score_path", f"'cute' needs a score top-k selector, {allowed}; "
+                                   f"{selector.name!r} does not select by those scores on vLLM")
+    try:
+        row_mode(score_rows_by_length(selector, config.num_draft_tokens))
+    except ValueError as e:
+        raise VegasConfigError.bad("vllm.score_path", f"'cute' needs {allowed}; {selector.name!r}: {e}") from None
+    if block_size == SCORE_TILE[1]:
+        raise VegasConfigError.bad("vllm.score_path", f"'cute' reads the paged cache without TMA; block_size "
+                                   f"{block_size} takes the kernel's TMA path, which the rowsum is not built for")
 
 
 def build_selector(name: str, config: VegasConfig, gamma: int, block_size: int | None = None) -> Selector:

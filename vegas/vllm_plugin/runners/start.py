@@ -100,10 +100,20 @@ def use_path(state: SelectionState, selector: Selector, settings: str, gamma: in
 
 def reserve_selection_buffers(state: SelectionState, vllm_config, selector: Selector, gamma: int, max_seqs: int,
                               device) -> None:
-    """``state``'s selection buffers at their largest, before vLLM captures CUDA graphs."""
+    """``state``'s selection buffers at their largest, before vLLM captures CUDA graphs; with
+    ``vllm.score_path="cute"`` also the CuTe rowsum's kernels of the model's shape, compiled
+    (:meth:`~vegas.vllm_plugin.selection.cute_verify.CuteRowsumVerify.warm`)."""
     from ..selectors.plan import budget_cap
 
     model_config, parallel = vllm_config.model_config, vllm_config.parallel_config
-    q_elems = (gamma + 1) * model_config.get_num_attention_heads(parallel) * model_config.get_head_size()
+    q_heads, head_dim = model_config.get_num_attention_heads(parallel), model_config.get_head_size()
+    q_elems = (gamma + 1) * q_heads * head_dim
     k_cap = budget_cap(selector, model_config.max_model_len)
     state.reserve(max_seqs, k_cap, q_elems, model_config.dtype, device)
+    if selector.config.vllm.score_path == "cute" and getattr(state.path, "uses_fa3_scores", False):
+        from ..selection.cute_verify import CuteRowsumVerify
+
+        verify = state.score_verify()
+        if isinstance(verify, CuteRowsumVerify):
+            verify.warm(state, q_heads, model_config.get_num_kv_heads(parallel), head_dim, model_config.dtype,
+                        vllm_config.cache_config.block_size, device)

@@ -267,8 +267,8 @@ class VegasSpeculator(DraftModelSpeculator):
             "full_cuda_graphs": self.state.frozen,
             "draft_graphs": self.drafting.num_graphs,
             "graph_failed": self.drafting.graph_failed,
-            # the scores come from inside the verification attention: "fa3_ext" (_vegas_fa3_C), else
-            # "separate" (the score kernel after the last layer)
+            # the scores come from inside the verification attention: "fa3_ext" (_vegas_fa3_C), "cute"
+            # (vllm.score_path="cute": the CuTe rowsum), else "separate" (the score kernel after the last layer)
             "score_path": _score_path(self.state),
             # forwards captured with the score pass layer by layer on a side stream (vllm.score_overlap)
             "layer_scored_forwards": getattr(getattr(self.state.path, "collector", None), "layer_scored_forwards", 0),

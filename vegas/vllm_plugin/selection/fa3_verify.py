@@ -37,6 +37,13 @@ __all__ = ["FA3ScoreVerify"]
 log = logging.getLogger("vegas.vllm")
 
 
+def attention_kwargs(impl) -> dict:
+    """What a score kernel's ``unsupported_reason`` asks of a ``FlashAttentionImpl``'s attention:
+    window, soft-cap, ALiBi, sinks and cache dtype."""
+    return dict(sliding_window=impl.sliding_window, softcap=impl.logits_soft_cap, alibi_slopes=impl.alibi_slopes,
+                sinks=getattr(impl, "sinks", None), kv_cache_dtype=impl.kv_cache_dtype)
+
+
 class FA3ScoreVerify:
     """Per-process state of the FA3 score path of a :class:`~.selectors.scores.CollectingPath`."""
 
@@ -59,6 +66,15 @@ class FA3ScoreVerify:
     #: what the log line calls this path when it runs
     ANNOUNCE = "verification scores from FA3 (_vegas_fa3_C: one pass over the keys)"
 
+    def kernel_unavailable(self) -> str | None:
+        """Why this path's kernel cannot run in this process, or None."""
+        return fa3_scores.unavailable_reason()
+
+    def path_reason(self, state) -> str | None:
+        """Why the selection path in force cannot take this path, or None."""
+        width = state.path.row_table.width
+        return f"{width} scored rows per request" if width > 2 else None
+
     @staticmethod
     def impl_reason(impl, query: torch.Tensor) -> str | None:
         """Why calls of this ``FlashAttentionImpl`` cannot use the extension, or None."""
@@ -67,10 +83,17 @@ class FA3ScoreVerify:
         if getattr(impl, "dcp_world_size", 1) > 1:
             return "decode context parallelism"
         return fa3_scores.unsupported_reason(
-            query.shape[1], impl.num_kv_heads, query.shape[2], query.dtype, 2,
-            sliding_window=impl.sliding_window, softcap=impl.logits_soft_cap, alibi_slopes=impl.alibi_slopes,
-            sinks=getattr(impl, "sinks", None), kv_cache_dtype=impl.kv_cache_dtype,
-        )
+            query.shape[1], impl.num_kv_heads, query.shape[2], query.dtype, 2, **attention_kwargs(impl))
+
+    def shape_reason(self, state, impl, query: torch.Tensor, attn_metadata) -> str | None:
+        """Why this forward's batch is not one this path takes (a prefill chunk), or None."""
+        return fa3_scores.unsupported_reason(
+            query.shape[1], impl.num_kv_heads, query.shape[2], query.dtype, int(attn_metadata.max_query_len))
+
+    def ready(self, state, impl, query: torch.Tensor) -> bool:
+        """Whether this path's kernels can run in the forward about to start (a JIT-compiled path
+        compiles outside CUDA-graph capture only); the built extension always can."""
+        return True
 
     @property
     def in_use(self) -> bool:
@@ -87,15 +110,16 @@ class FA3ScoreVerify:
     def begin(self, state, impl, query: torch.Tensor, attn_metadata) -> bool:
         """At the first layer of a full-attention forward: whether it runs through the extension."""
         self.active = False
-        reason = fa3_scores.unavailable_reason()
+        reason = self.kernel_unavailable()
         if reason is not None:
             self._announce(reason)
             return False
         path = state.path
         if not getattr(path, "uses_fa3_scores", False) or path.row_table.width == 0:
             return False
-        if path.row_table.width > 2:
-            self._announce(f"{path.row_table.width} scored rows per request")
+        reason = self.path_reason(state)
+        if reason is not None:
+            self._announce(reason)
             return False
         row0 = self.impl_reason(impl, query)
         self.layer_reason[0] = row0
@@ -105,9 +129,9 @@ class FA3ScoreVerify:
             return False
         if getattr(attn_metadata, "use_cascade", False) or getattr(attn_metadata, "causal", True) is not True:
             return False
-        shape = fa3_scores.unsupported_reason(
-            query.shape[1], impl.num_kv_heads, query.shape[2], query.dtype, int(attn_metadata.max_query_len))
-        if shape is not None:  # a prefill chunk: today's path, nothing to announce
+        if self.shape_reason(state, impl, query, attn_metadata) is not None:  # a prefill chunk: today's path
+            return False
+        if not self.ready(state, impl, query):
             return False
         self.active = True
         self.forwards += 1

@@ -83,8 +83,9 @@ class SelectionState:
     #: Quest page bounds ``(L, num_blocks + 1, kv_heads, head_dim)`` (see :mod:`vegas.vllm_plugin.selectors.quest`)
     quest_min: torch.Tensor | None = None
     quest_max: torch.Tensor | None = None
-    #: the FA3 score path (:class:`~.fa3_verify.FA3ScoreVerify`), made by the first
-    #: :meth:`verify_layer` of a path that takes it
+    #: the score path inside the verification attention (:class:`~.fa3_verify.FA3ScoreVerify`, or
+    #: :class:`~.cute_verify.CuteRowsumVerify` with ``vllm.score_path="cute"``), made by
+    #: :meth:`score_verify`
     fa3: object | None = None
     #: forwards carrying at least this many prompt tokens neither select nor draft
     #: (``VegasConfig.vllm.prefill_skip_tokens``; 0: never skip)
@@ -266,13 +267,10 @@ class SelectionState:
         """
         if not self.layers_ready or self.path is None or not getattr(self.path, "uses_fa3_scores", False):
             return False
-        if self.fa3 is None:
-            from .fa3_verify import FA3ScoreVerify
-
-            self.fa3 = FA3ScoreVerify()
-        fa3 = self.fa3
+        fa3 = self.score_verify()
         row = layer_idx - self.first_layer
         if row == 0:
+            self.block_size = kv_cache.shape[2]
             if self.skips(attn_metadata) or not fa3.begin(self, impl, query, attn_metadata):
                 return False
             with self.timed(query):
@@ -286,6 +284,15 @@ class SelectionState:
         if row == self.num_layers - 1:
             self._finish_fa3(query, attn_metadata)
         return True
+
+    def score_verify(self):
+        """The score path inside the verification attention of the path in force (made once, by
+        :func:`~.cute_verify.make_score_verify` from ``vllm.score_path``)."""
+        if self.fa3 is None:
+            from .cute_verify import make_score_verify
+
+            self.fa3 = make_score_verify(self.path.selector.config.vllm.score_path)
+        return self.fa3
 
     def _finish_fa3(self, query, attn_metadata) -> None:
         """Last layer of a forward on the FA3 score path: the selection from its score rows."""

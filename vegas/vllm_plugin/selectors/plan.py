@@ -20,7 +20,17 @@ from ...config import VegasConfigError, recent_window_for
 from ...interfaces import Selector
 from ...plugins import run_selector
 
-__all__ = ["CollectPlan", "RowTable", "budget_cap", "make_plan"]
+__all__ = ["CollectPlan", "RowTable", "budget_cap", "make_plan", "score_rows_by_length"]
+
+
+def score_rows_by_length(selector: Selector, gamma: int) -> list[list[int]]:
+    """``selector.score_rows(c)`` of every chunk length ``c`` in ``0 .. γ + 1`` (sorted, without
+    repeats; ``c = 0`` scores nothing): offsets into a chunk of ``c`` collect queries.
+
+    Raises:
+        VegasPluginError: ``score_rows`` raised.
+    """
+    return [[]] + [sorted(set(run_selector(selector, "score_rows", c))) for c in range(1, gamma + 2)]
 
 
 @dataclass(frozen=True)
@@ -53,7 +63,7 @@ class RowTable:
             VegasPluginError: ``score_rows`` raised.
             VegasConfigError: it named a row outside ``[0, c)``.
         """
-        listed = [[]] + [sorted(set(run_selector(selector, "score_rows", c))) for c in range(1, gamma + 2)]
+        listed = score_rows_by_length(selector, gamma)
         for c, rows in enumerate(listed):
             if any(not 0 <= r < max(c, 1) for r in rows):
                 raise VegasConfigError(
