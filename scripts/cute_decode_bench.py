@@ -175,15 +175,6 @@ def rowsum_call(b, layers, seqs, hkv, num_splits=0):
     return call, buf
 
 
-def split_with_empty(n_blocks):
-    """The smallest split count for which the kernel's last split gets no K block (the case the
-    rowsum kernel must skip: such a split still runs its first block, the previous split's last)."""
-    for s in range(2, n_blocks + 1):
-        if -(-n_blocks // s) * (s - 1) >= n_blocks:
-            return s
-    return None
-
-
 def check_rowsum(b, layers, seqs, hkv, d, ref, splits, out):
     """Relative error of layer 0's ``cute/m64+rowsum`` scores against ``ref`` at ``splits`` splits."""
     call, buf = rowsum_call(b, layers, seqs, hkv, num_splits=splits)
@@ -321,7 +312,7 @@ def run_case(model, ctx, seqs, qlen, args):
             line += f", scores written where expected: {got_ok}, rel. error {err:.2e}"
         print(line, flush=True)
     if args.rowsum and first.get("cute/m64+rowsum") is not None:
-        empty = split_with_empty(-(-b["max_len"] // 128))
+        empty = cute_rowsum.empty_split_count(-(-b["max_len"] // 128))
         if empty is not None:
             try:
                 err, finite = check_rowsum(b, layers, seqs, hkv, d, rowsum_ref, empty, out_cute)

@@ -68,3 +68,53 @@ def plan_rows(cu_seqlens_q, seq_lens, gamma, selector):
 def rel_err(got, want):
     return float((got.double() - want.double()).norm() / want.double().norm().clamp(min=1e-30))
 
+
+
+def assert_same_scores(scores, want, block_table, ctx_sel, k=64, recent=8, block_size=16):
+    """``scores`` (a score-writing kernel's ``(num_seqs, max_len)`` rows) equal ``want`` (the separate
+    score kernel's) within fp32 rounding, ``-inf`` at the same places, and select the same ``k``
+    slots per request (``recent`` kept)."""
+    from vegas.kernels import select_topk_layers
+
+    fin = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(scores), fin)
+    assert rel_err(scores[fin], want[fin]) < 1e-4  # fp32 sums in another order
+    n = scores.shape[0]
+    budgets = torch.full((n,), k, dtype=torch.int64, device=scores.device)
+    recents = torch.full((n,), recent, dtype=torch.int64, device=scores.device)
+    a = select_topk_layers(scores[None].clone(), budgets, k, block_table, block_size, recents, ctx_sel)
+    w = select_topk_layers(want[None].clone(), budgets, k, block_table, block_size, recents, ctx_sel)
+    assert torch.equal(a.sort(-1).values, w.sort(-1).values)
+
+
+def kernel_or_skip(module: str):
+    """The score kernel module ``module`` (``vegas.kernels.fa3_scores``, ``.cute_rowsum``) when it
+    can run here; the calling test skips otherwise (no CUDA GPU, or its ``unavailable_reason()``)."""
+    import importlib
+
+    import pytest
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    kernel = importlib.import_module(module)
+    reason = kernel.unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    return kernel
+
+
+def assert_replays_from_a_cuda_graph(call, *buffers):
+    """``call()`` (compiled before: nothing may compile inside a capture) writes ``buffers``; the
+    values they hold now are what a replay of its captured CUDA graph must write again."""
+    want = [b.clone() for b in buffers]
+    for b in buffers:
+        b.zero_()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        call()
+    for b in buffers:
+        b.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    for b, w in zip(buffers, want):
+        assert torch.equal(b, w)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.verify_cases import plan_rows, rel_err, verify_batch
+from tests.verify_cases import assert_replays_from_a_cuda_graph, assert_same_scores, kernel_or_skip, plan_rows, verify_batch
 
 GAMMA = 4
 #: SmolLM2, Qwen3-8B, head_dim 256 (two MMA warpgroups, one score buffer), MQA at the limit (12 x 5 rows)
@@ -20,14 +20,7 @@ CHUNKS, CTXS = [5, 5, 1, 2, 5], [1000, 17, 4096, 300, 40000]
 
 
 def _ext():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    from vegas.kernels import fa3_scores
-
-    reason = fa3_scores.unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    return fa3_scores
+    return kernel_or_skip("vegas.kernels.fa3_scores")
 
 
 def _fa3(b, out, num_splits=0):
@@ -60,7 +53,6 @@ def _run(fs, b, out, ws=None, rows=None, ctx=None, num_splits=0):
 @pytest.mark.parametrize("num_splits", [0, 1, 7])
 def test_output_is_fa3s_and_scores_are_the_separate_kernels(shape, num_splits):
     fs = _ext()
-    from vegas.kernels import select_topk_layers
     from vegas.kernels.triton_score_reduce import reduce_head_scores
 
     hq, hkv, d = shape
@@ -80,15 +72,7 @@ def test_output_is_fa3s_and_scores_are_the_separate_kernels(shape, num_splits):
         assert (ws[:, s, c:] == 12345.0).all() and not (ws[:, s, :c] == 12345.0).any()
     scores = torch.empty(n, max_len, device="cuda")
     reduce_head_scores(ws, scores, b["cu_seqlens_q"], ctx_sel)
-    want = _separate(b, q_idx, q_weight, ctx_sel, max_len)
-    fin = torch.isfinite(want)
-    assert torch.equal(torch.isfinite(scores), fin)
-    assert rel_err(scores[fin], want[fin]) < 1e-4  # fp32 sums in another order
-    budgets = torch.full((n,), 64, dtype=torch.int64, device="cuda")
-    recent = torch.full((n,), 8, dtype=torch.int64, device="cuda")
-    a = select_topk_layers(scores[None].clone(), budgets, 64, b["block_table"], 16, recent, ctx_sel)
-    w = select_topk_layers(want[None].clone(), budgets, 64, b["block_table"], 16, recent, ctx_sel)
-    assert torch.equal(a.sort(-1).values, w.sort(-1).values)
+    assert_same_scores(scores, _separate(b, q_idx, q_weight, ctx_sel, max_len), b["block_table"], ctx_sel)
 
 
 def test_deterministic_and_replays_from_a_cuda_graph():
@@ -100,16 +84,7 @@ def test_deterministic_and_replays_from_a_cuda_graph():
     ctx = ctx_sel.to(torch.int32)
     ws, out = torch.zeros(8, n, max_len, device="cuda"), torch.empty_like(b["q"])
     _run(fs, b, out, ws, rows, ctx, 4)
-    first_ws, first_out = ws.clone(), out.clone()
-    ws.zero_()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        _run(fs, b, out, ws, rows, ctx, 4)
-    out.zero_()
-    ws.zero_()
-    g.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, first_out) and torch.equal(ws, first_ws)
+    assert_replays_from_a_cuda_graph(lambda: _run(fs, b, out, ws, rows, ctx, 4), out, ws)
 
 
 def test_refuses_what_it_does_not_cover():

@@ -101,6 +101,7 @@ __all__ = [
     "MAX_ADDENDS",
     "SCORE_TILE",
     "WARM_SPLITS",
+    "empty_split_count",
     "is_warm",
     "kernel_class",
     "padded_len",
@@ -140,6 +141,16 @@ def padded_len(max_len: int) -> int:
     """Row length of the ``out`` buffer (tokens): ``max_len`` rounded up to a multiple of 4 so that
     every row starts 16-byte aligned (the kernel adds column pairs with 8-byte vector reds)."""
     return -(-max_len // 4) * 4
+
+
+def empty_split_count(n_blocks: int) -> int | None:
+    """The smallest split count for which the kernel's last split gets no key block of
+    ``n_blocks`` (the case the rowsum must skip: such a split still runs its first block, the
+    previous split's last), or None."""
+    for s in range(2, n_blocks + 1):
+        if -(-n_blocks // s) * (s - 1) >= n_blocks:
+            return s
+    return None
 
 
 def row_mode(rows_by_length: list[list[int]]) -> str:

@@ -1,0 +1,180 @@
+"""The CuTe rowsum (:mod:`vegas.kernels.cute_rowsum`, ``vllm.score_path="cute"``, issue 22) on an
+H200, skipped without CUDA, vLLM 0.24 or the CuTe DSL (``scripts/cute_dsl_bundle.sh``).
+
+Kernel: on random paged inputs (Qwen3-8B-like 32 q / 8 kv x 128, G = 4 and SmolLM2-like 9 q / 3 kv
+x 64, G = 3; chunks of 5, contexts up to 40K; unsplit, vLLM's split heuristic, 7 splits and a
+split count that leaves the last split empty) its attention output is bitwise the plain CuTe
+kernel's with the same 64-row tile, its scores once the KV heads are summed equal the separate
+score kernel's within fp32 rounding and give the same top-k, nothing is written past each
+request's context, the sums are bitwise reproducible, and it replays from a CUDA graph.
+
+Engine: vLLM greedy with ``score_path="cute"`` (V2 runner, full CUDA graphs) equals plain vLLM
+greedy up to bf16 near-ties and its stats say ``score_path == "cute"``: on the embedded SmolLM2
+(head_dim 64) and on a tiny random Qwen3 with head_dim 128, G = 4.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.gpu.test_fa3_scores_cuda import _separate
+from tests.verify_cases import assert_replays_from_a_cuda_graph, assert_same_scores, kernel_or_skip, plan_rows, rel_err, verify_batch
+
+GAMMA = 4
+#: Qwen3-8B and SmolLM2 heads
+SHAPES = [(32, 8, 128), (9, 3, 64)]
+#: verification chunks of γ + 1 queries; contexts up to 40K
+CHUNKS, CTXS = [5, 5, 5, 5, 5], [1000, 17, 4096, 300, 40000]
+
+
+def _cute():
+    return kernel_or_skip("vegas.kernels.cute_rowsum")
+
+
+def _rows(b, mode):
+    """``(q_idx, q_weight, ctx_sel)`` of the selector the mode serves (collect2 / last_token)."""
+    q_idx, q_weight, ctx_sel = plan_rows(b["cu_seqlens_q"], b["seq_lens"], GAMMA, "collect2")
+    if mode == "first":
+        q_idx, q_weight = q_idx[:, :1].contiguous(), q_weight[:, :1].contiguous()
+    return q_idx, q_weight, ctx_sel
+
+
+def _rowsum(cr, b, num_splits, mode="edges", ws=None, out=None):
+    n, hkv = b["block_table"].shape[0], b["k_cache"].shape[2]
+    max_len = int(b["seq_lens"].max())
+    ws = torch.zeros(n, hkv, cr.padded_len(max_len), device="cuda") if ws is None else ws
+    out = torch.empty_like(b["q"]) if out is None else out
+    cr.rowsum_attention(b["q"], b["k_cache"], b["v_cache"], out, ws, b["cu_seqlens_q"], b["seq_lens"],
+                        b["max_seqlen_q"], max_len, b["block_table"], b["scale"], num_splits=num_splits, mode=mode)
+    return out, ws
+
+
+def _plain_cute(cr, b, num_splits):
+    from vllm.vllm_flash_attn.cute.interface import _flash_attn_fwd
+
+    out = torch.empty_like(b["q"])
+    _flash_attn_fwd(b["q"], b["k_cache"], b["v_cache"], cu_seqlens_q=b["cu_seqlens_q"], seqused_k=b["seq_lens"],
+                    max_seqlen_q=b["max_seqlen_q"], max_seqlen_k=int(b["seq_lens"].max()),
+                    page_table=b["block_table"], softmax_scale=b["scale"], causal=True, num_splits=num_splits,
+                    out=out, tile_mn=cr.SCORE_TILE)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["edges", "first"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}q{s[1]}kv{s[2]}")
+@pytest.mark.parametrize("num_splits", [0, 1, 7, "empty"])
+def test_scores_are_the_separate_kernels_and_output_is_plain_cutes(shape, num_splits, mode):
+    cr = _cute()
+    from vegas.kernels.triton_score_reduce import reduce_head_scores
+
+    b = verify_batch(CHUNKS, CTXS, shape, dtype=torch.bfloat16, device="cuda", pad_tokens=0)
+    n, max_len = len(CHUNKS), int(b["seq_lens"].max())
+    if num_splits == "empty":
+        num_splits = cr.empty_split_count(-(-max_len // cr.SCORE_TILE[1]))
+    out, ws = _rowsum(cr, b, num_splits, mode)
+    assert torch.equal(out, _plain_cute(cr, b, num_splits))  # the tile is only read
+    q_idx, q_weight, ctx_sel = _rows(b, mode)
+    for s in range(n):  # nothing past the context
+        assert ws[s, :, int(ctx_sel[s]):].eq(0).all()
+    ref = cr.reference_rowsum(b["q"], b["k_cache"], b["block_table"], b["cu_seqlens_q"], b["seq_lens"], 5,
+                              b["scale"], ws.shape[-1], mode)
+    assert rel_err(ws, ref) < 1e-5
+    scores = torch.empty(n, max_len, device="cuda")
+    reduce_head_scores(ws.permute(1, 0, 2), scores, b["cu_seqlens_q"], ctx_sel, clear=True)
+    assert ws.eq(0).all()  # cleared for the next layer
+    assert_same_scores(scores, _separate(b, q_idx, q_weight, ctx_sel, max_len), b["block_table"], ctx_sel)
+
+
+def test_a_one_query_chunk_counts_its_row_twice():
+    """collect2's mode on a chunk of one query: twice the separate kernel's row (same top-k)."""
+    cr = _cute()
+    b = verify_batch([1, 5], [3000, 2000], (32, 8, 128), dtype=torch.bfloat16, device="cuda", pad_tokens=0)
+    _, ws = _rowsum(cr, b, 0)
+    q_idx, q_weight, ctx_sel = plan_rows(b["cu_seqlens_q"], b["seq_lens"], GAMMA, "collect2")
+    want = _separate(b, q_idx, q_weight, ctx_sel, int(b["seq_lens"].max()))
+    assert rel_err(ws[0].sum(0)[:3000], 2 * want[0, :3000]) < 1e-4
+    assert rel_err(ws[1].sum(0)[:2000], want[1, :2000]) < 1e-4
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}q{s[1]}kv{s[2]}")
+def test_deterministic_and_replays_from_a_cuda_graph(shape):
+    """G = 4 has two warps adding to each score (the most unsupported_reason lets through)."""
+    cr = _cute()
+    b = verify_batch(CHUNKS, CTXS, shape, dtype=torch.bfloat16, device="cuda", pad_tokens=0)
+    first_out, first_ws = _rowsum(cr, b, 0)
+    for _ in range(5):
+        out, ws = _rowsum(cr, b, 0)
+        assert torch.equal(out, first_out) and torch.equal(ws, first_ws)
+    ws.zero_()  # the rowsum adds: a replay starts from zero
+    _rowsum(cr, b, 0, ws=ws, out=out)
+    assert_replays_from_a_cuda_graph(lambda: _rowsum(cr, b, 0, ws=ws, out=out), out, ws)
+
+
+def test_warm_up_compiles_the_engine_variants():
+    cr = _cute()
+    cr.warm_up(32, 8, 128, torch.bfloat16, 16, "cuda")
+    assert cr.is_warm(32, 8, 128, torch.bfloat16, 16) and not cr.is_warm(32, 8, 128, torch.float16, 16)
+
+
+# -- the engine ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def plain_smollm2():
+    _cute()
+    pytest.importorskip("vllm")
+    from tests.gpu.test_vllm_backend_cuda import TP1, _plain_reference
+
+    return _plain_reference(TP1)
+
+
+def test_vllm_cute_score_path_keeps_greedy_equal(plain_smollm2, monkeypatch):
+    """The embedded SmolLM2 (9 q / 3 kv x 64) on the V2 runner with full CUDA graphs: the
+    verification scores come from the rowsum, greedy equals plain up to bf16 near-ties."""
+    from tests.gpu.test_vllm_backend_cuda import _assert_equal_up_to_ties
+    from tests.gpu.test_vllm_v2 import _vegas_v2
+
+    prompts, sp, plain = plain_smollm2
+    vegas, stats = _vegas_v2(monkeypatch, "collect2", prompts, sp, score_path="cute")
+    assert stats["score_path"] == "cute", stats
+    assert stats["full_cuda_graphs"] and not stats["graph_failed"], stats
+    assert stats["proposals"] > 0 and stats["acceptance_length"] > 1.0, stats
+    _assert_equal_up_to_ties(plain, vegas)
+
+
+@pytest.mark.parametrize("selector", ["collect2", "last_token"])
+def test_vllm_cute_score_path_on_a_head_dim_128_model(tmp_path_factory, monkeypatch, selector):
+    """A tiny random Qwen3 with Qwen3-8B's attention shape per KV head (head_dim 128, G = 4): greedy
+    with ``score_path="cute"`` equals plain vLLM greedy up to bf16 near-ties, and the stats say
+    the rowsum ran."""
+    _cute()
+    pytest.importorskip("vllm")
+    import transformers
+    from vllm import SamplingParams
+
+    from tests.gpu.test_vllm_backend_cuda import TP1, _assert_equal_up_to_ties, _generate
+    from vegas.backends.vllm import vllm_engine_kwargs
+    from vegas.config import VegasConfig
+    from vegas.vllm_plugin import register
+    from vegas.vllm_plugin.settings import settings_json
+
+    path = tmp_path_factory.mktemp("qwen3")
+    config = transformers.Qwen3Config(
+        vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=128, max_position_embeddings=4096, initializer_range=0.1,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(path)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 4096, (n,), generator=g).tolist() for n in (2000, 1200, 700)]
+    sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=2, detokenize=False)
+    kw = dict(TP1, skip_tokenizer_init=True)
+    register()
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    plain, _ = _generate(vllm_engine_kwargs(str(path), **kw), prompts, sp)
+    settings = settings_json(selector, VegasConfig(min_kv_budget=64, vllm={"score_path": "cute"}))
+    vegas, stats = _generate(vllm_engine_kwargs(str(path), num_draft_tokens=4, settings=settings, **kw), prompts, sp)
+    assert stats["score_path"] == "cute" and stats["proposals"] > 0 and not stats["graph_failed"], stats
+    _assert_equal_up_to_ties(plain, vegas)
