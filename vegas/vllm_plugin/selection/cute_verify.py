@@ -136,11 +136,12 @@ class CuteRowsumVerify(FA3ScoreVerify):
     def layer(self, state, row: int, impl, query, kv_cache, attn_metadata, output) -> None:
         plan = state.plan
         n = attn_metadata.num_actual_tokens
+        seqs = attn_metadata.query_start_loc.shape[0] - 1  # the CuTe interface checks every batch dim
         key_cache, value_cache = kv_cache.unbind(1)
         cute_rowsum.rowsum_attention(
-            query[:n], key_cache, value_cache, output[:n], self.ws, attn_metadata.query_start_loc,
-            attn_metadata.seq_lens, int(attn_metadata.max_query_len), int(attn_metadata.max_seq_len),
-            attn_metadata.block_table, impl.scale, mode=self.mode,
+            query[:n], key_cache, value_cache, output[:n], self.ws[:seqs], attn_metadata.query_start_loc,
+            attn_metadata.seq_lens[:seqs], int(attn_metadata.max_query_len), int(attn_metadata.max_seq_len),
+            attn_metadata.block_table[:seqs], impl.scale, mode=self.mode,
         )
         reduce_head_scores(self.ws.permute(1, 0, 2), self.scores[row], self.cu, plan.ctx_sel, clear=True)
 
