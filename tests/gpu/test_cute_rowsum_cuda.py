@@ -151,26 +151,19 @@ def test_vllm_cute_score_path_on_a_head_dim_128_model(tmp_path_factory, monkeypa
     _cute()
     pytest.importorskip("vllm")
     import transformers
-    from vllm import SamplingParams
 
-    from tests.gpu.test_vllm_backend_cuda import TP1, _assert_equal_up_to_ties, _generate
+    from tests.gpu.test_vllm_backend_cuda import _assert_equal_up_to_ties, _generate, tiny_random_case
     from vegas.backends.vllm import vllm_engine_kwargs
     from vegas.config import VegasConfig
     from vegas.vllm_plugin import register
     from vegas.vllm_plugin.settings import settings_json
 
-    path = tmp_path_factory.mktemp("qwen3")
     config = transformers.Qwen3Config(
         vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
         num_key_value_heads=2, head_dim=128, max_position_embeddings=4096, initializer_range=0.1,
         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True,
     )
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(path)
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 4096, (n,), generator=g).tolist() for n in (2000, 1200, 700)]
-    sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=2, detokenize=False)
-    kw = dict(TP1, skip_tokenizer_init=True)
+    path, prompts, sp, kw = tiny_random_case(tmp_path_factory, "qwen3", config)
     register()
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     plain, _ = _generate(vllm_engine_kwargs(str(path), **kw), prompts, sp)

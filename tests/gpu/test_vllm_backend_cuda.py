@@ -35,6 +35,23 @@ TP1 = dict(max_model_len=3200, gpu_memory_utilization=0.3, seed=0, max_num_seqs=
 TP2 = dict(TP1, tensor_parallel_size=2)
 
 
+def tiny_random_case(tmp_path_factory, name: str, config):
+    """A tiny random-weight model saved from ``config`` (bf16, seed 0) and what the greedy GPU
+    tests run on it: ``(path, prompts, sampling params, engine kwargs)``, three random-token
+    prompts of 2,000, 1,200 and 700 tokens, 32 greedy tokens with top-2 logprobs (for the
+    near-tie check), ``TP1`` without a tokenizer."""
+    import transformers
+    from vllm import SamplingParams
+
+    path = tmp_path_factory.mktemp(name)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(path)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, config.vocab_size, (n,), generator=g).tolist() for n in (2000, 1200, 700)]
+    sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=2, detokenize=False)
+    return str(path), prompts, sp, dict(TP1, skip_tokenizer_init=True)
+
+
 def _plain_reference(engine_kw: dict):
     """Held-out-style prompts (click source, 3000 and 1200 tokens) and plain vLLM greedy
     outputs with top-2 logprobs."""
@@ -232,23 +249,17 @@ def test_soft_capped_model_scores_capped_logits_and_equals_plain(tmp_path_factor
     Vegas would refuse the model: nothing to select)."""
     pytest.importorskip("vllm")
     import transformers
-    from vllm import SamplingParams
 
     from vegas.vllm_plugin import register
 
-    path = tmp_path_factory.mktemp("gemma2")
     config = transformers.Gemma2Config(
         vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=128, max_position_embeddings=4096, initializer_range=0.1,
         attn_logit_softcapping=2.0, final_logit_softcapping=30.0,
-        sliding_window=256 if len(set(layer_types)) > 1 else 4096, layer_types=layer_types, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        sliding_window=256 if len(set(layer_types)) > 1 else 4096, layer_types=layer_types,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(path)
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 4096, (n,), generator=g).tolist() for n in (2000, 1200, 700)]
-    sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=2, detokenize=False)
-    kw = dict(TP1, skip_tokenizer_init=True)
+    path, prompts, sp, kw = tiny_random_case(tmp_path_factory, "gemma2", config)
     register()
     plain, _ = _generate(vllm_engine_kwargs(str(path), **kw), prompts, sp)
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
