@@ -14,7 +14,7 @@ from vegas.cli import main
 from vegas.config import VegasConfig, VegasConfigError
 from vegas.interfaces import SelectionInput
 from vegas.overlap import OverlapProbe, jaccard, pairwise_jaccard, topk_sets
-from vegas.prompts import retrieval_prompts
+from vegas.prompts import retrieval_prompts, source_label
 from vegas.selection import collect_scores
 from vegas.strategies import OracleSelector
 
@@ -174,6 +174,10 @@ def test_tiny_run_writes_schema_plots_tables_and_resumes(counted, tmp_path, clic
         assert (out / name).read_bytes().startswith(PNG)
     tables = (out / "tables.md").read_text()
     assert "| oracle |" in tables and "### ablations" in tables and "| within |" in tables
+    # headings name the prompt source, not the last measured point
+    headings = [line for line in tables.splitlines() if line.startswith("###")]
+    assert headings and all(" ctx " not in h for h in headings), headings
+    assert any(source_label(str(source)) in h for h in headings), headings
 
     measured = len(calls)
     again = run_ablate(_tiny(tmp_path, source), Console(file=io.StringIO()), pipe=pipe)

@@ -183,3 +183,28 @@ def test_tiny_temperature_decodes_greedily(pipe, code_prompts):
     ref = pipe.generate(prompt, max_new_tokens=8, selector=None)
     for t in (1e-40, 5e-324, 1e-6):
         assert pipe.generate(prompt, max_new_tokens=8, temperature=t, selector="collect2")[0].token_ids == ref[0].token_ids
+
+
+def test_a_prompt_folder_skips_entries_that_cannot_be_looked_at(tmp_path, monkeypatch):
+    """An entry of a prompt folder that cannot even be stat'ed (a link into ``/proc``, a folder
+    without permission: ``PermissionError`` from ``is_file``) is skipped, not a traceback; a folder
+    of nothing else is refused by name."""
+    from pathlib import Path
+
+    from vegas.prompts import read_text_source
+
+    (tmp_path / "a.py").write_text("print(1)\n")
+    (tmp_path / "locked.py").write_text("secret\n")
+    real_is_file = Path.is_file
+
+    def is_file(self):
+        if self.name == "locked.py":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_is_file(self)
+
+    monkeypatch.setattr(Path, "is_file", is_file)
+    text = read_text_source(tmp_path)
+    assert "print(1)" in text and "secret" not in text
+    (tmp_path / "a.py").unlink()
+    with pytest.raises(VegasConfigError, match="is not a file or a directory with text files"):
+        read_text_source(tmp_path)

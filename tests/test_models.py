@@ -135,6 +135,20 @@ def test_gguf_that_is_not_a_causal_lm(tmp_path, monkeypatch, arch, match):
 
 
 @needs_gguf
+def test_a_cache_folder_that_cannot_be_made_is_said_in_one_line(tmp_path, monkeypatch):
+    """``VEGAS_CACHE_DIR`` naming a file: one error that names the cache and the variable, no
+    traceback from ``mkdir``."""
+    blocker = tmp_path / "b.json"
+    blocker.write_text("{}")
+    monkeypatch.setenv("VEGAS_CACHE_DIR", str(blocker))
+    path = tmp_path / "m.gguf"
+    _write_gguf(path, "llama")
+    with pytest.raises(VegasConfigError, match="cannot hold the converted checkpoint.*VEGAS_CACHE_DIR"):
+        resolve_model(str(path))
+    assert blocker.read_text() == "{}"
+
+
+@needs_gguf
 def test_gguf_packages_missing(tmp_path, monkeypatch):
     path = tmp_path / "m.gguf"
     _write_gguf(path, "llama")

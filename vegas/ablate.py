@@ -325,7 +325,7 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
     if out.exists() and not out.is_dir():
         raise VegasConfigError(f"out (--out) {str(out)!r} exists and is not a directory")
     source = opts.prompts or (str(heldout_path()) if heldout_path() else None)
-    label = source_label(source)
+    source_name = source_label(source)
     if source is None:
         console.print("[yellow]prompts: installed click source; the held-out set (benchmarks/data/"
                       "heldout_code_dev.jsonl.xz) is not here: run from a checkout or pass --prompts[/yellow]")
@@ -365,11 +365,11 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
                 if spec["selector"] in skipped:
                     progress.advance(task)
                     continue
-                label = (f"{spec['study']}: {spec['selector']} ctx {spec['context']} s={spec['sparsity_ratio']:g} "
-                         f"γ={spec['num_draft_tokens']} {spec['variant']}")
+                point_name = (f"{spec['study']}: {spec['selector']} ctx {spec['context']} "
+                              f"s={spec['sparsity_ratio']:g} γ={spec['num_draft_tokens']} {spec['variant']}")
                 if opts.time_budget is not None and time.monotonic() - started + state["last"] > opts.time_budget:
-                    raise _OutOfTime(label)
-                progress.update(task, description=label)
+                    raise _OutOfTime(point_name)
+                progress.update(task, description=point_name)
                 p, rope = pipeline_for(spec["context"])
                 rows = prompts.get(p, spec["prompt_kind"], spec["context"])
                 try:
@@ -388,8 +388,8 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
     out.mkdir(parents=True, exist_ok=True)  # only now: every check passed (the first point makes it too)
     from .plots import plot_ablate, write_ablate_tables
 
-    plots = plot_ablate(store.points, opts, out, source=label)
-    write_ablate_tables(store.points, out / "tables.md", source=label)
+    plots = plot_ablate(store.points, opts, out, source=source_name)
+    write_ablate_tables(store.points, out / "tables.md", source=source_name)
     return {"points": len(store.points), "measured": state["measured"], "reused": state["reused"],
             "complete": stopped is None and not skipped, "stopped": stopped, "skipped": dict(skipped), "plots": plots,
             "tables": "tables.md", "options": asdict(opts)}

@@ -245,8 +245,9 @@ def convert_gguf(path: str | os.PathLike, *, cache: str | os.PathLike | None = N
     Raises:
         VegasConfigError: the file does not exist, ``gguf``/``accelerate`` are missing, the
             file is not a readable GGUF (e.g. truncated), or its model is not a causal LM that
-            transformers can load (e.g. an embedding or encoder model). Nothing is left in the
-            cache then.
+            transformers can load (e.g. an embedding or encoder model), or the cache folder
+            cannot be created or written (``VEGAS_CACHE_DIR`` a file, no permission). Nothing is
+            left in the cache then.
     """
     path = Path(path).expanduser()
     if not path.is_file():
@@ -262,9 +263,15 @@ def convert_gguf(path: str | os.PathLike, *, cache: str | os.PathLike | None = N
     console = Console(stderr=True)
     console.print(f"vegas: converting {path} to a transformers checkpoint (once) in {target}")
     start = time.perf_counter()
-    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    tmp.mkdir()  # (not tempfile.mkdtemp: its 0700 mode would stay on the cache entry)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()  # (not tempfile.mkdtemp: its 0700 mode would stay on the cache entry)
+    except OSError as e:
+        raise VegasConfigError(
+            f"the model cache {str(target.parent)!r} cannot hold the converted checkpoint "
+            f"({type(e).__name__}: {e.strerror or e}); set VEGAS_CACHE_DIR to a writable folder"
+        ) from None
     try:
         _write_checkpoint(path, tmp)
         try:

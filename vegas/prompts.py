@@ -18,6 +18,7 @@ import importlib.util
 import json
 from collections import Counter
 import lzma
+import os
 from pathlib import Path
 
 from .config import VegasConfigError
@@ -40,6 +41,15 @@ def package_source(package: str = "click") -> str:
     return _concatenate(sorted(root.rglob("*.py")), root.parent)
 
 
+def _readable_file(path: Path) -> bool:
+    """A regular file this process can open; an entry that cannot even be looked at (a link into
+    ``/proc``, a folder without permission) is not one."""
+    try:
+        return path.is_file() and os.access(path, os.R_OK)
+    except OSError:
+        return False
+
+
 def read_text_source(path: str | Path, *, what: str = "prompts path", max_bytes: int | None = None) -> str:
     """Text of a file, or of every text file under a directory (sorted), concatenated.
 
@@ -58,7 +68,7 @@ def read_text_source(path: str | Path, *, what: str = "prompts path", max_bytes:
     if path.is_file():
         files = [path]
     elif path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+        files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES and _readable_file(p))
     else:
         files = []
     if max_bytes is not None:
