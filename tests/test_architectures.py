@@ -389,6 +389,8 @@ def test_unsupported_attention_is_refused_by_name_or_exact(zoo, arch):
         pipe = Pipeline(model=str(path), selector=None, dtype="float32", device="cpu")
     except VegasConfigError as exc:
         assert any(n in str(exc).lower() for n in names), f"the refusal must name the model ({names}): {exc}"
+        assert str(path) in str(exc), f"the refusal must name the path the user gave: {exc}"
+        assert "tensor(" not in str(exc) and "\n" not in str(exc), f"one line, no tensor dump: {exc}"
         return
     want = zoo.reference(arch, tuple(PROMPT))
     got = pipe.generate([PROMPT], max_new_tokens=NEW_TOKENS, selector=None)[0].token_ids

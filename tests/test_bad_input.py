@@ -208,3 +208,17 @@ def test_a_prompt_folder_skips_entries_that_cannot_be_looked_at(tmp_path, monkey
     (tmp_path / "a.py").unlink()
     with pytest.raises(VegasConfigError, match="is not a file or a directory with text files"):
         read_text_source(tmp_path)
+
+
+@pytest.mark.parametrize("config", [{"model_type": "no_such_type"}, {"model_type": "qwen3"}],
+                         ids=["unknown-model-type", "no-weights-no-tokenizer"])
+def test_a_local_directory_that_does_not_load_is_named_as_one(tmp_path, config):
+    """A local folder with a config transformers cannot use (an unknown ``model_type``, no
+    weights, no tokenizer) is said to be a directory that does not load, not "neither a local
+    directory nor in the cache"."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(VegasConfigError, match=r"model directory .* does not load as a transformers causal LM") as err:
+        Pipeline(model=str(tmp_path), selector=None)
+    assert "neither" not in str(err.value) and "\n" not in str(err.value)

@@ -102,6 +102,17 @@ def test_config_json_and_options(tmp_path):
     assert json.loads(_option(plan.argv, "--speculative-config"))["num_speculative_tokens"] == 2
 
 
+@pytest.mark.parametrize("raw, match", [
+    ("[1]", "--config must be a JSON object, got '\\[1\\]'"),
+    ("5", "--config must be a JSON object, got '5'"),
+    ("/", r"got '/' \(a directory\)"),
+    ("/no/such.json", r"\(no such file\)"),
+])
+def test_config_that_is_not_an_object_or_a_file_says_which(raw, match):
+    with pytest.raises(VegasConfigError, match=match):
+        vegas_serve.plan_serve(MODEL, config=raw)
+
+
 def test_other_additional_config_keys_are_merged():
     plan = vegas_serve.plan_serve(MODEL, extra_args=["--additional-config", '{"x": 1}', "--enforce-eager"])
     extra = json.loads(_option(plan.argv, "--additional-config"))

@@ -46,6 +46,7 @@ __all__ = [
     "named_model_gguf",
     "resolve_model",
     "rope_scaled_config",
+    "unloadable_model",
 ]
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,24 @@ ROPE_KEYS = {
 }
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def unloadable_model(model: str, exc: Exception) -> VegasConfigError:
+    """The error for a model transformers could not load (``exc``, an ``OSError`` or
+    ``ValueError`` from ``from_pretrained``): a local directory is named as one, with what
+    transformers found wrong in it; anything else is neither such a directory nor in the local
+    Hugging Face cache (nothing is downloaded)."""
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    cause = f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    if Path(model).expanduser().is_dir():
+        return VegasConfigError(
+            f"model directory {model!r} does not load as a transformers causal LM ({cause}); it needs "
+            "config.json with a known model_type, the weights it names and a tokenizer"
+        )
+    return VegasConfigError(
+        f"model {model!r} is neither a local transformers model directory nor a model in the local "
+        f"Hugging Face cache ({cause})"
+    )
 
 
 def cache_root() -> Path:
@@ -388,10 +407,7 @@ def rope_scaled_config(model: str, rope_scaling: dict, *, trust_remote_code: boo
     try:
         config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
-        raise VegasConfigError(
-            f"model {model!r} is neither a local transformers model directory nor a model in the local "
-            f"Hugging Face cache ({type(exc).__name__}: {str(exc).splitlines()[0]})"
-        ) from exc
+        raise unloadable_model(model, exc) from exc
     base = getattr(config, "rope_parameters", None)
     if not isinstance(base, dict) or "rope_theta" not in base:
         raise VegasConfigError(

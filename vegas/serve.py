@@ -143,10 +143,11 @@ def read_config(raw: str) -> tuple[dict[str, Any], VegasConfig]:
             unknown field (the allowed ones listed, ``selector`` among them) or a bad value.
     """
     text = raw.strip()
-    if not text.startswith("{"):
+    if not text.startswith(("{", "[", '"')) and not text[:1].isdigit():
         path = Path(text)
         if not path.is_file():
-            raise VegasConfigError(f"--config must be a JSON object or a JSON file, got {raw!r} (no such file)")
+            what = "a directory" if path.is_dir() else "no such file"
+            raise VegasConfigError(f"--config must be a JSON object or a JSON file, got {raw!r} ({what})")
         text = path.read_text()
     values = parse_json_object(text, "--config")
     known = {f.name for f in fields(VegasConfig)}

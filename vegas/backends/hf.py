@@ -30,7 +30,7 @@ from ..draft_policy import DraftPolicy
 from ..hookspecs import hookimpl
 from ..interfaces import Drafter, Selection, SelectionInput, Selector, Verifier
 from ..loop import plain_decode, speculative_decode
-from ..models import resolve_model, rope_scaled_config
+from ..models import resolve_model, rope_scaled_config, unloadable_model
 from ..plugins import run_selector
 from ..sampling import SampleFn, SamplingParams
 from .base import Backend, RequestOutput, as_selector
@@ -349,10 +349,7 @@ class HFBackend(Backend):
                 **scaled,
             )
         except (OSError, ValueError) as exc:
-            raise VegasConfigError(
-                f"model {model!r} is neither a local transformers model directory nor a model in "
-                f"the local Hugging Face cache ({type(exc).__name__}: {str(exc).splitlines()[0]})"
-            ) from exc
+            raise unloadable_model(model, exc) from exc
         self.model = self.model.to(device).eval()
         refuse_unsupported(self.model)
 

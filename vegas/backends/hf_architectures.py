@@ -34,9 +34,11 @@ UNSUPPORTED_CONFIG_FIELDS = {
 
 
 def _name(model: Any) -> str:
+    """``'path' (model_type, architectures)``: the model as the user named it, then what it is."""
     config = model.config
     archs = ", ".join(getattr(config, "architectures", None) or [type(model).__name__])
-    return f"{config.model_type!r} ({archs})"
+    path = getattr(config, "_name_or_path", "") or ""
+    return f"{path!r} ({config.model_type}, {archs})" if path else f"{config.model_type!r} ({archs})"
 
 
 def refuse_unsupported(model: Any) -> None:

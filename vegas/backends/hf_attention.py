@@ -195,8 +195,10 @@ def _draft_attention(module, query, key, value, scaling, ctx: AttentionContext, 
 def _check_supported(module: torch.nn.Module, kwargs: dict) -> None:
     for name in UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
+            value = kwargs[name]
+            shown = (f"a {tuple(value.shape)} tensor" if isinstance(value, torch.Tensor) else repr(value)[:80])
             raise VegasConfigError(
-                f"{type(module).__name__} calls attention with {name}={kwargs[name]!r}, which the "
+                f"{type(module).__name__} calls attention with {name} ({shown}), which the "
                 f"vegas HF backend does not implement (supported: causal attention with optional "
                 f"sliding_window and softcap); this architecture is not supported"
             )
