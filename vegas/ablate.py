@@ -71,7 +71,8 @@ VARIANTS = {
 }
 #: ``--quick``: every study, small (a CPU look at the command; not results)
 QUICK = {"contexts": [1024], "budgets": [0.02, 0.1], "gammas": [2, 4], "num_prompts": 4, "batch_size": 4,
-         "new_tokens": 32}
+         "new_tokens": 32,
+         "time_budget": 570.0}  # seconds: --quick ends within 10 minutes whatever the load (rerun resumes), as tune's
 #: options whose change alters what a point measures: a rerun must match them to resume
 MEASUREMENT_SETTINGS = ("model", "prompts", "new_tokens", "batch_size", "num_prompts", "temperature", "top_p",
                         "seed", "dtype", "device", "max_distance", "yarn_factor")

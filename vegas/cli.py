@@ -440,9 +440,11 @@ def _ablate_options(fn):
 @click.option("--out", default="vegas-ablate", show_default=True, type=click.Path(file_okay=False),
               help="Directory for points.json, tables.md and the PNG plots; a rerun resumes from it.")
 @click.option("--time-budget", default=None, type=float,
-              help="Seconds: stop before a point that would not finish in time, then plot (rerun to resume).")
+              help="Seconds: stop before a point that would not finish in time, then plot (rerun to resume) "
+                   "[default: none; --quick 570].")
 @click.option("--fresh", is_flag=True, help="Discard the points already in --out instead of resuming.")
-@click.option("--quick", is_flag=True, help="Every study, small (context 1024, 4 prompts, 2 budgets): a CPU look.")
+@click.option("--quick", is_flag=True, help="Every study, small (context 1024, 4 prompts, 2 budgets, 570 s at "
+                                            "most: rerun to resume): a CPU look.")
 def ablate(studies, selectors, quick, **kwargs) -> None:
     """The studies behind the method's claims on the HF backend: τ by KV budget and context
     (oracle included), ablations, top-k overlap of nearby queries, retrieval prompts; writes
