@@ -263,14 +263,25 @@ def run_seed(args, rate, repeat: int) -> int:
     return args.seed + 1 + repeat * len(args.rates) + args.rates.index(rate)
 
 
+def prompts_per_run(rate, args) -> int:
+    """Requests of one timed run at ``rate``: ``--num-prompts-inf`` at rate inf when given, else
+    ``--num-prompts``. At rate inf every request arrives at once and a run of 64 lasts 2-4 s,
+    decided by the front end and the prefill order (paired ratios 0.67-1.54x on 2026-12-02): more
+    requests make it a measurement."""
+    if math.isinf(rate_value(rate)) and getattr(args, "num_prompts_inf", None):
+        return args.num_prompts_inf
+    return args.num_prompts
+
+
 def bench_argv(method: str, rate, args, port: int, result_dir: Path, dataset_path: Path | None,
                repeat: int = 0, *, seed: int | None = None, num_prompts: int | None = None) -> list[str]:
     """The ``vllm bench serve`` command of one method, request rate and repeat; ``seed``
-    (default :func:`run_seed`) picks the prompts, ``num_prompts`` defaults to ``--num-prompts``."""
+    (default :func:`run_seed`) picks the prompts, ``num_prompts`` defaults to
+    :func:`prompts_per_run`."""
     seed = run_seed(args, rate, repeat) if seed is None else seed
     argv = [*vllm_command(), "bench", "serve", "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}",
             "--endpoint", "/v1/completions", "--model", NAME, "--tokenizer", args.model,
-            "--num-prompts", str(num_prompts or args.num_prompts), "--request-rate", rate_label(rate),
+            "--num-prompts", str(num_prompts or prompts_per_run(rate, args)), "--request-rate", rate_label(rate),
             "--seed", str(seed),
             "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
             "--save-result", "--result-dir", str(result_dir),
@@ -505,7 +516,7 @@ def run(args) -> None:
                           f"{server.proc.returncode}", flush=True)
                     continue
                 cmd = bench_argv(method, rate, args, servers[method][1], out / "raw",
-                                 dataset(run_seed(args, rate, rep)), rep)
+                                 dataset(run_seed(args, rate, rep), prompts_per_run(rate, args)), rep)
                 log = out / "logs" / f"bench_{method}_r{rate_label(rate)}_k{rep}.log"
                 t0 = time.monotonic()
                 rc = run_client(cmd, log, bench_timeout(rate, args))
@@ -547,6 +558,9 @@ def parse_args(argv=None):
     p.add_argument("--rates", default="1,2,4,8,16,inf", type=rate_list,
                    help="Request rates (requests/s, > 0; inf sends all at once: saturation).")
     p.add_argument("--num-prompts", type=int, default=64, help="Requests per rate.")
+    p.add_argument("--num-prompts-inf", type=int, default=None,
+                   help="Requests per run at rate inf (default: --num-prompts); e.g. 256, where 64 requests "
+                        "sent at once make runs of 2-4 s that noise decides.")
     p.add_argument("--repeats", type=int, default=3, help="Runs per rate and method (the table gives medians).")
     p.add_argument("--dataset", choices=("random", "code"), default="random",
                    help="random token prompts, or held-out code cut from --prompts.")
@@ -625,7 +639,9 @@ def raise_if_bad_args(args) -> None:
     if bad or not args.methods:
         raise VegasConfigError(f"--methods: unknown {', '.join(bad) or '(none given)'}; allowed: "
                                f"{', '.join(allowed)}, and <selector> with a suffix: {', '.join(VARIANTS)}")
-    for flag, value, least in (("--num-prompts", args.num_prompts, 1), ("--repeats", args.repeats, 1),
+    for flag, value, least in (("--num-prompts", args.num_prompts, 1),
+                               ("--num-prompts-inf", args.num_prompts_inf if args.num_prompts_inf is not None else 1, 1),
+                               ("--repeats", args.repeats, 1),
                                ("--gamma", args.gamma, 1), ("--output-len", args.output_len, 1),
                                ("--input-len", args.input_len, 1), ("--prefill-skip-tokens", args.prefill_skip_tokens, 0),
                                ("--warmup-prompts", args.warmup_prompts, 0), ("--seed", args.seed, 0)):

@@ -55,6 +55,12 @@ def test_commands_per_method(sb, tmp_path):
     assert int(bench[bench.index("--random-input-len") + 1]) == 6000  # 4.8K-7.2K: 6000 x (1 ± 0.2)
     code = sb.bench_argv("plain", 2.0, args, 9000, Path("/r"), Path("/p.jsonl"))
     assert code[code.index("--dataset-name") + 1] == "custom" and "--skip-chat-template" in code
+    assert bench[bench.index("--num-prompts") + 1] == code[code.index("--num-prompts") + 1] == "64"
+    # --num-prompts-inf: more requests at rate inf only
+    more = sb.parse_args(["--model", m, "--rates", "2,inf", "--num-prompts-inf", "256"])
+    inf = sb.bench_argv("collect2", math.inf, more, 9000, Path("/r"), None)
+    two = sb.bench_argv("collect2", 2.0, more, 9000, Path("/r"), None)
+    assert inf[inf.index("--num-prompts") + 1] == "256" and two[two.index("--num-prompts") + 1] == "64"
 
 
 def test_every_timed_run_sends_prompts_of_its_own_the_same_for_every_method(sb, tmp_path, capsys):
@@ -195,6 +201,7 @@ def test_bad_arguments_fail_before_any_server(sb, tmp_path, capsys):
                        (["--rates", "0,abc"], "must be comma-separated request rates > 0 or inf"),
                        (["--repeats", "0"], "--repeats must be an integer >= 1"),
                        (["--num-prompts", "0"], "--num-prompts must be an integer >= 1"),
+                       (["--num-prompts-inf", "0"], "--num-prompts-inf must be an integer >= 1"),
                        (["--sparsity-ratio", "1.5"], "--sparsity-ratio must be in (0, 1]"),
                        (["--kv-cache-gib", "0"], "--kv-cache-gib must be a number > 0"),
                        (["--range-ratio", "1.5"], "--range-ratio must be in [0, 1)"),
