@@ -8,6 +8,7 @@
 #   bash scripts/device_serving.sh serve-wait [SECONDS]  # wait for it (default 540 s); when done, $OUT/serve.tgz
 #   bash scripts/device_serving.sh tests21 [NAMES]  # issue 21's GPU tests, one after another, each with its own
 #                                            # time limit (seeds plugin softcap serve invariant faults; default all)
+#   bash scripts/device_serving.sh cute-tests [NAMES]  # issue 22: tests/gpu/test_cute_rowsum_cuda.py (kernel engine)
 #   bash scripts/device_serving.sh cute      # issue 22: the CuTe-DSL attention (+ score writer) against FA3 and
 #                                            # FA3 + the separate score pass (scripts/cute_decode_bench.py); needs
 #                                            # the .device/cute parts unpacked after the vLLM bundle
@@ -77,6 +78,20 @@ case ${1:-} in
         | tee -a "$OUT/cute_bench.log" | tail -30 ;;
     esac
     ;;
+  cute-tests)  # issue 22: the CuTe rowsum path's GPU tests (kernel, then engine; the .device/cute parts
+               # installed after the vLLM bundle); logs: $OUT/cute_<name>.log, the summary line of each
+    for t in ${2:-kernel engine}; do
+      case $t in
+        kernel) k="not vllm"; lim=300 ;;
+        engine) k="vllm"; lim=480 ;;
+        *) echo "cute-tests: unknown test group $t (kernel engine)" >&2; exit 2 ;;
+      esac
+      t0=$(date +%s)
+      VLLM_WORKER_MULTIPROC_METHOD=spawn timeout $lim python3 -m pytest -q -rs -p no:cacheprovider \
+        tests/gpu/test_cute_rowsum_cuda.py -k "$k" > "$OUT/cute_$t.log" 2>&1; rc=$?
+      echo "[$t] rc=$rc $(( $(date +%s) - t0 )) s: $(grep -E "passed|failed|error|skipped" "$OUT/cute_$t.log" | tail -1)"
+    done
+    ;;
   tests21)  # logs: $OUT/t21_<name>.log; the summary line of each
     v1="env VLLM_USE_V2_MODEL_RUNNER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn"
     for t in ${2:-seeds plugin softcap serve invariant faults}; do
@@ -98,5 +113,5 @@ case ${1:-} in
     timeout ${GREEDY_S:-300} python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_vllm_v2.py \
       ${GREEDY_K:+-k "$GREEDY_K"} 2>&1 | tail -15
     ;;
-  *) echo "usage: device_serving.sh profile|serve|serve-start|serve-wait [SECONDS]|greedy|cute|tests21 [NAMES]" >&2; exit 2 ;;
+  *) echo "usage: device_serving.sh profile|serve|serve-start|serve-wait [SECONDS]|greedy|cute|cute-tests [NAMES]|tests21 [NAMES]" >&2; exit 2 ;;
 esac
