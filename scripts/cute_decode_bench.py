@@ -175,13 +175,18 @@ def rowsum_call(b, layers, seqs, hkv, num_splits=0):
     return call, buf
 
 
+def rowsum_error(buf, ref):
+    """``(relative error, all finite)`` of layer 0's ``cute/m64+rowsum`` scores in ``buf`` against ``ref``."""
+    got = buf[0, :, :, : ref.shape[-1]]
+    return ((got - ref).norm() / ref.norm()).item(), bool(torch.isfinite(got).all())
+
+
 def check_rowsum(b, layers, seqs, hkv, d, ref, splits, out):
-    """Relative error of layer 0's ``cute/m64+rowsum`` scores against ``ref`` at ``splits`` splits."""
+    """:func:`rowsum_error` of layer 0's ``cute/m64+rowsum`` call at ``splits`` splits."""
     call, buf = rowsum_call(b, layers, seqs, hkv, num_splits=splits)
     call(0, out)
     torch.cuda.synchronize()
-    got = buf[0, :, :, : ref.shape[-1]]
-    return ((got - ref).norm() / ref.norm()).item(), bool(torch.isfinite(got).all())
+    return rowsum_error(buf, ref)
 
 
 def separate_scores(b, layers, seqs, hq, hkv, d):
@@ -300,11 +305,9 @@ def run_case(model, ctx, seqs, qlen, args):
         if name == "cute/m64":
             out_m64 = out_cute.clone()
         if name.endswith("+rowsum"):
-            got = rowsum_buf[0, :, :, : b["max_len"]]
-            err = ((got - rowsum_ref).norm() / rowsum_ref.norm()).item()
+            err, finite = rowsum_error(rowsum_buf, rowsum_ref)
             same = "n/a" if out_m64 is None else torch.equal(out_cute, out_m64)
-            line += (f", scores rel. error {err:.2e} (finite: {bool(torch.isfinite(got).all())}), "
-                     f"output bitwise = cute/m64: {same}")
+            line += f", scores rel. error {err:.2e} (finite: {finite}), output bitwise = cute/m64: {same}"
         if name.endswith("+scores"):
             want = ~torch.isnan(ref)
             got_ok = torch.equal(~torch.isnan(scores), want)  # written exactly where the reference is defined

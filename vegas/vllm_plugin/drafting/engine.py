@@ -237,14 +237,13 @@ def sliding_windows(vllm_config, layers: list[tuple[str, int]]) -> dict[str, tup
     sets ``cache_config.sliding_window``, which the attention layers without a per-layer window
     take.)"""
     forward_context = vllm_config.compilation_config.static_forward_context
-    model_config = getattr(vllm_config, "model_config", None)
-    max_len = getattr(model_config, "max_model_len", None)
+    max_len = vllm_config.model_config.max_model_len
     windows = {}
     for name, _ in layers:
         window = getattr(forward_context[name].impl, "sliding_window", None)
         if window is None or tuple(window) == (-1, -1):
             continue
-        if max_len is not None and window[0] + 1 >= max_len:
+        if window[0] + 1 >= max_len:
             continue  # the window holds every position the engine can reach
         windows[name] = tuple(window)
     return windows
