@@ -80,6 +80,15 @@ def test_a_file_that_is_not_a_gguf_is_not_a_model(tmp_path, name, content):
     assert result.exit_code == 2 and "is not a model" in result.output and "needs the package" not in result.output
 
 
+def test_the_embedded_model_is_accepted_by_its_name():
+    """``--help`` calls the default "the embedded vegas-tiny-code": that name resolves to it."""
+    assert resolve_model("vegas-tiny-code") == DEFAULT_MODEL == resolve_model(None)
+    with pytest.raises(VegasConfigError, match=r"model name \(vegas-tiny-code, smollm2-135m\)"):
+        resolve_model("vegas-tiny")
+    result = CliRunner().invoke(main, ["generate", "def f(x):", "--model", "vegas-tiny-code", "--max-new-tokens", "2"])
+    assert result.exit_code == 0, result.output
+
+
 def test_pipeline_rejects_unknown_model_name():
     with pytest.raises(VegasConfigError, match="smollm2-135m"):
         Pipeline("no-such-model")

@@ -31,7 +31,7 @@ def _rope_scaling(ctx, param, value: str | None) -> dict | None:
 
 _MODEL_OPTIONS = [
     click.option("--model", default=None,
-                 help="Model name (smollm2-135m), .gguf file, model directory or cached hub id "
+                 help="Model name (smollm2-135m, vegas-tiny-code), .gguf file, model directory or cached hub id "
                       "(default: the embedded vegas-tiny-code)."),
     click.option("--rope-scaling", default=None, callback=_rope_scaling,
                  help=f"RoPE scaling as JSON, e.g. '{ROPE_EXAMPLE}' (yarn, linear, llama3): "

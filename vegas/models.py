@@ -3,7 +3,7 @@
 :func:`resolve_model` turns what a user passes as ``model`` into something
 ``AutoModelForCausalLM.from_pretrained`` loads:
 
-* ``None``: the embedded vegas-tiny-code (:data:`DEFAULT_MODEL`);
+* ``None`` or ``vegas-tiny-code``: the embedded model (:data:`DEFAULT_MODEL`);
 * a name of :data:`NAMED_MODELS` (``smollm2-135m``): a GGUF file shipped inside a pip package,
   converted once into the user cache;
 * a path ending in ``.gguf``: converted once into the user cache (keyed by the file's content);
@@ -39,6 +39,7 @@ from .config import VegasConfigError
 
 __all__ = [
     "DEFAULT_MODEL",
+    "EMBEDDED_MODEL_NAME",
     "NAMED_MODELS",
     "NamedModel",
     "cache_root",
@@ -54,6 +55,9 @@ log = logging.getLogger(__name__)
 #: The embedded default model: vegas-tiny-code (Qwen3 architecture, 15.7M parameters,
 #: trained on Python source without click, docutils and jinja2).
 DEFAULT_MODEL = str(Path(__file__).parent / "model")
+
+#: The name of the embedded model (what ``--help`` calls the default), accepted as ``model``.
+EMBEDDED_MODEL_NAME = "vegas-tiny-code"
 
 #: How to install what GGUF conversion needs.
 GGUF_EXTRA_INSTALL = 'pip install "vegas[gguf]"'
@@ -132,7 +136,7 @@ def cache_root() -> Path:
 
 def _allowed() -> str:
     return (
-        f"a model name ({', '.join(NAMED_MODELS)}), a transformers model directory, a .gguf file, "
+        f"a model name ({', '.join([EMBEDDED_MODEL_NAME, *NAMED_MODELS])}), a transformers model directory, a .gguf file, "
         "or a hub id 'org/name' in the local Hugging Face cache"
     )
 
@@ -141,7 +145,7 @@ def resolve_model(model: str | os.PathLike | None) -> str:
     """A local transformers checkpoint for ``model`` (a directory, or a hub id passed through).
 
     Args:
-        model: None (the embedded model), a name of :data:`NAMED_MODELS`, a ``.gguf`` file,
+        model: None or ``"vegas-tiny-code"`` (the embedded model), a name of :data:`NAMED_MODELS`, a ``.gguf`` file,
             a transformers model directory, or a hub id ``org/name``.
 
     Returns:
@@ -157,6 +161,8 @@ def resolve_model(model: str | os.PathLike | None) -> str:
     text = os.fspath(model) if isinstance(model, (str, os.PathLike)) else None
     if not isinstance(text, str):  # not a path at all, or a bytes path
         raise VegasConfigError.bad("model", f"must be None or a str or path naming {_allowed()}, got {model!r}")
+    if text == EMBEDDED_MODEL_NAME:
+        return DEFAULT_MODEL
     if text in NAMED_MODELS:
         return str(convert_gguf(named_model_gguf(text)))
     path = Path(text).expanduser()
