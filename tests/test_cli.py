@@ -220,6 +220,45 @@ def test_bench_repeats_interleave_and_failing_plugin_selectors_are_skipped(tmp_p
         plugins.unregister("failing")
 
 
+def test_bench_reports_a_skipped_plugin_selector_verbatim_and_logs_no_done_line_for_it(tmp_path):
+    """A plugin error whose text holds brackets ('[i]', '[/x]': rich markup) is printed as it
+    is, on one line, instead of losing text or crashing the run with rich's MarkupError; the
+    selector that raised gets no 'greedy exactness check done' line, and the run count adds up."""
+    import vegas
+    from vegas import plugins
+
+    from .plugins.fixture_plugins import SelectRaisingSelector
+
+    class Brackets(SelectRaisingSelector):
+        name = "brackets"
+
+        def select(self, inputs):
+            raise IndexError("index [i] out of range for shape [/x] " + "y" * 80)
+
+    class Plugin:
+        @vegas.hookimpl
+        def vegas_selectors(self):
+            return {"brackets": Brackets}
+
+    plugins.register(Plugin(), name="brackets_plugin")
+    try:
+        out = tmp_path / "r.json"
+        result = CliRunner().invoke(main, [
+            "bench", "--context", "96", "--new-tokens", "2", "--check-tokens", "2", "--batch-size", "1",
+            "--json", str(out),
+        ])
+        assert result.exit_code == 0, result.output
+        message = "IndexError: index [i] out of range for shape [/x] " + "y" * 80
+        assert message in json.loads(out.read_text())["skipped"]["brackets"]
+        assert f"skipped: selector 'brackets' (plugin 'brackets_plugin') raised in select(): {message}" in result.output
+        assert "brackets: greedy exactness check done" not in result.output
+        done = [line for line in result.output.splitlines() if " done in " in line]
+        last = done[-1].split("(")[1].split(",")[0]  # e.g. '13/13'
+        assert last.split("/")[0] == last.split("/")[1] and len(done) == int(last.split("/")[0]) - 1, done
+    finally:
+        plugins.unregister("brackets_plugin")
+
+
 def test_import_and_help_do_not_load_torch():
     """``import vegas`` and ``vegas --help`` stay light: torch and transformers load on first use
     of what needs them (``vegas.Pipeline`` ...)."""

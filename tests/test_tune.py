@@ -158,6 +158,8 @@ def test_time_budget_stops_cleanly_and_still_writes(counted, tmp_path):
     pipe, calls = counted
     rec = run_tune(_tiny(tmp_path, time_budget=1e-3), Console(file=io.StringIO()), pipe=pipe)
     assert calls == [] and rec["complete"] is False and "time budget" in rec["stopped"]
+    # the step is named: plain decoding is measured in steps 2 and 3
+    assert "reached before step 1: collect2 γ=4 sparsity=0.05" in rec["stopped"], rec["stopped"]
     assert rec["best"] is None and "nothing to recommend" in describe(rec)[0]
     for name in PLOTS:
         assert (tmp_path / name).read_bytes().startswith(PNG)
@@ -270,6 +272,8 @@ def test_a_plugin_selector_that_raises_is_skipped_under_all_and_fatal_when_named
     rec = run_tune(opts, Console(file=log), pipe=pipe)
     assert set(rec["skipped"]) == {"quest"} and set(rec["selectors"]) == {"collect2"}
     assert rec["best"]["selector"] == "collect2" and "skipped: selector 'quest'" in log.getvalue()
+    done = [line for line in log.getvalue().splitlines() if "quest" in line and " done in " in line]
+    assert done == [], done  # no 'done' line for a step that raised
     assert any("skipped selector quest" in line for line in describe(rec))
     with pytest.raises(VegasPluginError, match="quest"):
         run_tune(TuneOptions(**{**vars(_tiny(tmp_path / "named")), "selectors": ["quest"], "sparsities": [0.5],

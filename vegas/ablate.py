@@ -48,7 +48,7 @@ from .config import VegasConfig, VegasConfigError, VegasPluginError, kv_budget_f
 from .overlap import OverlapProbe
 from .pipeline import Pipeline
 from .plugins import SelectorSkips, create_selector, selector_names
-from .progress import LoggedProgress
+from .progress import LoggedProgress, plain_printer
 from .prompts import cut_contexts, heldout_path, package_source, read_text_source, retrieval_prompts, source_label
 from .sampling import SamplingParams
 from .strategies import OracleSelector
@@ -332,7 +332,7 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
                       "heldout_code_dev.jsonl.xz) is not here: run from a checkout or pass --prompts[/yellow]")
     settings = {**{k: getattr(opts, k) for k in MEASUREMENT_SETTINGS}, "prompts": source or "package:click"}
     store = PointStore(out / POINTS_FILE, settings, opts.fresh, "vegas ablate")
-    skipped = SelectorSkips(opts.selectors is None, console.print)  # "all": one that raises is left out
+    skipped = SelectorSkips(opts.selectors is None, plain_printer(console, "yellow"))  # "all": one that raises is left out
     selectors = opts.selectors or selector_names() + [ORACLE]
     specs = plan(opts, selectors)
     prompts = _Prompts(read_text_source(source) if source else package_source("click"), opts)

@@ -20,7 +20,7 @@ from .backends.base import RequestOutput
 from .config import VegasConfigError, VegasPluginError, kv_budget_for
 from .pipeline import Pipeline
 from .plugins import PLAIN, SelectorSkips, create_selector, selector_names
-from .progress import LoggedProgress
+from .progress import LoggedProgress, plain_printer
 from .prompts import cut_contexts, package_source, read_text_source
 from .sampling import SamplingParams
 
@@ -123,7 +123,7 @@ def run_bench(opts: BenchOptions, console: Console | None = None) -> dict:
     every = opts.selectors is None  # "all": a failing plugin selector is skipped, not fatal
     if every:
         opts.selectors = selector_names()
-    skipped = SelectorSkips(every, console.print)
+    skipped = SelectorSkips(every, plain_printer(console, "yellow"))
     for name in list(opts.selectors):  # fail on an unknown name before any work
         try:
             create_selector(name, pipe.config)
@@ -144,6 +144,13 @@ def run_bench(opts: BenchOptions, console: Console | None = None) -> dict:
     with LoggedProgress(console=console, transient=True) as progress:  # off a terminal: a line per run
         total = 1 + len(opts.selectors) + opts.repeats * (1 + len(opts.selectors))
         task = progress.add_task("vegas bench", total=total)
+
+        def drop(name: str, exc: VegasPluginError, runs_left: int) -> None:
+            """Skip ``name`` (or raise): no 'done' line for its step, and the total loses its runs."""
+            skipped.skip(name, exc)
+            progress.skip(task)
+            progress.update(task, total=progress._tasks[task].total - runs_left)
+
         progress.update(task, description="plain greedy (reference)")
         reference = pipe.generate(prompts, max_new_tokens=opts.check_tokens, selector=None)
         progress.advance(task)
@@ -153,7 +160,8 @@ def run_bench(opts: BenchOptions, console: Console | None = None) -> dict:
             try:
                 greedy[name] = pipe.generate(prompts, max_new_tokens=opts.check_tokens, selector=name)
             except VegasPluginError as exc:
-                skipped.skip(name, exc)
+                drop(name, exc, opts.repeats)
+                continue
             progress.advance(task)
         timed: dict[str | None, list[dict]] = {None: [], **{name: [] for name in greedy}}
         kind = "greedy" if SamplingParams(**sampled).greedy else "sampled"
@@ -164,7 +172,7 @@ def run_bench(opts: BenchOptions, console: Console | None = None) -> dict:
                 try:
                     out = pipe.generate(prompts, max_new_tokens=opts.new_tokens, selector=name, **sampled)
                 except VegasPluginError as exc:
-                    skipped.skip(name, exc)
+                    drop(name, exc, opts.repeats - r - 1)
                     del timed[name]
                     continue
                 timed[name].append(summarize(out))

@@ -284,7 +284,7 @@ class SelectorSkips(dict):
     Args:
         every: the run asked for every selector; otherwise :meth:`skip` re-raises (a selector the
             user named must not vanish from the results).
-        say: prints one line (a rich console's ``print``).
+        say: prints one line of plain text, not rich markup (:func:`vegas.progress.plain_printer`).
     """
 
     def __init__(self, every: bool, say: Callable[[str], object]) -> None:
@@ -300,5 +300,5 @@ class SelectorSkips(dict):
         if not self.every:
             raise exc
         self[name] = str(exc)
-        self.say(f"[yellow]skipped: {exc}[/yellow]")
+        self.say(f"skipped: {exc}")
 

@@ -12,7 +12,18 @@ import time
 
 from rich.progress import Progress
 
-__all__ = ["LoggedProgress"]
+__all__ = ["LoggedProgress", "plain_printer"]
+
+
+def plain_printer(console, style: str | None = None):
+    """A function printing one line on ``console`` as it is: no rich markup (a plugin's error
+    such as ``index [i]`` or ``[/tmp]`` would lose text or raise ``MarkupError``), no
+    highlighting, and no wrapping at the console width (80 columns off a terminal)."""
+
+    def say(line: str) -> None:
+        console.print(line, style=style, markup=False, highlight=False, soft_wrap=True)
+
+    return say
 
 
 class LoggedProgress(Progress):

@@ -57,7 +57,7 @@ from .bench import clearly_faster, median_row, summarize
 from .config import VegasConfig, VegasConfigError, VegasPluginError, kv_budget_for
 from .pipeline import Pipeline
 from .plugins import PLAIN, SelectorSkips, selector_names
-from .progress import LoggedProgress
+from .progress import LoggedProgress, plain_printer
 from .prompts import cut_contexts, package_source, read_text_source
 from .tune_points import PointStore, points_of, round_sparsity
 from .sampling import SamplingParams
@@ -257,7 +257,7 @@ def run_tune(opts: TuneOptions, console: Console | None = None, pipe: Pipeline |
     warmed: set[str | None] = set()  # selectors (None: plain decoding) run once before their first timing
     total = n_sel * len(opts.sparsities) + 2 + n_sel * len(opts.gammas) + n_sel * fine
     state = {"last": 0.0, "reused": 0}
-    skipped = SelectorSkips(opts.skip_failing, console.print)
+    skipped = SelectorSkips(opts.skip_failing, plain_printer(console, "yellow"))
 
     def live() -> list[str]:
         return [sel for sel in opts.selectors if sel not in skipped]
@@ -273,7 +273,7 @@ def run_tune(opts: TuneOptions, console: Console | None = None, pipe: Pipeline |
             state["reused"] += 1
             return found
         if opts.time_budget is not None and time.monotonic() - started + state["last"] > opts.time_budget:
-            raise _OutOfTime(label)
+            raise _OutOfTime(f"step {step}: {label}")
         cfg = replace(base, num_draft_tokens=gamma, sparsity_ratio=sparsity or base.sparsity_ratio)
         pipe.config = cfg
         try:
@@ -290,7 +290,7 @@ def run_tune(opts: TuneOptions, console: Console | None = None, pipe: Pipeline |
             if selector is None:
                 raise
             skipped.skip(selector, exc)
-            progress.advance(task)
+            progress.skip(task)  # no 'done' line: the step did not finish
             return None
         state["last"] = time.monotonic() - t0
         point = {
