@@ -317,6 +317,8 @@ def test_variant_methods_set_their_vllm_option(sb, tmp_path, capsys):
     opts, _ = sb.method_args("quest-fallback", args)
     assert opts[opts.index("--selector") + 1] == "quest"
     assert json.loads(opts[opts.index("--config") + 1]) == {"vllm": {"fallback": True}}
+    opts, _ = sb.method_args("collect2-indraft", args)
+    assert json.loads(opts[opts.index("--config") + 1]) == {"vllm": {"select_in_draft": True}}
     assert sb.compile_family("collect2-overlap") == "vegas"
     with pytest.raises(SystemExit):
         sb.parse_args(["--model", model, "--methods", "plain,collect2-turbo"])

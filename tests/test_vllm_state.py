@@ -991,3 +991,76 @@ def test_layer_by_layer_scores_select_what_the_one_launch_scores_select(monkeypa
     assert torch.equal(got, want)
     _, eager = select(True, False)  # an eager (piecewise) forward: one launch at the last layer
     assert eager == [4]
+
+
+@pytest.mark.parametrize("selector", ["collect2", "aggregated", "last_token"])
+def test_selection_in_draft_selects_and_tables_what_the_verification_would(monkeypatch, selector):
+    """``vllm.select_in_draft``: the verification scores nothing (it keeps its collect queries,
+    their weights and recent windows), and the draft phase's grouped selection
+    (:class:`~vegas.vllm_plugin.drafting.in_draft.InDraftSelection`, CPU: in line) gives every
+    active request the selection and draft tables of the verification's one launch; padded rows
+    (inactive) select nothing. Rows of the draft phase (4) exceed the verification's (3)."""
+    from types import SimpleNamespace
+
+    from vegas.vllm_plugin.drafting.in_draft import InDraftSelection, layer_groups
+    from vegas.vllm_plugin.selectors import scores as scores_mod
+
+    lens = [70, 40, 33]
+    bt, nb = _block_table(lens, 3)
+    bt = torch.cat([bt, bt[:1]])  # the draft's table has a padded fourth row
+    qsl = torch.tensor([0, 5, 10, 15], dtype=torch.int32)
+    md = SimpleNamespace(query_start_loc=qsl, seq_lens=torch.tensor(lens, dtype=torch.int32),
+                         max_seq_len=70, block_table=bt[:3])
+    g = torch.Generator().manual_seed(5)
+    layers = 5
+    kvs = [torch.randn(nb, 2, BS, 3, 16, generator=g) for _ in range(layers)]
+    queries = [torch.randn(15, 9, 16, generator=g) for _ in range(layers)]
+    launches = []
+    real = scores_mod.collect_scores_layers_reference
+    monkeypatch.setattr(scores_mod, "collect_scores_layers_reference",
+                        lambda q, *a: launches.append(q.shape[0]) or real(q, *a))
+    # active rows 0-2 (row 1 rejected two drafts: its next position is 2 before its length), row 3 padding
+    step_inputs = torch.tensor([[1, 1, 1, 0], [7, 8, 9, 0], [70, 38, 33, 0], [5, 3, 3, 0]])
+
+    def run(in_draft):
+        st = _state(selector, kv_budget=9, first_layer=0, last_layer=layers - 1, layers_ready=True,
+                    select_in_draft=in_draft)
+        st.reserve(4, 9, (GAMMA + 1) * 9 * 16, torch.float32, torch.device("cpu"))
+        launches.clear()
+        for layer in range(layers):
+            st.on_layer(layer, queries[layer], kvs[layer], md, 0.25)
+        scored = list(launches)
+        if in_draft:
+            assert st.has_selection and scored == []  # nothing scored in the verification
+            tables, base_used, ready = InDraftSelection().tables(st, step_inputs, bt, 4, GAMMA, 96)
+            assert ready == {}
+        else:
+            assert scored == [layers]
+            tables, base_used, _ = draft_tables(st, step_inputs, bt, 4, GAMMA)
+        return st.sel_buf[:, :4].clone(), tables, base_used, st.budget_buf[:3].clone()
+
+    want_sel, want_tables, want_used, budgets = run(False)
+    got_sel, got_tables, got_used, _ = run(True)
+    assert torch.equal(got_used[:3], want_used[:3]) and got_used[3] == 1
+    assert got_tables.shape == want_tables.shape
+    for s in range(3):
+        k = int(budgets[s])
+        assert k > 0
+        # the selected entries (the recent window's +inf ties may come in any order) ...
+        assert torch.equal(got_sel[:, s, :k].sort(dim=-1).values, want_sel[:, s, :k].sort(dim=-1).values)
+        assert torch.equal(got_tables[:, s, :k].sort(dim=-1).values, want_tables[:, s, :k].sort(dim=-1).values)
+        # ... then the recent and draft positions' pages, column for column
+        assert torch.equal(got_tables[:, s, k:], want_tables[:, s, k:])
+    assert (got_sel[:, 3, :] == -1).all()  # the padded row selects nothing
+    assert layer_groups(30) == [(0, 5), (5, 10), (10, 15), (15, 20), (20, 25), (25, 30)]
+    assert layer_groups(5) == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]
+    assert layer_groups(8, 3) == [(0, 3), (3, 6), (6, 8)]
+
+
+def test_select_in_draft_is_refused_with_the_options_it_replaces():
+    assert VegasConfig(vllm={"select_in_draft": True}).vllm.select_in_draft
+    for other in ({"score_overlap": True}, {"score_path": "cute"}):
+        with pytest.raises(VegasConfigError, match="vllm.select_in_draft .*cannot be combined"):
+            VegasConfig(vllm={"select_in_draft": True, **other})
+    with pytest.raises(VegasConfigError, match="vllm.select_in_draft must be true or false"):
+        VegasConfig(vllm={"select_in_draft": "yes"})

@@ -147,6 +147,17 @@ class VllmOptions:
             joins the side stream. Same scores, same selection. Eager (piecewise) forwards score
             all layers in one launch at the last layer either way (a launch per layer would
             cost host time there). Ignored by the generic path and the FA3 score path.
+        select_in_draft: for the score-based top-k selectors (collect2, aggregated,
+            last_token) on one GPU: the verification only keeps its collect queries, and the
+            score pass and top-k run in the draft phase instead, in groups of layers on a side
+            stream (:mod:`vegas.vllm_plugin.drafting.in_draft`), each layer of the first draft
+            forward waiting only for its own group's selection. The draft forwards are
+            launch-bound (a draft forward at batch 128 moves ~1.4 GB in ~1.65 ms against the
+            bus's 4.3 TB/s), so the bandwidth-bound score pass runs beside them instead of
+            after the verification's last layer. Same scores, same selection (tests compare
+            them). The selection's GPU time is then part of the draft phase (``draft_ms``), not
+            ``select_ms``. Not with ``score_overlap`` or ``score_path="cute"``; ignored by the
+            other selectors and with tensor parallelism. Opt-in until measured on a GPU.
         score_path: where a score-based selector's verification scores come from. ``"auto"``
             (default): FA3 with the score output when the optional ``_vegas_fa3_C`` extension
             loads (``VEGAS_FA3_EXT``), else FA3 and the separate score pass over the prefix keys
@@ -178,6 +189,7 @@ class VllmOptions:
     prefill_skip_tokens: int = 0
     fallback: bool = False
     score_overlap: bool = False
+    select_in_draft: bool = False
     score_path: Literal["auto", "cute"] = "auto"
 
     def __post_init__(self) -> None:
@@ -192,6 +204,13 @@ class VllmOptions:
         if not isinstance(self.score_overlap, bool):
             raise VegasConfigError.bad("vllm.score_overlap", f"must be true or false, got {self.score_overlap!r}")
         _raise_if_not_one_of("vllm.score_path", self.score_path, SCORE_PATHS)
+        if not isinstance(self.select_in_draft, bool):
+            raise VegasConfigError.bad("vllm.select_in_draft", f"must be true or false, got {self.select_in_draft!r}")
+        if self.select_in_draft and (self.score_overlap or self.score_path == "cute"):
+            raise VegasConfigError.bad(
+                "vllm.select_in_draft", "moves the score pass into the draft phase; it cannot be combined with "
+                f"vllm.score_overlap={self.score_overlap} or vllm.score_path={self.score_path!r} (allowed with it: "
+                "score_overlap=false, score_path='auto')")
 
 
 @dataclass(frozen=True)

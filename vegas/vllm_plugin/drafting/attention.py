@@ -59,6 +59,9 @@ class DraftMetadata:
             the runner's own ``(num_seqs, max_blocks)`` table of the paged cache, ``seqused_k``
             the positions ``0..p`` each draft token sees, and the layer attends its window of
             them, as in the target model; None for the layers that draft over the selection.
+        ready: a CUDA event the attention waits for first: the layer's group of a selection
+            made beside the first draft forward (``vllm.select_in_draft``,
+            :mod:`vegas.vllm_plugin.drafting.in_draft`); None: its table is ready.
     """
 
     block_table: torch.Tensor
@@ -70,6 +73,7 @@ class DraftMetadata:
     quest_row: int = 0
     scheduler_metadata: torch.Tensor | None = None
     window: tuple[int, int] | None = None
+    ready: object | None = None
 
 
 def layer_index(layer_name: str) -> int:
@@ -149,6 +153,8 @@ def draft_attention(impl, layer, query, kv_cache, md: DraftMetadata, output):
     from vllm.v1.attention.backends.flash_attn import flash_attn_varlen_func
 
     n = md.num_actual_tokens
+    if md.ready is not None:  # this layer's selection, made on a side stream beside the draft
+        torch.cuda.current_stream(query.device).wait_event(md.ready)
     if md.window is not None:  # a sliding-window layer: its own window of the paged cache
         k_view, v_view = kv_cache.unbind(1)  # [num_blocks, block_size, kv_heads, head_dim] each
     else:

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from ...config import VegasConfigError, VllmOptions
-from ...kernels import slots_to_fa_pages
+from .in_draft import InDraftSelection
+from .tables import build_draft_tables
 from ..selection.state import LAYER_ATTR, SelectionState
 
 __all__ = [
@@ -50,46 +51,6 @@ GREEDY_TEMPERATURE = 1e-5
 SLOT_MAPPING_MIN_ROWS = 1024
 #: rows of the step inputs: active, last sampled token, its position, KV blocks in use
 STEP_INPUT_ROWS = 4
-
-
-def build_draft_tables(
-    sel_slots: torch.Tensor,
-    budgets: torch.Tensor,
-    ctx_sel: torch.Tensor,
-    last_pos: torch.Tensor,
-    block_table: torch.Tensor,
-    block_size: int,
-    page_stride: int,
-    recent_cap: int,
-) -> torch.Tensor:
-    """Page-size-1 block tables of the draft phase.
-
-    Row ``s`` of layer ``l``: columns ``[0, budgets[s])`` hold the selected pages, then the pages
-    of positions ``ctx_sel[s], ctx_sel[s] + 1, …`` (the recent and draft positions); a draft query
-    at position ``p`` uses ``seqused_k = budgets[s] + p - ctx_sel[s] + 1``.
-
-    Args:
-        sel_slots: ``(L, num_seqs, k_max)`` slot ids (L = layers, or 1 when shared).
-        budgets, ctx_sel, last_pos: ``(num_seqs,)`` int64; ``last_pos`` is the last draft position.
-        block_table: ``(num_seqs, max_blocks)`` int32.
-        page_stride: pages per block in the page-size-1 view (``2 * block_size`` in vLLM).
-        recent_cap: columns reserved for recent positions (>= max ``last_pos - ctx_sel + 1``).
-
-    Returns:
-        ``torch.IntTensor`` of shape ``(L, num_seqs, k_max + recent_cap)``.
-    """
-    num_layers, num_seqs, k_max = sel_slots.shape
-    width = k_max + recent_cap
-    col = torch.arange(width, device=budgets.device)[None, :]  # [1, width]
-    k = budgets[:, None]  # [num_seqs, 1]
-    positions = ctx_sel[:, None] + (col - k)  # [num_seqs, width] of the recent columns
-    positions = torch.minimum(torch.clamp(positions, min=0), last_pos[:, None])
-    block_idx = torch.clamp(positions // block_size, max=block_table.shape[1] - 1)  # no read past the table
-    blocks = torch.gather(block_table[:num_seqs].long(), 1, block_idx)
-    recent = slots_to_fa_pages(blocks * block_size + positions % block_size, block_size, page_stride)
-    selected = slots_to_fa_pages(sel_slots.long().clamp(min=0), block_size, page_stride)  # [L, num_seqs, k_max]
-    selected = torch.nn.functional.pad(selected, (0, recent_cap))
-    return torch.where(col[None] < k[None], selected, recent[None]).to(torch.int32)
 
 
 def draft_tables(state: SelectionState, step_inputs: torch.Tensor, block_table: torch.Tensor, rows: int,
@@ -366,6 +327,8 @@ class DraftEngine:
         self.layer_rows: dict[int, int] = {}
         self.windows: dict[str, tuple[int, int]] = {}
         self.graph_failed = False
+        #: the selection beside the first draft forward (``vllm.select_in_draft``)
+        self.in_draft = InDraftSelection()
         self._graphs: dict = {}
         self._shared: dict[bool, DraftBuffers] = {}  # with probs? -> buffers of the largest graph
         self._pool = None
@@ -432,7 +395,13 @@ class DraftEngine:
         max_len = self.max_model_len
         model = self.model()
         block_table = self.block_table()[:rows]  # [rows, max_blocks] int32
-        tables, base_used, pages = draft_tables(self.state, bufs.step_inputs, block_table, rows, self.gamma)
+        ready = {}  # layer row -> event of its selection made beside the first draft forward
+        if self.state.select_in_draft:
+            tables, base_used, ready = self.in_draft.tables(self.state, bufs.step_inputs, block_table, rows,
+                                                            self.gamma, max_len)
+            pages = None
+        else:
+            tables, base_used, pages = draft_tables(self.state, bufs.step_inputs, block_table, rows, self.gamma)
         width = tables.shape[-1]
         layer_rows = {idx: 0 for _, idx in self.layers} if tables.shape[0] == 1 else self.layer_rows
         active, tokens, first_pos, num_blocks = bufs.step_inputs.unbind(0)
@@ -453,6 +422,7 @@ class DraftEngine:
                 name: DraftMetadata(
                     tables[layer_rows[idx]], bufs.seqused, bufs.query_start_loc, width, rows,
                     quest=pages, quest_row=layer_rows[idx], scheduler_metadata=schedule,
+                    ready=ready.get(layer_rows[idx]) if j == 0 else None,
                 )
                 for name, idx in self.layers if name not in self.windows
             }
@@ -479,6 +449,8 @@ class DraftEngine:
                 hidden = hidden[0]
             tokens = sample(model.compute_logits(hidden[:rows]), j, bufs)  # [rows]
             bufs.tokens[:, j].copy_(tokens)
+            if j == 0 and ready:
+                self.in_draft.join(self.device)
 
     def graph_rows(self, num_reqs: int, cap: int) -> int | None:
         """Rows of the draft graph for ``num_reqs`` requests (:func:`bucket_rows`), or None

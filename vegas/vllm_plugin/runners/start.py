@@ -94,8 +94,17 @@ def start_drafter(state: SelectionState, vllm_config, gamma: int) -> tuple[Selec
 
 def use_path(state: SelectionState, selector: Selector, settings: str, gamma: int, device) -> None:
     """Put the selector's selection path (its fast path, else the generic one) in force in ``state``."""
+    from ..selectors.score_topk import ScoreTopKFastPath
+
     state.use(path_class(selector)(selector, gamma, device), settings)
-    state.prefill_skip_tokens = selector.config.vllm.prefill_skip_tokens
+    options = selector.config.vllm
+    state.prefill_skip_tokens = options.prefill_skip_tokens
+    state.select_in_draft = options.select_in_draft and isinstance(state.path, ScoreTopKFastPath) \
+        and state.all_reduce is None
+    if options.select_in_draft and not state.select_in_draft:
+        logger.info("vegas: vllm.select_in_draft ignored: it serves the score-based top-k selectors (collect2, "
+                    "aggregated, last_token) on one GPU; selector %r%s", selector.name,
+                    " with tensor parallelism" if state.all_reduce is not None else "")
 
 
 def reserve_selection_buffers(state: SelectionState, vllm_config, selector: Selector, gamma: int, max_seqs: int,

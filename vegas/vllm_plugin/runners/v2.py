@@ -268,7 +268,8 @@ class VegasSpeculator(DraftModelSpeculator):
             "draft_graphs": self.drafting.num_graphs,
             "graph_failed": self.drafting.graph_failed,
             # the scores come from inside the verification attention: "fa3_ext" (_vegas_fa3_C), "cute"
-            # (vllm.score_path="cute": the CuTe rowsum), else "separate" (the score kernel after the last layer)
+            # (vllm.score_path="cute": the CuTe rowsum), "in_draft" (vllm.select_in_draft: the draft phase scores
+            # beside its first forward), else "separate" (the score kernel after the last layer)
             "score_path": _score_path(self.state),
             # forwards captured with the score pass layer by layer on a side stream (vllm.score_overlap)
             "layer_scored_forwards": getattr(getattr(self.state.path, "collector", None), "layer_scored_forwards", 0),
@@ -294,5 +295,7 @@ class VegasSpeculator(DraftModelSpeculator):
 
 def _score_path(state) -> str:
     """Where this engine's verification scores come from (see :meth:`VegasSpeculator.stats`)."""
+    if state.select_in_draft:
+        return "in_draft"
     fa3 = state.fa3
     return fa3.KIND if fa3 is not None and fa3.in_use else "separate"

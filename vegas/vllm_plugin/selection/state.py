@@ -14,6 +14,7 @@ built-in selector's fast path or the generic path.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -97,6 +98,19 @@ class SelectionState:
     #: scheduling: :mod:`~vegas.vllm_plugin.step_switch`): True skips, False selects; None: the
     #: forward decides from its own prompt tokens and :attr:`prefill_skip_tokens`
     scheduled_skip: bool | None = None
+    #: ``VegasConfig.vllm.select_in_draft`` in force (a score-based top-k path on one GPU): the
+    #: verification only keeps its collect queries (:meth:`defer_selection`), the draft phase
+    #: scores and selects (:mod:`~vegas.vllm_plugin.drafting.in_draft`)
+    select_in_draft: bool = False
+    q_weight_buf: torch.Tensor | None = None  # [max_seqs, γ + 1] float32 collect-query weights
+    recent_buf: torch.Tensor | None = None  # [max_seqs] int64 recent positions kept inside the budget
+    #: what the deferred selection reads besides the buffers (set by :meth:`defer_selection`):
+    #: each layer's key cache ``(num_blocks, block_size, kv_heads, head_dim)``, the softmax
+    #: scale, collect queries per request and the query heads' ``(heads, head_dim)``
+    key_caches: list = field(default_factory=list)
+    score_scale: float = 0.0
+    score_width: int = 0
+    query_heads: tuple[int, int] = (0, 0)
 
     @property
     def num_layers(self) -> int:
@@ -128,6 +142,9 @@ class SelectionState:
         n = layers * max_seqs * q_elems
         if self.query_buf is None or self.query_buf.numel() < n or self.query_buf.dtype != dtype:
             self.query_buf = torch.empty(n, dtype=dtype, device=device)
+        if self.q_weight_buf is None or self.q_weight_buf.shape[0] < max_seqs:
+            self.q_weight_buf = torch.zeros((max_seqs, self.gamma + 1), dtype=torch.float32, device=device)
+            self.recent_buf = torch.zeros(max_seqs, dtype=torch.int64, device=device)
 
     def _ensure(self, num_seqs: int, k_max: int, q_elems: int, dtype, device) -> None:
         fits = (
@@ -265,7 +282,8 @@ class SelectionState:
             True: ``output`` holds the layer's attention and its score row is kept (nothing else
             to call); False: call vLLM's FA3, then :meth:`on_layer`, as without the extension.
         """
-        if not self.layers_ready or self.path is None or not getattr(self.path, "uses_fa3_scores", False):
+        if (not self.layers_ready or self.path is None or not getattr(self.path, "uses_fa3_scores", False)
+                or self.select_in_draft):  # the draft phase scores (select_in_draft)
             return False
         fa3 = self.score_verify()
         row = layer_idx - self.first_layer
@@ -307,6 +325,37 @@ class SelectionState:
             if self.all_reduce is not None and _sums_over_ranks(self):
                 scores = self.all_reduce(scores)
             self.path.select_layers(self, plan, scores, attn_metadata.block_table[: plan.num_seqs])
+
+    def query_rows(self) -> int:
+        """Requests the collect-query buffer is laid out for: ``max_seqs`` (the reserved
+        selection buffers') under ``select_in_draft``, whose draft phase reads the queries with
+        its own row count, else 0 (each forward lays them out for its own batch)."""
+        return self.sel_buf.shape[1] if self.select_in_draft else 0
+
+    def defer_selection(self, plan: CollectPlan, scale: float, key_caches: list, query: torch.Tensor) -> None:
+        """Last layer of a forward under ``select_in_draft``: keep what the draft phase's
+        selection reads beyond the collect queries (already in ``query_buf``) and the prefix and
+        budgets (``ctx_sel_buf``, ``budget_buf``): the collect queries' weights and recent
+        windows (persistent buffers, so a replayed CUDA graph rewrites them), the key caches,
+        the softmax scale.
+
+        Args:
+            query: ``(num_tokens, heads, head_dim)`` the forward's queries (their head shape).
+        """
+        n, width = plan.num_seqs, plan.q_idx.shape[1]
+        self.q_weight_buf[:n, :width].copy_(plan.q_weight)
+        self.recent_buf[:n].copy_(plan.recent)
+        self.key_caches = list(key_caches)
+        self.score_scale, self.score_width = float(scale), width
+        self.query_heads = (query.shape[1], query.shape[2])
+        self.has_selection = True
+
+    def collect_queries(self, rows: int) -> torch.Tensor:
+        """``(L, rows, width, heads, head_dim)`` the collect queries a deferred selection scores
+        (a view of ``query_buf`` in the :meth:`query_rows` layout)."""
+        heads, head_dim = self.query_heads
+        shape = (self.num_layers, self.query_rows(), self.score_width, heads, head_dim)
+        return self.query_buf[: math.prod(shape)].view(shape)[:, :rows]
 
     def selection(self, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(sel, ctx_sel, budgets)`` of the last forward's first ``num_seqs`` requests:

@@ -57,8 +57,10 @@ class ScoreCollector:
         self._layer_scores = None
         if plan.q_idx is None:
             return
-        shape = (state.num_layers, plan.num_seqs, plan.q_idx.shape[1]) + tuple(query.shape[1:])
-        self._queries = state.query_buf[: math.prod(shape)].view(shape)
+        # laid out for this batch, or for every request a deferred selection may read (select_in_draft)
+        rows = state.query_rows() or plan.num_seqs
+        shape = (state.num_layers, rows, plan.q_idx.shape[1]) + tuple(query.shape[1:])
+        self._queries = state.query_buf[: math.prod(shape)].view(shape)[:, : plan.num_seqs]
         if query.is_cuda and self._stream is None and not state.capturing(query):
             self._stream = torch.cuda.Stream(query.device)
             self._zero_offset = torch.zeros(1, dtype=torch.int64, device=query.device)
@@ -155,6 +157,10 @@ class CollectingPath(SelectionPath):
         block_table = attn_metadata.block_table[: plan.num_seqs]  # [num_seqs, max_blocks] int32
         self.collector.add_layer(state, row, plan, query, kv_cache, block_table, scale)
         if row != state.num_layers - 1:
+            return
+        if state.select_in_draft:  # the draft phase scores and selects (drafting/in_draft.py)
+            if plan.q_idx is not None:
+                state.defer_selection(plan, scale, self.collector.key_caches, query)
             return
         with state.timed(query):
             scores = None
