@@ -98,7 +98,7 @@ case ${1:-} in
       case $t in
         seeds) cmd="$v1 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_vllm_seeds_cuda.py"; lim=280 ;;
         plugin) cmd="$v1 PYTHONPATH=$PYTHONPATH:$PWD/plugins/vegas-h2o python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_vllm_backend_cuda.py -k plugin"; lim=300 ;;
-        softcap) cmd="$v1 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_vllm_backend_cuda.py -k soft_capped"; lim=300 ;;
+        softcap) cmd="$v1 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_vllm_backend_cuda.py -k soft_capped"; lim=420 ;;
         serve) cmd="python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_serve_cuda.py"; lim=480 ;;
         invariant) cmd="python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_vllm_batch_invariant.py"; lim=360 ;;
         faults) cmd="python3 -m pytest -s -q -rs -p no:cacheprovider tests/gpu/test_vllm_serving_faults.py"; lim=360 ;;
