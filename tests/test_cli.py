@@ -30,6 +30,18 @@ def test_bench_small_writes_json(tmp_path):
     assert "plain decoding (--selector none)" in verdict or "× plain decoding" in verdict
 
 
+def test_bench_says_when_the_kv_budget_covers_the_whole_context():
+    """At a short --context the default floor (min_kv_budget 256) is the whole prompt: the
+    table says that drafting attended to everything instead of passing it off as sparse."""
+    args = ["bench", "--new-tokens", "2", "--check-tokens", "2", "--batch-size", "1", "--selectors", "collect2"]
+    result = CliRunner().invoke(main, [*args, "--context", "128"])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "the KV budget (256) covers the whole 128-token context, so drafting attended to everything" in text
+    result = CliRunner().invoke(main, [*args, "--context", "128", "--min-kv-budget", "16"])
+    assert result.exit_code == 0 and "covers the whole" not in result.output, result.output
+
+
 def test_bench_of_plain_decoding_only_at_temperature_0():
     result = CliRunner().invoke(main, ["bench", "--selectors", "none", "--context", "64", "--new-tokens", "2",
                                        "--check-tokens", "2", "--batch-size", "1", "--temperature", "0"])

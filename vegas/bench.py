@@ -245,6 +245,10 @@ def render(results: dict) -> Table:
         caption += (f"; τ greedy* comes from the {check}-token exactness run, so it cannot exceed "
                     f"{greedy_tau_cap(check, gamma):.2f} (raise --check-tokens for a finer one); selection: share "
                     "of decode time spent selecting KV entries")
+        if results["kv_budget"] >= o["context"]:  # e.g. the default floor of 256 at a short --context
+            caption += (f"; the KV budget ({results['kv_budget']}) covers the whole {o['context']}-token context, "
+                        "so drafting attended to everything: lower --min-kv-budget or --sparsity-ratio, or raise "
+                        "--context, to measure sparse drafting")
     table = Table(
         title=f"vegas bench: {o['backend']} backend, context {o['context']}, batch {o['batch_size']}, "
         f"γ={gamma}, KV budget {results['kv_budget']} ({budget}), T={o['temperature']}, "
