@@ -742,14 +742,18 @@ def test_draft_graphs_are_captured_after_vllms_graphs(monkeypatch):
     assert plain.capture_model() == 100 and calls == ["vllm"]
 
 
+@pytest.mark.parametrize("in_draft", [False, True, "bind"])
 @pytest.mark.parametrize("sliding", [False, True])
-def test_draft_engine_runs_gamma_forwards_over_the_selection(monkeypatch, sliding):
+def test_draft_engine_runs_gamma_forwards_over_the_selection(monkeypatch, sliding, in_draft):
     """DraftEngine.run (the body both runners draft with, eager here and captured on a GPU):
     per draft step the active row writes its KV at its own slot and attends its budget plus
     the pages from ctx_sel on, one page more each step; inactive rows write nothing; each
     step's sampled token is the next step's input; the sampler sees every step. With
     ``sliding``, layer 0 is a sliding-window layer (Gemma 2): it drafts over its own window of
-    the paged cache (the runner's block table, positions 0..p), layer 1 over the selection."""
+    the paged cache (the runner's block table, positions 0..p), layer 1 over the selection.
+    With ``in_draft`` (``vllm.select_in_draft``) the draft phase selects (``"bind"``: reading
+    the key caches, scale and heads from the layers, as before any verification deferred) and
+    the active row's selected pages are those of the verification's own selection."""
     import contextlib
     import sys
     import types
@@ -764,6 +768,7 @@ def test_draft_engine_runs_gamma_forwards_over_the_selection(monkeypatch, slidin
                             slot_mapping):
         md = next(m for m in attn_metadata.values() if m.window is None)
         forward_log.append({"seqused": md.seqused_k.tolist(), "slots": next(iter(slot_mapping.values())).tolist(),
+                            "selected": sorted(attn_metadata["layers.1.attn"].block_table[0, :8].tolist()),
                             "layers": sorted(attn_metadata), "width": md.max_seq_len,
                             "schedules": {id(m.scheduler_metadata) for m in attn_metadata.values() if m.window is None},
                             "windows": {name: (m.window, m.seqused_k.tolist(), m.block_table.data_ptr(),
@@ -804,27 +809,40 @@ def test_draft_engine_runs_gamma_forwards_over_the_selection(monkeypatch, slidin
     table = torch.cat([bt, bt])  # 4 rows
     md = SimpleNamespace(query_start_loc=torch.tensor([0, 5, 10], dtype=torch.int32),
                          seq_lens=torch.tensor(lens, dtype=torch.int32), max_seq_len=70, block_table=bt)
-    state = SelectionState()
-    state.use(_path("collect2", kv_budget=8, recent_window=2))
-    state.gamma = GAMMA
-    state.first_layer, state.last_layer, state.layers_ready = 0, 1, True
-    state.reserve(4, 12, 5 * 4 * 8, torch.float32, torch.device("cpu"))
-    for layer in range(2):
-        state.on_layer(layer, torch.randn(10, 4, 8), torch.randn(nb, 2, BS, 2, 8), md, 0.5)
+    g = torch.Generator().manual_seed(2)
+    queries = [torch.randn(10, 4, 8, generator=g) for _ in range(2)]
+    kvs = [torch.randn(nb, 2, BS, 2, 8, generator=g) for _ in range(2)]
+
+    def verified_state(select_in_draft):
+        state = SelectionState(select_in_draft=select_in_draft)
+        state.use(_path("collect2", kv_budget=8, recent_window=2))
+        state.gamma = GAMMA
+        state.first_layer, state.last_layer, state.layers_ready = 0, 1, True
+        state.reserve(4, 12, 5 * 4 * 8, torch.float32, torch.device("cpu"))
+        for layer in range(2):
+            state.on_layer(layer, queries[layer], kvs[layer], md, 0.5)
+        return state
+
+    step_in = torch.tensor([[1, 0, 0, 0], [7, 0, 0, 0], [70, 0, 0, 0], [6, 0, 0, 0]])
+    want_tables, _, _ = draft_tables(verified_state(False), step_in, table, 4, GAMMA)
+    state = verified_state(bool(in_draft))
+    if in_draft == "bind":
+        state.key_caches = []  # the engine reads them from the layers
     impl = SimpleNamespace(num_heads=4, num_kv_heads=2, head_size=8, logits_soft_cap=0.0, vllm_flash_attn_version=3,
-                           sliding_window=None)
+                           sliding_window=None, scale=0.5)
     impl0 = SimpleNamespace(**{**vars(impl), "sliding_window": (7, 0) if sliding else (-1, -1)})
     config = SimpleNamespace(
         model_config=SimpleNamespace(max_model_len=4096, get_vocab_size=lambda: vocab, dtype=torch.bfloat16),
         cache_config=SimpleNamespace(cache_dtype="auto"),
         compilation_config=SimpleNamespace(static_forward_context={
-            "layers.0.attn": SimpleNamespace(impl=impl0), "layers.1.attn": SimpleNamespace(impl=impl)}),
+            "layers.0.attn": SimpleNamespace(impl=impl0, kv_cache=kvs[0]),
+            "layers.1.attn": SimpleNamespace(impl=impl, kv_cache=kvs[1])}),
     )
     engine = DraftEngine(config, state, GAMMA, VegasConfig().vllm, "cpu", block_table=lambda: table, model=Model)
     engine.set_layers([("layers.0.attn", 0), ("layers.1.attn", 1)])
     bufs = engine.buffers(4, with_probs=False)
     # row 0 is active (last token 7 at position 70, 6 blocks); rows 1-3 are not
-    bufs.fill(4, torch.tensor([[1, 0, 0, 0], [7, 0, 0, 0], [70, 0, 0, 0], [6, 0, 0, 0]]))
+    bufs.fill(4, step_in)
     seen = []
 
     def sample(logits, j, b):
@@ -840,6 +858,8 @@ def test_draft_engine_runs_gamma_forwards_over_the_selection(monkeypatch, slidin
     assert all(f["seqused"][1:] == [1 + j] * 3 for j, f in enumerate(forward_log))
     assert [f["slots"][:4] for f in forward_log] == [[_slot(bt, 0, 70 + j), -1, -1, -1] for j in range(GAMMA)]
     assert all(f["layers"] == ["layers.0.attn", "layers.1.attn"] for f in forward_log)
+    assert all(f["selected"] == sorted(want_tables[1, 0, :8].tolist()) for f in forward_log)
+    assert state.select_in_draft == bool(in_draft) and len(state.key_caches) == 2 * bool(in_draft)
     # one FA3 schedule per step, shared by the layers, with the step's pages and width
     assert len(schedules) == GAMMA and all(len(f["schedules"]) == 1 for f in forward_log)
     if sliding:  # layer 0: its window (7, 0) of the paged cache, the runner's table, positions 0..p

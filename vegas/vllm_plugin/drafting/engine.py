@@ -397,6 +397,8 @@ class DraftEngine:
         block_table = self.block_table()[:rows]  # [rows, max_blocks] int32
         ready = {}  # layer row -> event of its selection made beside the first draft forward
         if self.state.select_in_draft:
+            if not self.state.key_caches:  # no verification has deferred a selection yet (a warm-up)
+                self._bind_score_inputs()
             tables, base_used, ready = self.in_draft.tables(self.state, bufs.step_inputs, block_table, rows,
                                                             self.gamma, max_len)
             pages = None
@@ -451,6 +453,18 @@ class DraftEngine:
             bufs.tokens[:, j].copy_(tokens)
             if j == 0 and ready:
                 self.in_draft.join(self.device)
+
+    def _bind_score_inputs(self) -> None:
+        """What a deferred selection reads besides the buffers, from the layers themselves when
+        no verification has set it yet (``vllm.select_in_draft`` before the first forward):
+        each layer's key cache (vLLM binds ``kv_cache`` to every attention layer), the softmax
+        scale, the query heads and the collect queries per request."""
+        forward_context = self.vllm_config.compilation_config.static_forward_context
+        state, impl = self.state, self.attention_impl
+        state.key_caches = [forward_context[name].kv_cache.unbind(1)[0] for name, _ in self.layers]
+        state.score_scale = float(impl.scale)
+        state.query_heads = (int(impl.num_heads), int(impl.head_size))
+        state.score_width = state.path.row_table.width
 
     def graph_rows(self, num_reqs: int, cap: int) -> int | None:
         """Rows of the draft graph for ``num_reqs`` requests (:func:`bucket_rows`), or None
