@@ -192,8 +192,12 @@ def test_table_compares_with_plain_of_the_same_mode_and_bounds_by_bytes():
              draft_ms_per_iteration=1.2, gpu_ms_per_iteration=3.0, floor_ms=0.9, selection_share=0.031),
         _row("collect2", "open", tps=30000.0, acceptance_length=3.6, ms_per_iteration=4.0, floor_ms=0.9),
         _row("ngram", tps=5000.0, acceptance_length=1.5, ms_per_iteration=9.6, floor_ms=0.5),
+        _row("collect2", "open", tps=32000.0, acceptance_length=3.6, ms_per_iteration=3.9, floor_ms=0.9,
+             selection_share=None, stats={"score_path": "in_draft"}, ctx=4096),
     ]
     lines = vb.table({"rows": rows}).splitlines()
+    # vllm.select_in_draft: the selection is part of the draft phase, not a share of its own
+    assert any("| collect2 | 32000 |" in line and "| in draft |" in line for line in lines)
     assert lines[0].startswith("| ctx | batch | method | tok/s | spread | x plain | τ | ms/iter |")
     assert "| 7680 | 32 | collect2 | 15000 | 1234 | 1.50x | 3.60 | 5.80 | 1.20 | 3.00 | 0.90 | 3.1% | 2.00x |" in lines
     # not measured (the V2 runner does not time its verification): blank, not 0.00

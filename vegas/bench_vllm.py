@@ -381,12 +381,14 @@ def table(results: dict) -> str:
             bound = tau * base["floor_ms"] / floor
         speedup = base and r["tokens_per_second"] / base["tokens_per_second"]
         share = r.get("selection_share")
+        in_draft = (r.get("stats") or {}).get("score_path") == "in_draft"
         lines.append(
             f"| {r['ctx']} | {batch} | {r['method']} | {r['tokens_per_second']:.0f} | "
             f"{r.get('tokens_per_second_spread', 0.0):.0f} | {_fmt(speedup, '{:.2f}x')} | {_fmt(tau, '{:.2f}')} | "
             f"{_fmt(r.get('ms_per_iteration'), '{:.2f}')} | {_fmt(r.get('draft_ms_per_iteration'), '{:.2f}')} | "
             f"{_fmt(r.get('gpu_ms_per_iteration'), '{:.2f}')} | "
-            f"{_fmt(floor, '{:.2f}')} | {_fmt(share if share is None else 100 * share, '{:.1f}%')} | "
+            f"{_fmt(floor, '{:.2f}')} | "
+            f"{'in draft' if in_draft else _fmt(share if share is None else 100 * share, '{:.1f}%')} | "
             f"{_fmt(bound, '{:.2f}x')} |")
     return "\n".join(lines)
 
@@ -451,7 +453,9 @@ def _timed(llm, method: str, prompts: list[list[int]], sampling, batch: int) -> 
             "draft_ms_per_iteration": st["draft_ms"] / steps if "draft_ms" in st else None,
             "gpu_ms_per_iteration": ((st["draft_ms"] + st["verify_fwd_ms"]) / steps
                                      if "draft_ms" in st and "verify_fwd_ms" in st else None),
-            "selection_share": st.get("select_ms", 0) / (decode_s * 1e3),
+            # with vllm.select_in_draft the selection runs inside the draft phase (in draft ms), untimed apart
+            "selection_share": (None if st.get("score_path") == "in_draft"
+                                else st.get("select_ms", 0) / (decode_s * 1e3)),
             "full_cuda_graphs": st.get("full_cuda_graphs"),
             "stats": st,
         })
