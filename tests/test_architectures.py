@@ -61,6 +61,9 @@ GREEDY = SamplingParams(temperature=0.0)
 #: KV budget far below the prompt so that drafts differ from the target and rollbacks happen.
 KV_BUDGET = 16
 SMALL = dict(kv_budget=KV_BUDGET, min_kv_budget=0, num_sinks=4, recent_window=4, page_size=4)
+#: Quest attends the partial page and the verified chunk beside its budget's pages: one page of
+#: budget keeps its drafts apart from the target (with 16, tiny Mistral accepted every draft)
+QUEST_SMALL = dict(SMALL, kv_budget=4)
 
 COMMON = dict(
     vocab_size=VOCAB,
@@ -268,7 +271,7 @@ class Zoo:
     @functools.cache
     def run(self, arch: str, selector: str | None, gamma: int, batch: bool = False):
         prompts = BATCH if batch else [PROMPT]
-        config = VegasConfig(num_draft_tokens=gamma, **SMALL)
+        config = VegasConfig(num_draft_tokens=gamma, **(QUEST_SMALL if selector == "quest" else SMALL))
         return self.pipe(arch).backend.generate(
             prompts, max_new_tokens=NEW_TOKENS, sampling=GREEDY, selector=selector, config=config
         )

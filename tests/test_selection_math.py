@@ -109,7 +109,9 @@ def test_quest_selects_the_page_of_a_planted_key():
     quest = QuestSelector(cfg)
     quest.select(SelectionInput(0, None, torch.ones(B, L, dtype=torch.bool), torch.tensor([P]), keys))
     sel = quest.select_for_query(0, torch.tensor([[[[1.0, 0, 0, 0]]]]), None)
-    assert selected(sel) == [[list(range(40, 48))]]
+    # the planted key's page, then the recent slots: the last whole page before the verified
+    # chunk (γ + 1 = 5 of 64 slots) is page 6, so page 7 (56-63) is always attended
+    assert selected(sel) == [[list(range(40, 48)) + list(range(56, 64))]]
 
 
 def test_quest_incremental_bounds_equal_a_full_recompute():
@@ -139,7 +141,22 @@ def test_quest_respects_the_budget_at_both_ends():
         quest.select(SelectionInput(0, None, valid, torch.tensor([budget]), keys))
         return selected(quest.select_for_query(0, query, None))[0][0]
 
-    assert chosen(P - 1) == []  # no whole page fits: drafting sees only the recent slots
+    # 37 slots, γ + 1 = 5: pages 0-3 (slots 0-31) are selectable, slots 32-36 always attended
+    recent = list(range(32, L))
+    assert chosen(P - 1) == recent  # no whole page fits: drafting sees only the recent slots
     two = chosen(2 * P + 3)
-    assert len({slot // P for slot in two}) == 2 and len(two) <= 2 * P + 3  # two whole pages
+    assert two[-len(recent):] == recent and len(two) == 2 * P + len(recent)
+    assert len({slot // P for slot in two[: -len(recent)]}) == 2  # two whole pages
     assert chosen(L) == list(range(L))  # a budget covering the context takes every slot
+
+
+def test_quest_always_attends_the_verified_chunk_and_the_partial_page():
+    """The tokens right before the drafts are attended whatever the page bounds say: a key
+    that no query favours, in the last γ + 1 committed tokens, is in every draft's selection."""
+    L, P = 45, 8
+    keys = torch.randn(1, 1, L, 4)
+    keys[0, 0, 43] = torch.tensor([-50.0, -50.0, -50.0, -50.0])  # the lowest bound of all
+    quest = QuestSelector(VegasConfig(page_size=P, kv_budget=P))
+    quest.select(SelectionInput(0, None, torch.ones(1, L, dtype=torch.bool), torch.tensor([P]), keys))
+    got = selected(quest.select_for_query(0, torch.ones(1, 1, 1, 4), None))[0][0]
+    assert got[-5:] == list(range(40, 45)) and len(got) == P + 5  # one page, then the partial page 40-44

@@ -189,13 +189,17 @@ def test_quest_fast_path_chooses_the_pages_select_for_query_chooses(kv_budget, b
 
     selector = create_selector("quest", VegasConfig(num_draft_tokens=GAMMA, kv_budget=kv_budget, page_size=bs))
     plan_ctx = torch.tensor(contexts)  # positions before the collect queries
-    valid = torch.arange(int(ctx_sel.max()))[None, :] < ctx_sel[:, None]
+    # what the HF backend hands Quest after this verification accepted every draft: all
+    # committed positions, the verified chunk included (Quest keeps the chunk and the partial
+    # page apart, as the fast path's ctx_sel does)
+    committed = plan_ctx + GAMMA + 1
+    valid = torch.arange(int(committed.max()))[None, :] < committed[:, None]
     budget = torch.minimum(selector.budget(plan_ctx), plan_ctx)
     g = torch.Generator().manual_seed(9)
     for layer in range(LAYERS):
         keys = torch.zeros(n, hkv, valid.shape[1], D)
         for i in range(n):
-            keys[i, :, : int(ctx_sel[i])] = _keys(verify, layer, i, int(ctx_sel[i]))
+            keys[i, :, : int(committed[i])] = _keys(verify, layer, i, int(committed[i]))
         selector.select(SelectionInput(layer_idx=layer, scores=None, valid=valid, budget=budget, keys=keys))
         query = torch.randn(n, hq, D, generator=g)  # one draft step's queries
         reference = selector.select_for_query(layer, query[:, :, None, :], None)
@@ -207,5 +211,8 @@ def test_quest_fast_path_chooses_the_pages_select_for_query_chooses(kv_budget, b
             k = int(budgets[i])
             fa_pages = table[i, :k].long()  # page-size-1 ids of the view: block * 2 * bs + offset
             slots = (fa_pages // (2 * bs)) * bs + fa_pages % (2 * bs)
-            want = reference.indices[i, 0][reference.mask[i, 0]]
+            chosen = reference.indices[i, 0][reference.mask[i, 0]]
+            want, recent = chosen[chosen < ctx_sel[i]], chosen[chosen >= ctx_sel[i]]
             assert sorted(slots.tolist()) == sorted(_slots(prefill.bt[i], want, bs).tolist()), (layer, i)
+            # the rest is what the fast path's drafts always attend: positions from ctx_sel on
+            assert recent.tolist() == list(range(int(ctx_sel[i]), int(committed[i]))), (layer, i)

@@ -6,6 +6,12 @@ query q the score of a page is bounded by ``Σ_d max(q_d · min_d, q_d · max_d)
 every key k of the page; the pages with the highest bounds are attended, recomputed at
 every draft step (so selection cost grows with the context).
 
+As on the vLLM backend (:mod:`vegas.vllm_plugin.selectors.quest`), pages are chosen among the
+whole pages before the verified chunk (the last ``γ + 1`` committed tokens), and the rest —
+the partial page and the chunk — is always attended, beside the budget's pages: a draft must
+see the tokens right before it, which a page bound does not always rank first (without them
+a 135M model's drafts were rejected almost always on some prompts).
+
 With attention logit soft-capping (Gemma 2) the bound stays on the raw ``q·k``: capping is
 monotonic, so each head's page order is unchanged, but the sum over a group's heads weighs
 logits beyond the cap more than the softmax does (the score-based selectors sum capped logits).
@@ -141,6 +147,8 @@ class QuestSelector(Selector):
         super().__init__(config)
         self._pages: dict[int, PageTable] = {}
         self._num_pages: dict[int, torch.Tensor] = {}
+        #: per layer: ``(batch_size,)`` int64 whole pages before the recent positions
+        self._selectable: dict[int, torch.Tensor] = {}
 
     def select(self, inputs: SelectionInput) -> Selection:
         """Update the page bounds of one layer; the pages are chosen per draft query.
@@ -159,28 +167,54 @@ class QuestSelector(Selector):
         ):
             table = self._pages[inputs.layer_idx] = PageTable.empty(inputs.keys, self.config.page_size)
         table.append(inputs.keys, inputs.valid)
-        # Whole pages within the budget; a budget that covers every valid slot takes every page.
-        all_pages = table.page_valid.sum(dim=1)
-        covers_all = inputs.budget >= table.count
+        # Whole pages before the verified chunk are selectable, within the budget (all of them
+        # when the budget covers them); the partial page and the chunk are always attended.
+        size = self.config.page_size
+        before_chunk = (table.count - (self.config.num_draft_tokens + 1)).clamp(min=0)
+        selectable = before_chunk // size
+        covers_all = inputs.budget >= selectable * size
+        self._selectable[inputs.layer_idx] = selectable
         self._num_pages[inputs.layer_idx] = torch.where(
-            covers_all, all_pages, (inputs.budget // self.config.page_size).minimum(all_pages)
+            covers_all, selectable, (inputs.budget // size).minimum(selectable)
         )
         empty = inputs.budget.new_zeros(inputs.budget.shape[0], 1, 0)
         return Selection(indices=empty, mask=empty.bool())
 
     def select_for_query(self, layer_idx: int, query: torch.Tensor, selection: Selection) -> Selection:
+        """The best pages for this draft query (their slots first, ascending), then the recent
+        slots (the partial page and the verified chunk, always attended).
+
+        Returns:
+            :class:`Selection` ``(batch_size, groups, (k + r) * page_size)``: ``k`` = the most
+            pages of any sequence, ``r`` = pages spanning its recent slots.
+        """
         table = self._pages[layer_idx]
         key_min, key_max = table.finite_bounds()
         groups = 1 if self.config.granularity == "layer" else key_min.shape[1]
         scores = page_scores(query, key_min, key_max, groups)  # [B, G, num_pages]
-        pages = topk_selection(scores, table.page_valid, self._num_pages[layer_idx])
+        selectable = self._selectable[layer_idx]  # [B]
+        page_idx = torch.arange(table.page_slots.shape[1], device=selectable.device)
+        pages = topk_selection(scores, table.page_valid & (page_idx[None, :] < selectable[:, None]),
+                               self._num_pages[layer_idx])
         batch_size, num_groups, k = pages.indices.shape
-        slots = table.page_slots.gather(1, pages.indices.flatten(1)[..., None].expand(-1, -1, table.page_size))
-        slots = slots.view(batch_size, num_groups, k * table.page_size)  # ascending: pages in order
-        mask = pages.mask.repeat_interleave(table.page_size, dim=2) & (slots >= 0)
+        size = table.page_size
+        slots = table.page_slots.gather(1, pages.indices.flatten(1)[..., None].expand(-1, -1, size))
+        slots = slots.view(batch_size, num_groups, k * size)  # ascending: pages in order
+        mask = pages.mask.repeat_interleave(size, dim=2) & (slots >= 0)
+        # the recent pages: from the first one after the selectable pages to the last one in use
+        in_use = -(-table.count // size)  # [B] pages holding a slot
+        spans = int((in_use - selectable).max()) if batch_size else 0
+        recent_pages = selectable[:, None] + torch.arange(spans, device=selectable.device)[None, :]  # [B, r]
+        recent_ok = recent_pages < in_use[:, None]
+        recent = table.page_slots.gather(1, recent_pages.clamp(max=table.page_slots.shape[1] - 1)[..., None]
+                                         .expand(-1, -1, size)).flatten(1)  # [B, r * size]
+        recent_mask = recent_ok.repeat_interleave(size, dim=1) & (recent >= 0)
+        slots = torch.cat([slots, recent[:, None].expand(-1, num_groups, -1)], dim=2)
+        mask = torch.cat([mask, recent_mask[:, None].expand(-1, num_groups, -1)], dim=2)
         return Selection(indices=slots.clamp(min=0), mask=mask)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         for table in self._pages.values():
             table.keep_rows(rows)
         self._num_pages = {layer: n[rows] for layer, n in self._num_pages.items()}
+        self._selectable = {layer: n[rows] for layer, n in self._selectable.items()}
