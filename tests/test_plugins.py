@@ -9,6 +9,7 @@ from vegas import Pipeline, VegasConfig, VegasConfigError, VegasPluginError, hoo
 from vegas.strategies import Collect2Selector
 
 from .plugins.fixture_plugins import (
+    BadNamePlugin,
     FactoryRaisingBackendPlugin,
     FailingSelectorsPlugin,
     GoodPlugin,
@@ -59,6 +60,17 @@ def test_raising_plugin_is_reported_and_others_still_work(registered, caplog):
         names = plugins.selector_names()
     assert "sinks_only" in names and "collect2" in names
     assert any("'raising'" in m and "boom" in m for m in caplog.messages)
+
+
+def test_a_selector_name_no_flag_could_choose_is_refused_and_the_report_names_the_hook(registered, caplog):
+    """A name with a comma or a space is refused (``--selectors`` splits on commas); the report
+    names the hook that failed, since the plugin's other hooks still count (its backend loads)."""
+    registered(BadNamePlugin(), "badname")
+    with caplog.at_level("WARNING"):
+        names, backends = plugins.selector_names(), plugins.backend_names()
+    assert "bad name,x" not in names and "collect2" in names and "hf_again" in backends
+    assert any("plugin 'badname': its vegas_selectors() failed and was skipped" in m
+               and "letters, digits" in m and "'bad name,x'" in m for m in caplog.messages), caplog.messages
 
 
 def test_plugin_returning_no_dict_or_no_classes_is_skipped(registered, caplog):

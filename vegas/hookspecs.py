@@ -23,7 +23,9 @@ def vegas_selectors() -> dict[str, type]:
 
     Returns:
         ``{name: Selector subclass}``; each class is built as ``cls(config)`` with a
-        :class:`vegas.config.VegasConfig`.
+        :class:`vegas.config.VegasConfig`. Names hold letters, digits, ``_``, ``.`` and ``-``
+        (they are chosen in comma-separated flags); a hook whose answer breaks a rule is
+        skipped and reported by plugin and hook.
     """
 
 

@@ -24,6 +24,7 @@ import importlib
 import importlib.metadata
 import logging
 import os
+import re
 from contextlib import contextmanager
 from collections.abc import Callable
 from typing import Any
@@ -44,6 +45,8 @@ BUILTIN_PLUGINS = ("vegas.strategies", "vegas.backends.hf", "vegas.backends.vllm
 
 #: the selector name of plain decoding (no drafting), taken wherever a selector is named
 PLAIN = "none"
+#: what a selector or backend name may hold (names are chosen in comma-separated flags)
+NAME_PATTERN = re.compile(r"[A-Za-z0-9_.\-]+")
 
 _manager: pluggy.PluginManager | None = None
 _registry: dict[str, dict[Any, Any]] | None = None
@@ -76,8 +79,11 @@ def _load_entry_points(pm: pluggy.PluginManager) -> None:
             _report(ep.name, exc)
 
 
-def _report(name: str, exc: BaseException) -> None:
-    message = f"vegas plugin {name!r} failed and was skipped: {type(exc).__name__}: {exc}"
+def _report(name: str, exc: BaseException, hook_name: str | None = None) -> None:
+    """Log and keep one plugin failure: the whole plugin (it did not load) or one of its hooks
+    (``hook_name``: only what that hook provides is skipped, its other hooks still count)."""
+    what = f"vegas plugin {name!r}" + (f": its {hook_name}()" if hook_name else "")
+    message = f"{what} failed and was skipped: {type(exc).__name__}: {exc}"
     plugin_errors.append(message)
     log.warning(message)
 
@@ -120,8 +126,9 @@ def _bad_entry(kind: str, name: object, obj: object) -> str | None:
         if not isinstance(obj, type):
             return f"the fast path of {name.__name__} must be a class, got {obj!r}"
         return None
-    if not isinstance(name, str) or not name:
-        return f"names must be non-empty strings, got {name!r}"
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+        return (f"names must be non-empty strings of letters, digits, '_', '.' and '-' (they are chosen "
+                f"with comma-separated flags such as --selectors), got {name!r}")
     if kind == "selectors":
         if name == PLAIN:
             return f"selector name {PLAIN!r} is plain decoding, it cannot be registered"
@@ -156,7 +163,7 @@ def _collect(hook_name: str, kind: str) -> dict[Any, Any]:
             if problems:
                 raise TypeError(f"{hook_name}(): " + "; ".join(problems))
         except Exception as exc:
-            _report(impl.plugin_name, exc)
+            _report(impl.plugin_name, exc, hook_name)
             continue
         for name, obj in provided.items():
             if name in merged:

@@ -75,3 +75,17 @@ class FailingSelectorsPlugin:
     @vegas.hookimpl
     def vegas_selectors(self):
         return {"initraise": InitRaisingSelector, "selectraise": SelectRaisingSelector}
+
+
+class BadNamePlugin:
+    """A selector named so that no comma-separated flag could choose it; its backends are fine."""
+
+    @vegas.hookimpl
+    def vegas_selectors(self):
+        return {"bad name,x": SinksOnlySelector}
+
+    @vegas.hookimpl
+    def vegas_backends(self):
+        from vegas.backends.hf import HFBackend
+
+        return {"hf_again": HFBackend}
