@@ -50,6 +50,9 @@ def test_recommend_follows_the_three_steps_on_synthetic_points():
     assert rec["best"]["config"]["min_kv_budget"] == 0
     text = "\n".join(describe({**rec, "complete": True}))
     assert "VegasConfig(sparsity_ratio=0.03333, min_kv_budget=0)" in text
+    # why the knee: its τ against the curve's best, each with its spread, and the rule
+    assert ("knee (step 1, γ=4): sparsity 0.05, τ 3.90 (spread 0.00) against the best τ 4.00 (spread 0.00) "
+            "at sparsity 0.2: the smallest sparsity within 5% or within the spread") in text
     assert "--additional-config '{\"vegas\": {\"selector\"" in text and '"num_speculative_tokens": 4' in text
     assert "num_draft_tokens" not in text.split("--additional-config")[1]  # γ only in speculative_config
     assert "vegas serve MODEL --config" in text

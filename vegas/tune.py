@@ -344,11 +344,21 @@ def run_tune(opts: TuneOptions, console: Console | None = None, pipe: Pipeline |
     return recommendation
 
 
-def _knee_of(points: list[dict], selector: str, opts: TuneOptions) -> dict | None:
-    """Step 1's knee: over the points of ``opts.sparsities`` at ``opts.num_draft_tokens``."""
+def _curve(points: list[dict], selector: str, opts: TuneOptions) -> list[dict]:
+    """Step 1's points of ``selector``: ``opts.sparsities`` at ``opts.num_draft_tokens``."""
     grid = {round_sparsity(s) for s in opts.sparsities}
-    curve = [p for p in points_of(points, 1, selector, opts.num_draft_tokens) if p["sparsity_ratio"] in grid]
-    return knee(curve, opts.tolerance)
+    return [p for p in points_of(points, 1, selector, opts.num_draft_tokens) if p["sparsity_ratio"] in grid]
+
+
+def _knee_of(points: list[dict], selector: str, opts: TuneOptions) -> dict | None:
+    """Step 1's knee over :func:`_curve`."""
+    return knee(_curve(points, selector, opts), opts.tolerance)
+
+
+def _tau_point(p: dict) -> dict:
+    """Sparsity, KV budget, τ (of the median run) and τ's spread (max − min over runs) of a point."""
+    return {"sparsity_ratio": p["sparsity_ratio"], "kv_budget": p["kv_budget"],
+            "acceptance_length": p["acceptance_length"], "acceptance_length_spread": p.get("acceptance_length_spread", 0.0)}
 
 
 def _best_gamma(points: list[dict], selector: str, sparsity: float, opts: TuneOptions) -> int:
@@ -387,8 +397,8 @@ def recommend(points: list[dict], opts: TuneOptions) -> dict:
         cfg = VegasConfig(num_draft_tokens=chosen["num_draft_tokens"], sparsity_ratio=chosen["sparsity_ratio"],
                           min_kv_budget=opts.min_kv_budget)
         per[sel] = {
-            "knee": {"sparsity_ratio": k["sparsity_ratio"], "kv_budget": k["kv_budget"],
-                     "acceptance_length": k["acceptance_length"], "num_draft_tokens": k["num_draft_tokens"]},
+            "knee": {**_tau_point(k), "num_draft_tokens": k["num_draft_tokens"],
+                     "best": _tau_point(max(_curve(points, sel, opts), key=lambda p: p["acceptance_length"]))},
             "step": chosen["step"],
             "num_draft_tokens": chosen["num_draft_tokens"],
             "sparsity_ratio": chosen["sparsity_ratio"],
@@ -416,6 +426,7 @@ def recommend(points: list[dict], opts: TuneOptions) -> dict:
                 "unless another point's median tokens/s is higher by more than the spread of the two; plain "
                 "decoding unless the best selector is faster by more than the spread",
         "context": opts.context,
+        "tolerance": opts.tolerance,
         "points": len(points),
     }
 
@@ -424,6 +435,17 @@ def config_args(config: dict) -> str:
     """``name=value, ...`` of the config fields that differ from :class:`VegasConfig`'s defaults."""
     default = asdict(VegasConfig())
     return ", ".join(f"{k}={v!r}" for k, v in config.items() if default.get(k) != v)
+
+
+def _knee_line(k: dict, recommendation: dict) -> str:
+    """Why step 1 chose its knee: its τ against the curve's best τ, each with its spread."""
+    top = k["best"]
+    tol = recommendation.get("tolerance")
+    within = f"within {tol:.0%} or within the spread" if tol is not None else "within the tolerance or the spread"
+    return (f"  knee (step 1, γ={k['num_draft_tokens']}): sparsity {k['sparsity_ratio']:g}, τ {k['acceptance_length']:.2f} "
+            f"(spread {k['acceptance_length_spread']:.2f}) against the best τ {top['acceptance_length']:.2f} "
+            f"(spread {top['acceptance_length_spread']:.2f}) at sparsity {top['sparsity_ratio']:g}: the smallest "
+            f"sparsity {within} (τ of each point's median run; spread = max − min over its runs)")
 
 
 def describe(recommendation: dict) -> list[str]:
@@ -448,7 +470,8 @@ def describe(recommendation: dict) -> list[str]:
         ]
     else:
         args = config_args(best["config"])
-        lines = [f"recommended: {point}", f"  VegasConfig({args})", f"  Pipeline(selector={best['selector']!r}, {args})"]
+        lines = [f"recommended: {point}", _knee_line(best["knee"], recommendation),
+                 f"  VegasConfig({args})", f"  Pipeline(selector={best['selector']!r}, {args})"]
         v = best["vllm"]
         spec = json.dumps(v["speculative_config"])
         extra = v.get("additional_config")
