@@ -55,6 +55,9 @@ class InDraftSelection:
     def __init__(self) -> None:
         self._stream = None
         self._offsets: dict[tuple, tuple[torch.Tensor, int]] = {}
+        #: tensors made on the drafting stream that the side stream reads: held until :meth:`join`,
+        #: so that the caching allocator cannot hand their memory to the drafting stream meanwhile
+        self._held: list[torch.Tensor] = []
 
     def _key_offsets(self, key_caches: list, capturing: bool) -> tuple[torch.Tensor, int]:
         from ...kernels.triton_score import layer_offsets
@@ -106,6 +109,7 @@ class InDraftSelection:
             if self._stream is None:
                 self._stream = torch.cuda.Stream(ctx_sel.device)
             self._stream.wait_stream(torch.cuda.current_stream(ctx_sel.device))
+            self._held = [score_ctx, score_budgets, draft_ctx]
         with torch.cuda.stream(self._stream) if cuda else nullcontext():
             for first, end in layer_groups(state.num_layers):
                 caches = state.key_caches[first:end]
@@ -140,3 +144,4 @@ class InDraftSelection:
         forward, whose layers waited for their groups: this closes the fork of a capture)."""
         if self._stream is not None:
             torch.cuda.current_stream(device).wait_stream(self._stream)
+        self._held = []
