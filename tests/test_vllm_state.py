@@ -1084,3 +1084,18 @@ def test_select_in_draft_is_refused_with_the_options_it_replaces():
             VegasConfig(vllm={"select_in_draft": True, **other})
     with pytest.raises(VegasConfigError, match="vllm.select_in_draft must be true or false"):
         VegasConfig(vllm={"select_in_draft": "yes"})
+
+
+def test_layer_offsets_are_computed_once_per_layout_and_never_first_inside_a_capture():
+    """The one cache of key-cache offsets both score launches use (the verification's, all layers;
+    the in-draft selection's, per layer group): computed eagerly, reused, refused inside a capture."""
+    from vegas.vllm_plugin.selectors.scores import LayerOffsets
+
+    cache = torch.zeros(3, 2, 4, 2, 8)
+    keys = [cache[i].unbind(0)[0] for i in range(3)]
+    offsets = LayerOffsets()
+    first = offsets.get(keys, capturing=False)
+    assert first[0].tolist() == [0, 2 * 4 * 2 * 8, 2 * 2 * 4 * 2 * 8] and offsets.get(keys, capturing=True) is first
+    with pytest.raises(RuntimeError, match="first seen inside CUDA-graph capture"):
+        offsets.get(keys[1:], capturing=True)
+    assert offsets.get(keys[1:], capturing=False)[0].tolist() == [0, 2 * 4 * 2 * 8]

@@ -26,6 +26,7 @@ from contextlib import nullcontext
 import torch
 
 from ...kernels import collect_scores_layers_reference, select_topk_layers
+from ..selectors.scores import LayerOffsets
 from .tables import build_draft_tables
 
 __all__ = ["GROUPS", "InDraftSelection", "layer_groups"]
@@ -54,21 +55,10 @@ class InDraftSelection:
 
     def __init__(self) -> None:
         self._stream = None
-        self._offsets: dict[tuple, tuple[torch.Tensor, int]] = {}
+        self._key_offsets = LayerOffsets()  # one entry per layer group
         #: tensors made on the drafting stream that the side stream reads: held until :meth:`join`,
         #: so that the caching allocator cannot hand their memory to the drafting stream meanwhile
         self._held: list[torch.Tensor] = []
-
-    def _key_offsets(self, key_caches: list, capturing: bool) -> tuple[torch.Tensor, int]:
-        from ...kernels.triton_score import layer_offsets
-
-        pointers = tuple(k.data_ptr() for k in key_caches)
-        hit = self._offsets.get(pointers)
-        if hit is None:
-            if capturing:
-                raise RuntimeError("vegas: KV cache layout first seen inside CUDA-graph capture")
-            hit = self._offsets[pointers] = layer_offsets(key_caches)
-        return hit
 
     def tables(self, state, step_inputs: torch.Tensor, block_table: torch.Tensor, rows: int, gamma: int,
                max_len: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -118,7 +108,7 @@ class InDraftSelection:
 
                     scores = collect_scores_layers_triton(
                         queries[first:end], weights, caches, block_table, score_ctx, max_len, state.score_scale,
-                        key_offsets=self._key_offsets(caches, capturing), softcap=state.softcap,
+                        key_offsets=self._key_offsets.get(caches, capturing), softcap=state.softcap,
                     )
                 else:
                     scores = collect_scores_layers_reference(

@@ -16,7 +16,29 @@ from ...kernels import collect_scores_layers_reference
 from .base import SelectionPath
 from .plan import CollectPlan
 
-__all__ = ["CollectingPath", "ScoreCollector"]
+__all__ = ["CollectingPath", "LayerOffsets", "ScoreCollector"]
+
+
+class LayerOffsets:
+    """:func:`vegas.kernels.triton_score.layer_offsets` of each list of key caches the score
+    kernel reads in one launch, computed once per layout and eagerly: inside a CUDA-graph
+    capture the host cannot build the offsets tensor the graph would read."""
+
+    def __init__(self) -> None:
+        self._of: dict[tuple, tuple[torch.Tensor, int]] = {}  # data pointers -> (offsets, alignment)
+
+    def get(self, key_caches: list, capturing: bool) -> tuple[torch.Tensor, int]:
+        """Raises:
+            RuntimeError: a layout first seen inside a capture."""
+        pointers = tuple(k.data_ptr() for k in key_caches)
+        hit = self._of.get(pointers)
+        if hit is None:
+            if capturing:
+                raise RuntimeError("vegas: KV cache layout first seen inside CUDA-graph capture")
+            from ...kernels.triton_score import layer_offsets
+
+            hit = self._of[pointers] = layer_offsets(key_caches)
+        return hit
 
 
 class ScoreCollector:
@@ -34,8 +56,7 @@ class ScoreCollector:
     def __init__(self) -> None:
         self._queries: torch.Tensor | None = None  # [L, num_seqs, width, num_q_heads, head_dim]
         self._key_caches: list = []  # per layer: [num_blocks, block_size, num_kv_heads, head_dim]
-        self._key_offsets: tuple | None = None
-        self._key_offsets_of: tuple = ()  # data pointers the offsets were computed for
+        self._key_offsets = LayerOffsets()
         #: layer-by-layer scores of the current forward ([L, num_seqs, max_len] float32), or None
         self._layer_scores: torch.Tensor | None = None
         #: CUDA side stream of the layer-by-layer scores and the one-layer key offset (made eagerly)
@@ -106,17 +127,11 @@ class ScoreCollector:
             if scores.is_cuda:
                 torch.cuda.current_stream(scores.device).wait_stream(self._stream)
         elif self._queries.is_cuda:
-            from ...kernels.triton_score import collect_scores_layers_triton, layer_offsets
+            from ...kernels.triton_score import collect_scores_layers_triton
 
-            pointers = tuple(k.data_ptr() for k in self._key_caches)
-            if self._key_offsets_of != pointers:
-                if capturing:
-                    raise RuntimeError("vegas: KV cache layout first seen inside CUDA-graph capture")
-                self._key_offsets = layer_offsets(self._key_caches)
-                self._key_offsets_of = pointers
             scores = collect_scores_layers_triton(
                 self._queries, plan.q_weight, self._key_caches, block_table, plan.ctx_sel, plan.max_len, scale,
-                key_offsets=self._key_offsets, softcap=state.softcap,
+                key_offsets=self._key_offsets.get(self._key_caches, capturing), softcap=state.softcap,
             )
         else:
             scores = collect_scores_layers_reference(
