@@ -25,7 +25,7 @@ import torch
 
 from ...config import VegasConfigError, VllmOptions
 from .in_draft import InDraftSelection
-from .tables import build_draft_tables
+from .tables import build_draft_tables, draft_extent
 from ..selection.state import LAYER_ATTR, SelectionState
 
 __all__ = [
@@ -67,20 +67,16 @@ def draft_tables(state: SelectionState, step_inputs: torch.Tensor, block_table: 
         rows: requests (padded rows included).
         gamma: γ, draft tokens per iteration.
     """
-    active, _, first_pos, _ = step_inputs.unbind(0)
-    active = active.bool()
     sel, ctx_sel, budgets = state.selection(rows)
-    ctx_sel = torch.minimum(ctx_sel, first_pos)
     block_table = block_table[:rows]
     path = state.path
-    # recent positions from ctx_sel on: the verified chunk and the drafts (plus the path's own)
-    recent_cap = 2 * gamma + 2 + path.recent_columns(state.block_size)
+    ext = draft_extent(step_inputs, ctx_sel, budgets, gamma, path.recent_columns(state.block_size))
     tables = build_draft_tables(
-        sel, budgets, ctx_sel, first_pos + gamma - 1, block_table, state.block_size, state.page_stride, recent_cap,
+        sel, budgets, ext.ctx_sel, ext.first_pos + gamma - 1, block_table, state.block_size, state.page_stride,
+        ext.recent_cap,
     )
-    base_used = torch.where(active, budgets + (first_pos - ctx_sel + 1), 1)
-    pages = path.draft_pages(state, block_table, ctx_sel, budgets, active, sel.shape[2])
-    return tables, base_used, pages
+    pages = path.draft_pages(state, block_table, ext.ctx_sel, budgets, ext.active, sel.shape[2])
+    return tables, ext.base_used, pages
 
 
 def draft_slots(

@@ -27,7 +27,7 @@ import torch
 
 from ...kernels import collect_scores_layers_reference, select_topk_layers
 from ..selectors.scores import LayerOffsets
-from .tables import build_draft_tables
+from .tables import build_draft_tables, draft_extent
 
 __all__ = ["GROUPS", "InDraftSelection", "layer_groups"]
 
@@ -78,18 +78,16 @@ class InDraftSelection:
             ``(rows,)`` int64 pages in use before the first draft, and ``{layer row: event}`` the
             event each layer's first draft attention waits for (empty on the CPU).
         """
-        active, _, first_pos, _ = step_inputs.unbind(0)
-        active = active.bool()
         _, ctx_sel, budgets = state.selection(rows)
+        ext = draft_extent(step_inputs, ctx_sel, budgets, gamma, state.path.recent_columns(state.block_size))
         block_table = block_table[:rows]
         # rows without a request (graph padding) score and select nothing
-        score_ctx = torch.where(active, ctx_sel, 0)
-        score_budgets = torch.where(active, budgets, 0)
+        score_ctx = torch.where(ext.active, ctx_sel, 0)
+        score_budgets = torch.where(ext.active, budgets, 0)
         recent = state.recent_buf[:rows]
-        draft_ctx = torch.minimum(ctx_sel, first_pos)
-        recent_cap = 2 * gamma + 2 + state.path.recent_columns(state.block_size)
         k_max = state.sel_buf.shape[2]
-        tables = torch.empty((state.num_layers, rows, k_max + recent_cap), dtype=torch.int32, device=ctx_sel.device)
+        tables = torch.empty((state.num_layers, rows, k_max + ext.recent_cap), dtype=torch.int32,
+                             device=ctx_sel.device)
         queries = state.collect_queries(rows)  # [L, rows, width, heads, head_dim]
         weights = state.q_weight_buf[:rows, : state.score_width]
         cuda = ctx_sel.is_cuda
@@ -99,7 +97,7 @@ class InDraftSelection:
             if self._stream is None:
                 self._stream = torch.cuda.Stream(ctx_sel.device)
             self._stream.wait_stream(torch.cuda.current_stream(ctx_sel.device))
-            self._held = [score_ctx, score_budgets, draft_ctx]
+            self._held = [score_ctx, score_budgets, ext.ctx_sel]
         with torch.cuda.stream(self._stream) if cuda else nullcontext():
             for first, end in layer_groups(state.num_layers):
                 caches = state.key_caches[first:end]
@@ -119,15 +117,14 @@ class InDraftSelection:
                                            score_ctx)  # [end - first, rows, k_max]
                 state.sel_buf[first:end, :rows].copy_(slots)
                 tables[first:end] = build_draft_tables(
-                    slots, score_budgets, draft_ctx, first_pos + gamma - 1, block_table, state.block_size,
-                    state.page_stride, recent_cap,
+                    slots, score_budgets, ext.ctx_sel, ext.first_pos + gamma - 1, block_table, state.block_size,
+                    state.page_stride, ext.recent_cap,
                 )
                 if cuda:
                     event = torch.cuda.Event()
                     event.record(self._stream)
                     ready.update((row, event) for row in range(first, end))
-        base_used = torch.where(active, budgets + (first_pos - draft_ctx + 1), 1)
-        return tables, base_used, ready
+        return tables, ext.base_used, ready
 
     def join(self, device) -> None:
         """The drafting stream waits for everything the side stream did (after the first draft

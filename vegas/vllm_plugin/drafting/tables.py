@@ -3,11 +3,13 @@ engine (:mod:`.engine`) and the selection beside the first draft forward (:mod:`
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ...kernels import slots_to_fa_pages
 
-__all__ = ["build_draft_tables"]
+__all__ = ["DraftExtent", "build_draft_tables", "draft_extent"]
 
 
 def build_draft_tables(
@@ -48,3 +50,33 @@ def build_draft_tables(
     selected = slots_to_fa_pages(sel_slots.long().clamp(min=0), block_size, page_stride)  # [L, num_seqs, k_max]
     selected = torch.nn.functional.pad(selected, (0, recent_cap))
     return torch.where(col[None] < k[None], selected, recent[None]).to(torch.int32)
+
+
+class DraftExtent(NamedTuple):
+    """What every draft table of one draft phase is laid out by (:func:`draft_extent`)."""
+
+    active: torch.Tensor  # [rows] bool: rows with a request
+    first_pos: torch.Tensor  # [rows] int64: position of each row's first draft
+    ctx_sel: torch.Tensor  # [rows] int64: the selectable prefix, at most first_pos
+    recent_cap: int  # table columns for the positions from ctx_sel on
+    base_used: torch.Tensor  # [rows] int64: pages in use before the first draft (1 for an idle row)
+
+
+def draft_extent(step_inputs: torch.Tensor, ctx_sel: torch.Tensor, budgets: torch.Tensor, gamma: int,
+                 path_columns: int) -> DraftExtent:
+    """The layout shared by the draft tables of a draft phase, whichever way the selection was made.
+
+    Args:
+        step_inputs: ``(4, rows)`` int64 (active, last token, its position, blocks in use).
+        ctx_sel, budgets: ``(rows,)`` int64, the verification's selectable prefix and KV budgets.
+        gamma: γ.
+        path_columns: columns the selection path keeps beyond ``2γ + 2`` for recent positions
+            (``SelectionPath.recent_columns``).
+    """
+    active, _, first_pos, _ = step_inputs.unbind(0)
+    active = active.bool()
+    ctx_sel = torch.minimum(ctx_sel, first_pos)
+    # recent positions from ctx_sel on: the verified chunk and the drafts (plus the path's own)
+    recent_cap = 2 * gamma + 2 + path_columns
+    base_used = torch.where(active, budgets + (first_pos - ctx_sel + 1), 1)
+    return DraftExtent(active, first_pos, ctx_sel, recent_cap, base_used)
