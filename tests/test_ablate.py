@@ -65,6 +65,42 @@ def test_oracle_drafts_at_least_as_well_as_collect2(pipe, click_ids):
     assert tau["oracle"] >= tau["collect2"], tau
 
 
+def test_kv_attended_counts_quests_partial_page_and_chunk(pipe, click_ids):
+    """``kv_attended`` is what drafts attended, not the nominal budget: Quest's budget pages plus
+    its always-attended partial page and verified chunk; the others exactly their budget."""
+    from vegas.backends.hf import HFSession
+    from vegas.sampling import SamplingParams, make_sampler
+    from vegas.strategies import QuestSelector
+
+    budget, gamma, page = 48, 4, 16  # 3 whole pages
+    config = VegasConfig(kv_budget=budget, num_draft_tokens=gamma, page_size=page, fallback=False)
+    # committed after prefill: 308 = 18 whole pages before the chunk's 5 tokens, then 20 recent
+    # positions (the partial page's 15 and the chunk's 5), the most Quest attends beyond its
+    # pages; 299 = 18 pages, then 11 recent ones (the batch's rows are left-padded apart)
+    prompts = [click_ids[30000:30309], click_ids[70000:70300]]
+    session = HFSession(pipe.backend.model, config, QuestSelector(config))
+    session.prefill(prompts)
+    assert session.kv_budgets.tolist() == [budget, budget]
+    session.draft(gamma, make_sampler(SamplingParams(temperature=0), None))
+    assert session.kv_attended.tolist() == [3 * page + 20, 3 * page + 11]
+
+    saved = pipe.config
+    try:
+        pipe.config = config
+        for name in ("collect2", "sliding_window", "quest", "oracle"):
+            selector = OracleSelector(config) if name == "oracle" else name
+            for out in pipe.generate(prompts, max_new_tokens=12, selector=selector):
+                s = out.stats
+                assert s.kv_budget == budget, name
+                if name == "quest":  # beside its 3 pages, the chunk (γ + 1) and up to P - 1 of a partial page
+                    assert budget + gamma + 1 <= s.kv_attended <= budget + gamma + page, s
+                else:
+                    assert s.kv_attended == budget, (name, s)
+        assert all(o.stats.kv_attended is None for o in pipe.generate(prompts, max_new_tokens=2, selector=None))
+    finally:
+        pipe.config = saved
+
+
 def test_jaccard_and_top_k_sets():
     scores = torch.tensor([[[5.0, 4.0, 3.0, 2.0, 1.0], [1.0, 2.0, 3.0, 4.0, 5.0]]])  # [B=1, 2 rows, L=5]
     allowed = torch.tensor([[True, True, True, True, False]])
@@ -161,8 +197,9 @@ def test_tiny_run_writes_schema_plots_tables_and_resumes(counted, tmp_path, clic
     assert res["measured"] == len(data["points"]) == 2 + 3 + 1 + 2
     for p in data["points"]:
         assert {"study", "prompt_kind", "selector", "context", "sparsity_ratio", "num_draft_tokens", "variant",
-                "kv_budget", "acceptance_length", "tau", "tau_per_prompt", "rope_scaling"} <= set(p)
+                "kv_budget", "kv_attended", "acceptance_length", "tau", "tau_per_prompt", "rope_scaling"} <= set(p)
         assert len(p["tau_per_prompt"]) == 2 and p["tau"]["n"] == 2 and p["kv_budget"] == 13
+        assert p["kv_attended"] == 13  # score-based selectors attend exactly their budget
         assert 1.0 <= p["tau"]["ci95"][0] <= p["acceptance_length"] <= p["tau"]["ci95"][1] <= 3.0
     probe = next(p for p in data["points"] if p["selector"] == "overlap_probe")
     assert set(probe["jaccard"]) == {"within", "across", "proxy_last_token", "proxy_collect2", "proxy_aggregated"}
@@ -179,9 +216,16 @@ def test_tiny_run_writes_schema_plots_tables_and_resumes(counted, tmp_path, clic
     assert headings and all(" ctx " not in h for h in headings), headings
     assert any(source_label(str(source)) in h for h in headings), headings
 
+    assert "| 0.1: τ | attended |" in tables and "| 13.0 |" in tables
+
+    # points.json from before kv_attended: its points are reused, their attended cells "–"
+    for p in data["points"]:
+        del p["kv_attended"]
+    (out / "points.json").write_text(json.dumps(data))
     measured = len(calls)
     again = run_ablate(_tiny(tmp_path, source), Console(file=io.StringIO()), pipe=pipe)
     assert len(calls) == measured and again["reused"] == len(data["points"]) and again["measured"] == 0
+    assert "| 13.0 |" not in (out / "tables.md").read_text() and "] | – |" in (out / "tables.md").read_text()
     more = run_ablate(_tiny(tmp_path, source, budgets=[0.1, 0.2], studies=["budget"]), Console(file=io.StringIO()),
                       pipe=pipe)
     assert more["measured"] == 2 and more["reused"] == 2  # a grid extended: only the new points

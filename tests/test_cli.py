@@ -111,6 +111,8 @@ def test_generate_logs_in_one_format_and_shows_the_budget_used(tmp_path):
     assert len(said) == 1 and said[0].startswith("vegas: KV budget 256 >= context 4 tokens"), done.stderr
     used = int(re.search(r"KV budget (\d+) tokens, decode", done.stderr).group(1))
     assert 4 <= used <= 4 + 5  # the context at the last selection, not the 256-token minimum
+    attended = float(re.search(r"([\d.]+) KV entries attended per layer and draft", done.stderr).group(1))
+    assert 3 <= attended <= 4 + 5  # the whole committed context: the budget covers it
     assert "(≤ γ+1 = 5: the bonus token counts)" in done.stderr
 
 

@@ -5,7 +5,10 @@ acceptance length τ (tokens emitted per iteration, accepted drafts + the bonus 
 prompt, with its mean, a 95 % bootstrap interval of the mean and the min–max over prompts.
 Decoding samples (T = 0.8, top-p 0.95 by default; ``temperature=0`` measures greedy τ, which
 loops on small models). Plain-step fallback is off (each selector's own τ), and the KV budget
-is ``ceil(sparsity × context)`` (``min_kv_budget`` 0).
+is ``ceil(sparsity × context)`` (``min_kv_budget`` 0). Selectors attend different numbers of
+KV entries at one budget (Quest attends its partial page and the verified chunk beside the
+budget's pages), so every point also records ``kv_attended``, the KV entries per layer a
+draft query attended (:attr:`vegas.outputs.RequestStats.kv_attended`), shown beside τ.
 
 Studies (``studies``):
 
@@ -250,7 +253,10 @@ def measure(pipe: Pipeline, rows: list[dict], spec: dict, opts: AblateOptions) -
     batches of ``opts.batch_size`` with the spec's selector and config (see :func:`plan`).
 
     Returns:
-        the point: the spec, ``kv_budget``, ``acceptance_length`` (mean τ over prompts),
+        the point: the spec, ``kv_budget``, ``kv_attended`` (the KV entries per layer a draft
+        query attended, :attr:`~vegas.outputs.RequestStats.kv_attended`, mean over prompts; None
+        if none drafted; points measured before it existed lack it),
+        ``acceptance_length`` (mean τ over prompts),
         ``tau`` (:func:`spread`), ``tau_per_prompt``; ``copied_tokens`` (:func:`spread` of the
         tokens generated before the first that differs from the passage) for retrieval
         prompts; ``jaccard`` (series -> per index d or draft step: mean, min, max over prompts)
@@ -259,7 +265,7 @@ def measure(pipe: Pipeline, rows: list[dict], spec: dict, opts: AblateOptions) -
     base = VegasConfig(min_kv_budget=0, fallback=False)
     config = replace(base, num_draft_tokens=spec["num_draft_tokens"], sparsity_ratio=spec["sparsity_ratio"],
                      **VARIANTS.get(spec["variant"], {}))
-    taus, copied, jaccard = [], [], {}
+    taus, attended, copied, jaccard = [], [], [], {}
     started = time.monotonic()
     config_before, pipe.config = pipe.config, config
     try:  # the caller's pipeline keeps its own config afterwards
@@ -269,6 +275,7 @@ def measure(pipe: Pipeline, rows: list[dict], spec: dict, opts: AblateOptions) -
             outs = pipe.generate([r["prompt"] for r in batch], max_new_tokens=opts.new_tokens, selector=selector,
                                  temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)
             taus += [o.stats.acceptance_length for o in outs]
+            attended += [o.stats.kv_attended for o in outs if o.stats.kv_attended is not None]
             copied += [_common_prefix(o.token_ids, r["expected"]) for o, r in zip(outs, batch) if "expected" in r]
             if isinstance(selector, OverlapProbe):
                 for series, per_prompt in selector.results().items():
@@ -278,6 +285,7 @@ def measure(pipe: Pipeline, rows: list[dict], spec: dict, opts: AblateOptions) -
     point = {
         **spec,
         "kv_budget": kv_budget_for(config, spec["context"]),
+        "kv_attended": sum(attended) / len(attended) if attended else None,
         "acceptance_length": sum(taus) / len(taus),
         "tau": spread(taus, opts.seed),
         "tau_per_prompt": taus,
@@ -382,7 +390,8 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
                 state["last"] = point["wall_seconds"]
                 store.add(point)
                 state["measured"] += 1
-                progress.advance(task, note=f"τ {point['acceptance_length']:.2f}")
+                attended = "" if point["kv_attended"] is None else f", attended {point['kv_attended']:.1f}"
+                progress.advance(task, note=f"τ {point['acceptance_length']:.2f}{attended}")
         except _OutOfTime as exc:
             stopped = f"time budget of {opts.time_budget:g} s reached before {exc.args[0]}"
             console.print(f"[yellow]{stopped}; plotting what was measured (rerun to resume)[/yellow]")

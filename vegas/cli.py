@@ -335,7 +335,9 @@ def generate(prompt, selector, max_new_tokens, chat, model, rope_scaling, backen
     drafting = "plain decoding" if pipe.selector is None else (
         f"τ={s.acceptance_length:.2f} tokens/iteration over {s.iterations} iteration{'' if s.iterations == 1 else 's'} "
         f"(≤ γ+1 = {pipe.config.num_draft_tokens + 1}: the bonus token counts){plain}, "
-        f"accepted {s.num_accepted}/{s.num_drafted} drafts, KV budget {s.kv_budget} tokens"
+        f"accepted {s.num_accepted}/{s.num_drafted} drafts, "
+        + ("" if s.kv_attended is None else f"{s.kv_attended:.1f} KV entries attended per layer and draft, ")
+        + f"KV budget {s.kv_budget} tokens"
     )
     click.echo(
         f"\n[{s.num_generated} tokens, {drafting}, decode {s.decode_seconds:.2f} s, "

@@ -140,6 +140,14 @@ class Selector(ABC):
 class Drafter(ABC):
     """Proposes γ tokens with sparse attention over the selector's index sets."""
 
+    #: per row, the KV entries per layer a draft query of the last ``draft`` call attended
+    #: to among the committed ones (the selection as attended: Quest's partial page and
+    #: verified chunk included, slots a sliding-window layer's window has left excluded; not
+    #: the drafting phase's own new positions), averaged over KV-head groups, layers and
+    #: draft steps: ``torch.FloatTensor (batch_size,)``; None where a drafter does not count
+    #: it (the loop reports it as :attr:`vegas.outputs.RequestStats.kv_attended`)
+    kv_attended: torch.Tensor | None = None
+
     @abstractmethod
     def draft(
         self, num_draft_tokens: int, sample: SampleFn
@@ -162,8 +170,9 @@ class Verifier(ABC):
 
     #: seconds spent so far in score collection, top-k and index building (selection overhead)
     selection_seconds: float = 0.0
-    #: KV entries per layer of each row's current selection (the budget clamped to the
-    #: context), ``torch.LongTensor (batch_size,)``; None before a selection (plain decoding)
+    #: each row's KV budget of the current selection (clamped to the context), ``torch.LongTensor
+    #: (batch_size,)``; None before a selection (plain decoding). The nominal size: what drafts
+    #: attended (Quest attends more) is :attr:`Drafter.kv_attended`
     kv_budgets: torch.Tensor | None = None
 
     @abstractmethod

@@ -36,9 +36,10 @@ class _Outputs:
         self.eos_token_ids = frozenset(eos_token_ids)
 
     def emit(self, row: int, tokens: list[int], num_drafted: int, num_accepted: int, plain: bool = False,
-             kv_budget: int = 0) -> None:
+             kv_budget: int = 0, kv_attended: float | None = None) -> None:
         """Append ``tokens`` to the sequence at batch row ``row`` (``plain``: a Vegas plain step;
-        ``kv_budget``: of the selection that followed)."""
+        ``kv_budget``: of the selection that followed; ``kv_attended``: the drafter's count of
+        this iteration's drafts, None for none)."""
         b = self.active[row]
         if self.done[b]:
             return
@@ -48,6 +49,9 @@ class _Outputs:
         stats.num_drafted += num_drafted
         stats.num_accepted += num_accepted
         stats.kv_budget = kv_budget
+        if kv_attended is not None:  # running mean over the drafting iterations (γ drafts each)
+            mean = stats.kv_attended or 0.0
+            stats.kv_attended = mean + (kv_attended - mean) / (stats.iterations - stats.plain_steps)
         for token in tokens:
             self.tokens[b].append(token)
             if token in self.eos_token_ids or len(self.tokens[b]) == self.max_new_tokens:
@@ -141,8 +145,10 @@ def speculative_decode(
         selector.observe(num_accepted, num_draft_tokens)
         drafts, accepted, nexts = draft_tokens.tolist(), num_accepted.tolist(), next_tokens.tolist()
         budgets = _kv_budgets(verifier, len(accepted))
+        attended = [None] * len(accepted) if drafter.kv_attended is None else drafter.kv_attended.tolist()
         for row, n in enumerate(accepted):
-            out.emit(row, drafts[row][:n] + [nexts[row]], num_draft_tokens, n, kv_budget=budgets[row])
+            out.emit(row, drafts[row][:n] + [nexts[row]], num_draft_tokens, n, kv_budget=budgets[row],
+                     kv_attended=attended[row])
         policy.observe_draft(1 + sum(accepted) / len(accepted))
         out.retire(verifier, selector)
     end = clock()

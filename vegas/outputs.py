@@ -33,8 +33,16 @@ class RequestStats:
         prefill_seconds: wall time of the batch's prefill (seconds).
         selection_seconds: time in score collection, top-k and index building during the
             decode phase (seconds; the selection made at prefill counts with the prefill).
-        kv_budget: KV entries per layer the last drafting phase attended to besides its own
-            new tokens: the budget clamped to the context (tokens; 0 for plain decoding).
+        kv_budget: the KV budget of the last selection, clamped to the context (tokens per
+            layer; 0 for plain decoding): the nominal size, not what drafts attended (Quest
+            attends its partial page and the verified chunk beside the budget's pages).
+        kv_attended: KV entries per layer a draft query attended to among the committed ones,
+            averaged over KV-head groups, layers, draft steps and drafting iterations (tokens):
+            each selector's selection as attended (Quest's partial page and verified chunk
+            included; the oracle's per-query sets; slots a sliding-window layer's window has
+            left excluded). The drafting phase's own new positions (``x_last``, then the
+            drafts: 1..γ, the same for every selector) are not counted. None when no draft
+            ran or the backend does not count it (vLLM).
     """
 
     num_generated: int = 0
@@ -46,6 +54,7 @@ class RequestStats:
     prefill_seconds: float = 0.0
     selection_seconds: float = 0.0
     kv_budget: int = 0
+    kv_attended: float | None = None
 
     @property
     def acceptance_length(self) -> float:

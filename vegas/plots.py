@@ -293,18 +293,34 @@ def plot_ablate(points: list[dict], opts, out: Path, source: str = "held-out cod
     return written
 
 
-def _tau_cell(p: dict | None) -> str:
+#: what the ``attended`` columns of ``tables.md`` hold
+ATTENDED_NOTE = ("attended: KV entries per layer a draft query attended to among the committed ones "
+                 "(`kv_attended`, mean over layers, draft steps, iterations and prompts; the drafts' own new "
+                 "positions not counted), beside the nominal KV budget; – : not recorded (points measured before "
+                 "it was)")
+
+
+def _tau_cells(p: dict | None) -> list[str]:
+    """τ mean [95 % CI] and ``kv_attended`` of point ``p``: two table cells ("–" where missing)."""
     if p is None:
-        return "–"
-    t = p["tau"]
-    return f"{t['mean']:.2f} [{t['ci95'][0]:.2f}, {t['ci95'][1]:.2f}]"
+        return ["–", "–"]
+    t, attended = p["tau"], p.get("kv_attended")  # points.json from before kv_attended lacks it
+    return [f"{t['mean']:.2f} [{t['ci95'][0]:.2f}, {t['ci95'][1]:.2f}]",
+            "–" if attended is None else f"{attended:.1f}"]
+
+
+def _tau_header(columns: list[str]) -> list[str]:
+    """Header and rule of a table with a τ and an attended column per entry of ``columns``."""
+    return ["| selector | " + " | ".join(f"{c}: τ | attended" for c in columns) + " |",
+            "|---" * (2 * len(columns) + 1) + "|"]
 
 
 def write_ablate_tables(points: list[dict], path: Path, source: str = "held-out code") -> None:
-    """Markdown tables of every ``vegas ablate`` point: τ mean [95 % CI] per selector ×
-    sparsity for each prompt kind, context and γ; the variants; the overlap series.
-    ``source``: how the prompt source reads (:func:`vegas.prompts.source_label`)."""
-    lines = []
+    """Markdown tables of every ``vegas ablate`` point: τ mean [95 % CI] and the KV entries
+    attended (``kv_attended``) per selector × sparsity for each prompt kind, context and γ; the
+    variants; the overlap series. ``source``: how the prompt source reads
+    (:func:`vegas.prompts.source_label`)."""
+    lines = [ATTENDED_NOTE + ".", ""]
     studied = [p for p in points if p["study"] in ("budget", "retrieval")]
     for kind, ctx, gamma in sorted({(p["prompt_kind"], p["context"], p["num_draft_tokens"]) for p in studied}):
         here = _ablate_points(studied, prompt_kind=kind, context=ctx, num_draft_tokens=gamma)
@@ -313,11 +329,11 @@ def write_ablate_tables(points: list[dict], path: Path, source: str = "held-out 
         prompts = source if kind == "heldout" else f"copy-task (retrieval) prompts from {source}"
         lines += [f"### τ, {prompts}, context {ctx}" + (f" (YaRN ×{rope['factor']:g})" if rope else "")
                   + f", γ={gamma}: mean [95 % CI] over {here[0]['tau']['n']} prompts", "",
-                  "| selector | " + " | ".join(f"{s:g}" for s in budgets) + " |",
-                  "|---" * (len(budgets) + 1) + "|"]
+                  *_tau_header([f"{s:g}" for s in budgets])]
         for sel in sorted({p["selector"] for p in here}):
-            cells = [_tau_cell(next((p for p in here if p["selector"] == sel and p["sparsity_ratio"] == s), None))
-                     for s in budgets]
+            cells = [c for s in budgets
+                     for c in _tau_cells(next((p for p in here if p["selector"] == sel and p["sparsity_ratio"] == s),
+                                              None))]
             lines.append(f"| {sel} | " + " | ".join(cells) + " |")
         if kind == "retrieval":
             lines += ["", "tokens copied exactly before the first difference from the passage (mean over prompts; "
@@ -340,17 +356,17 @@ def write_ablate_tables(points: list[dict], path: Path, source: str = "held-out 
         names = ["default"] + sorted({p["variant"] for p in variants})
         sels = sorted({p["selector"] for p in variants})
         lines += [f"### ablations, context {ctx}, sparsity {s:g}, γ={gamma}: τ mean [95 % CI]", "",
-                  "| selector | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+                  *_tau_header(names)]
         for sel in sels:
-            cells = [_tau_cell(next((p for p in here if p["selector"] == sel and p["variant"] == v
-                                     and p["num_draft_tokens"] == gamma), None)) for v in names]
+            cells = [c for v in names for c in _tau_cells(next((p for p in here if p["selector"] == sel and p["variant"] == v
+                                                                 and p["num_draft_tokens"] == gamma), None))]
             lines.append(f"| {sel} | " + " | ".join(cells) + " |")
         gammas = sorted({p["num_draft_tokens"] for p in here if p["variant"] == "default"})
-        lines += ["", f"### τ against γ, context {ctx}, sparsity {s:g}", "",
-                  "| selector | " + " | ".join(f"γ={g}" for g in gammas) + " |", "|---" * (len(gammas) + 1) + "|"]
+        lines += ["", f"### τ against γ, context {ctx}, sparsity {s:g}", "", *_tau_header([f"γ={g}" for g in gammas])]
         for sel in sels:
-            cells = [_tau_cell(next((p for p in here if p["selector"] == sel and p["variant"] == "default"
-                                     and p["num_draft_tokens"] == g), None)) for g in gammas]
+            cells = [c for g in gammas for c in _tau_cells(next((p for p in here if p["selector"] == sel
+                                                                  and p["variant"] == "default"
+                                                                  and p["num_draft_tokens"] == g), None))]
             lines.append(f"| {sel} | " + " | ".join(cells) + " |")
         lines.append("")
     for p in points:

@@ -245,6 +245,8 @@ class HFSession(Drafter, Verifier):
         self.num_committed, self.last_tokens = self.num_committed[rows], self.last_tokens[rows]
         if self.kv_budgets is not None:
             self.kv_budgets = self.kv_budgets[rows]
+        if self.kv_attended is not None:
+            self.kv_attended = self.kv_attended[rows]
         self.selections = [
             None if sel is None else Selection(sel.indices[rows], sel.mask[rows]) for sel in self.selections
         ]
@@ -269,6 +271,7 @@ class HFSession(Drafter, Verifier):
         tokens, probs = [], []
         x = self.last_tokens
         ones = torch.ones(x.shape[0], 1, dtype=torch.bool, device=self.device)
+        attended, layers = None, 0  # committed slots attended, summed over steps and layers
         for _ in range(num_draft_tokens):
             ctx = AttentionContext(
                 mode="draft",
@@ -278,9 +281,13 @@ class HFSession(Drafter, Verifier):
                 sync=self.sync,
             )
             logits = self._forward(x[:, None], ones, ctx, num_logits=1)[:, -1]  # [B, V]
+            if ctx.attended is not None:
+                attended = ctx.attended if attended is None else attended + ctx.attended
+                layers += ctx.attended_layers
             x, p = sample(logits)
             tokens.append(x)
             probs.append(p)
+        self.kv_attended = None if attended is None else attended / layers
         draft_probs = None if probs[0] is None else torch.stack(probs, dim=1)
         return torch.stack(tokens, dim=1), draft_probs
 

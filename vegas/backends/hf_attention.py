@@ -21,7 +21,9 @@ transformers calls with ``sliding_window=W``, only keys with ``query_pos - key_p
 * ``draft``: sparse attention over the layer's selected slots (gathered, so the work is
   proportional to the KV budget) plus every slot appended since the selection; on a
   sliding-window layer the selection is made among the slots inside the window, and the
-  slots a draft query's window has left are masked out.
+  slots a draft query's window has left are masked out. The selected slots the query did
+  attend (after that masking) are counted into ``ctx.attended``, per row and layer: the one
+  count behind :attr:`vegas.outputs.RequestStats.kv_attended`.
 
 Logit soft-capping (Gemma 2's ``attn_logit_softcapping``, passed by transformers as
 ``softcap=c``): every mode computes ``c * tanh(scaling * q·k / c)`` before the mask and the
@@ -80,6 +82,11 @@ class AttentionContext:
         selection_len: cache length at selection time; later slots are always attended.
         selector: the query-aware selector to refine selections per draft step, or None.
         selection_seconds: time spent collecting / refining (seconds), accumulated.
+        attended: draft mode, filled per layer: ``(batch_size,)`` float32, the committed slots
+            (before ``selection_len``) the draft query attended, summed over the layers run so
+            far (each layer's count averaged over its groups); the slots appended since the
+            selection (the drafting phase's own positions) are not counted.
+        attended_layers: the layers summed into ``attended``.
         sync: synchronise CUDA around timed sections (accurate timing on GPUs).
     """
 
@@ -98,11 +105,21 @@ class AttentionContext:
     selection_len: int = 0
     selector: Selector | None = None
     selection_seconds: float = 0.0
+    attended: torch.Tensor | None = None
+    attended_layers: int = 0
     sync: bool = False
     _masks: dict = field(default_factory=dict, repr=False)
 
     def _tick(self) -> float:
         return clock(self.sync)
+
+    def count_attended(self, mask: torch.Tensor) -> None:
+        """Add one layer's attended committed slots to :attr:`attended`: ``mask``
+        ``(batch_size, groups, slots)`` bool, True where the draft query attends a committed
+        slot; the count is averaged over the groups (KV heads with ``granularity="kv_head"``)."""
+        count = mask.sum(dim=-1).float().mean(dim=1)  # [B]
+        self.attended = count if self.attended is None else self.attended + count
+        self.attended_layers += 1
 
     def mask(self, window: int | None) -> tuple[int, torch.Tensor]:
         """``(start, allowed)``: the slots ``start:`` that any query of this forward may see,
@@ -172,13 +189,15 @@ def _masked_attention(query, key, value, scaling, ctx: AttentionContext, window:
 def _draft_attention(module, query, key, value, scaling, ctx: AttentionContext, window: int | None, softcap=None):
     layer = module.layer_idx
     sel = ctx.selections[layer] if ctx.selections else None
+    n = ctx.selection_len
     if sel is None:  # nothing selected yet (one-token prompts): attend to everything
+        start, allowed = ctx.mask(window)
+        ctx.count_attended(allowed[:, :, : max(n - start, 0)])  # q_len 1: [B, 1, committed slots seen]
         return _masked_attention(query, key, value, scaling, ctx, window, softcap)
     if ctx.selector is not None and ctx.selector.query_aware:
         start = ctx._tick()
         sel = run_selector(ctx.selector, "select_for_query", layer, query, sel)
         ctx.selection_seconds += ctx._tick() - start
-    n = ctx.selection_len
     k = torch.cat([_gather_slots(key, sel), key[:, :, n:]], dim=2)
     v = torch.cat([_gather_slots(value, sel), value[:, :, n:]], dim=2)
     recent = sel.mask.new_ones(sel.mask.shape[0], sel.mask.shape[1], key.shape[2] - n)
@@ -187,6 +206,7 @@ def _draft_attention(module, query, key, value, scaling, ctx: AttentionContext, 
         positions = torch.cat([ctx.key_pos.gather(1, sel.indices.flatten(1)).view_as(sel.indices),
                                ctx.key_pos[:, None, n:].expand(-1, sel.indices.shape[1], -1)], dim=2)
         mask = mask & (ctx.query_pos[:, :, None] - positions < window)  # query_pos: [B, 1]
+    ctx.count_attended(mask[:, :, : sel.mask.shape[2]])  # the selected slots, as attended
     num_heads, groups = query.shape[1], mask.shape[1]
     mask = mask.repeat_interleave(num_heads // groups, dim=1)[:, :, None, :]  # [B, H, 1, ...]
     return _attend(query, k, v, mask, scaling, softcap)
