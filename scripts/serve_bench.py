@@ -131,6 +131,7 @@ VARIANTS = {
     SKIP_SUFFIX: lambda args: {"prefill_skip_tokens": args.prefill_skip_tokens},
     "-overlap": lambda args: {"score_overlap": True},
     "-indraft": lambda args: {"select_in_draft": True},
+    "-separate": lambda args: {"select_in_draft": False},
     "-fallback": lambda args: {"fallback": True},
 }
 
@@ -555,7 +556,8 @@ def parse_args(argv=None):
     p.add_argument("--methods", default=",".join(METHODS), type=lambda s: [m for m in s.split(",") if m],
                    help="plain, ngram, or Vegas selector names (collect2, sliding_window, ...); "
                         "<selector>-skip: that selector with --prefill-skip-tokens; <selector>-overlap: with "
-                        "vllm.score_overlap; <selector>-indraft: with vllm.select_in_draft; <selector>-fallback: with "
+                        "vllm.score_overlap; <selector>-indraft: with vllm.select_in_draft (the default); "
+                        "<selector>-separate: without it (the score pass after the verification); <selector>-fallback: with "
                         "vllm.fallback.")
     p.add_argument("--rates", default="1,2,4,8,16,inf", type=rate_list,
                    help="Request rates (requests/s, > 0; inf sends all at once: saturation).")

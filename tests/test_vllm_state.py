@@ -1078,11 +1078,18 @@ def test_selection_in_draft_selects_and_tables_what_the_verification_would(monke
 
 
 def test_select_in_draft_is_refused_with_the_options_it_replaces():
+    from vegas.vllm_plugin.runners.start import select_in_draft
+
     assert VegasConfig(vllm={"select_in_draft": True}).vllm.select_in_draft
+    # the default (None) is on unless an option that replaces the same score pass is set
+    assert VegasConfig().vllm.select_in_draft is None and select_in_draft(VegasConfig().vllm)
+    assert not select_in_draft(VegasConfig(vllm={"select_in_draft": False}).vllm)
+    for other in ({"score_overlap": True}, {"score_path": "cute"}):
+        assert not select_in_draft(VegasConfig(vllm=other).vllm)
     for other in ({"score_overlap": True}, {"score_path": "cute"}):
         with pytest.raises(VegasConfigError, match="vllm.select_in_draft .*cannot be combined"):
             VegasConfig(vllm={"select_in_draft": True, **other})
-    with pytest.raises(VegasConfigError, match="vllm.select_in_draft must be true or false"):
+    with pytest.raises(VegasConfigError, match="vllm.select_in_draft must be true, false or null"):
         VegasConfig(vllm={"select_in_draft": "yes"})
 
 

@@ -156,8 +156,14 @@ class VllmOptions:
             bus's 4.3 TB/s), so the bandwidth-bound score pass runs beside them instead of
             after the verification's last layer. Same scores, same selection (tests compare
             them). The selection's GPU time is then part of the draft phase (``draft_ms``), not
-            ``select_ms``. Not with ``score_overlap`` or ``score_path="cute"``; ignored by the
-            other selectors and with tensor parallelism. Opt-in until measured on a GPU.
+            ``select_ms``. ``None`` (default): on wherever it applies, unless ``score_overlap``
+            or ``score_path="cute"`` is set or the FA3 score extension loads (each replaces the
+            same score pass another way); ``True``: on, refused with ``score_overlap`` or
+            ``score_path="cute"``; ``False``: off (the score pass after the verification's last
+            layer). Ignored by the other selectors and with tensor parallelism. The default
+            since the H200 serve run of 2026-12-02 (``benchmarks/results/vllm_h200_2026-12-02_s12_indraft``:
+            SmolLM2-135M, rate inf, 1.21x plain against 1.08x without it, TTFT and TPOT lower
+            at every rate, greedy equal to plain up to bf16 ties).
         score_path: where a score-based selector's verification scores come from. ``"auto"``
             (default): FA3 with the score output when the optional ``_vegas_fa3_C`` extension
             loads (``VEGAS_FA3_EXT``), else FA3 and the separate score pass over the prefix keys
@@ -189,7 +195,7 @@ class VllmOptions:
     prefill_skip_tokens: int = 0
     fallback: bool = False
     score_overlap: bool = False
-    select_in_draft: bool = False
+    select_in_draft: bool | None = None
     score_path: Literal["auto", "cute"] = "auto"
 
     def __post_init__(self) -> None:
@@ -204,8 +210,9 @@ class VllmOptions:
         if not isinstance(self.score_overlap, bool):
             raise VegasConfigError.bad("vllm.score_overlap", f"must be true or false, got {self.score_overlap!r}")
         _raise_if_not_one_of("vllm.score_path", self.score_path, SCORE_PATHS)
-        if not isinstance(self.select_in_draft, bool):
-            raise VegasConfigError.bad("vllm.select_in_draft", f"must be true or false, got {self.select_in_draft!r}")
+        if self.select_in_draft is not None and not isinstance(self.select_in_draft, bool):
+            raise VegasConfigError.bad("vllm.select_in_draft",
+                                       f"must be true, false or null (automatic), got {self.select_in_draft!r}")
         if self.select_in_draft and (self.score_overlap or self.score_path == "cute"):
             raise VegasConfigError.bad(
                 "vllm.select_in_draft", "moves the score pass into the draft phase; it cannot be combined with "

@@ -73,13 +73,16 @@ def test_vllm_v2_score_overlap_keeps_greedy_equal(plain_v2, monkeypatch):
     _assert_equal_up_to_ties(plain, vegas)
 
 
-def test_vllm_v2_select_in_draft_keeps_greedy_equal(plain_v2, monkeypatch):
-    """vllm.select_in_draft: the verification keeps its collect queries and the draft graphs
-    score and select beside their first forward (a side stream forked and joined inside each
-    captured draft graph); no graph fails, drafts are accepted as without it, greedy equals plain."""
+@pytest.mark.parametrize("in_draft", [None, False], ids=["default_in_draft", "separate"])
+def test_vllm_v2_select_in_draft_keeps_greedy_equal(plain_v2, monkeypatch, in_draft):
+    """vllm.select_in_draft (on by default): the verification keeps its collect queries and the
+    draft graphs score and select beside their first forward (a side stream forked and joined
+    inside each captured draft graph); no graph fails, drafts are accepted, greedy equals plain.
+    ``False``: the score pass after the verification's last layer, the same checks."""
     prompts, sp, plain = plain_v2
-    vegas, stats = _vegas_v2(monkeypatch, "collect2", prompts, sp, select_in_draft=True)
-    assert stats["score_path"] == "in_draft" and stats["full_cuda_graphs"] and stats["draft_graphs"] > 0, stats
+    vegas, stats = _vegas_v2(monkeypatch, "collect2", prompts, sp, select_in_draft=in_draft)
+    assert stats["score_path"] == ("in_draft" if in_draft is None else "separate"), stats
+    assert stats["full_cuda_graphs"] and stats["draft_graphs"] > 0, stats
     assert not stats["graph_failed"] and stats["proposals"] > 0 and stats["acceptance_length"] > 1.0, stats
     _assert_equal_up_to_ties(plain, vegas)
 

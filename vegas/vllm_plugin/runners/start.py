@@ -99,12 +99,25 @@ def use_path(state: SelectionState, selector: Selector, settings: str, gamma: in
     state.use(path_class(selector)(selector, gamma, device), settings)
     options = selector.config.vllm
     state.prefill_skip_tokens = options.prefill_skip_tokens
-    state.select_in_draft = options.select_in_draft and isinstance(state.path, ScoreTopKFastPath) \
-        and state.all_reduce is None
-    if options.select_in_draft and not state.select_in_draft:
+    applies = isinstance(state.path, ScoreTopKFastPath) and state.all_reduce is None
+    state.select_in_draft = applies and select_in_draft(options)
+    if options.select_in_draft and not applies:
         logger.info("vegas: vllm.select_in_draft ignored: it serves the score-based top-k selectors (collect2, "
                     "aggregated, last_token) on one GPU; selector %r%s", selector.name,
                     " with tensor parallelism" if state.all_reduce is not None else "")
+
+
+def select_in_draft(options) -> bool:
+    """``VegasConfig.vllm.select_in_draft`` resolved: an explicit true or false as given; ``None``
+    (the default) on unless ``score_overlap``, ``score_path="cute"`` or the FA3 score extension
+    (``_vegas_fa3_C``) replaces the same score pass."""
+    if options.select_in_draft is not None:
+        return options.select_in_draft
+    if options.score_overlap or options.score_path == "cute":
+        return False
+    from ...kernels import fa3_scores
+
+    return not fa3_scores.available()
 
 
 def reserve_selection_buffers(state: SelectionState, vllm_config, selector: Selector, gamma: int, max_seqs: int,
