@@ -1084,6 +1084,8 @@ def test_select_in_draft_is_refused_with_the_options_it_replaces():
     # the default (None) is on unless an option that replaces the same score pass is set
     assert VegasConfig().vllm.select_in_draft is None and select_in_draft(VegasConfig().vllm)
     assert not select_in_draft(VegasConfig(vllm={"select_in_draft": False}).vllm)
+    assert not select_in_draft(VegasConfig().vllm, "v1")  # measured on the V2 runner only
+    assert select_in_draft(VegasConfig(vllm={"select_in_draft": True}).vllm, "v1")
     for other in ({"score_overlap": True}, {"score_path": "cute"}):
         assert not select_in_draft(VegasConfig(vllm=other).vllm)
     for other in ({"score_overlap": True}, {"score_path": "cute"}):

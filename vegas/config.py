@@ -156,8 +156,9 @@ class VllmOptions:
             bus's 4.3 TB/s), so the bandwidth-bound score pass runs beside them instead of
             after the verification's last layer. Same scores, same selection (tests compare
             them). The selection's GPU time is then part of the draft phase (``draft_ms``), not
-            ``select_ms``. ``None`` (default): on wherever it applies, unless ``score_overlap``
-            or ``score_path="cute"`` is set or the FA3 score extension loads (each replaces the
+            ``select_ms``. ``None`` (default): on wherever it applies on vLLM's V2 runner (off
+            on V1, where it has not run on a GPU yet), unless ``score_overlap`` or
+            ``score_path="cute"`` is set or the FA3 score extension loads (each replaces the
             same score pass another way); ``True``: on, refused with ``score_overlap`` or
             ``score_path="cute"``; ``False``: off (the score pass after the verification's last
             layer). Ignored by the other selectors and with tensor parallelism. The default

@@ -92,28 +92,32 @@ def start_drafter(state: SelectionState, vllm_config, gamma: int) -> tuple[Selec
     return selector, settings_json(name, selector.config)
 
 
-def use_path(state: SelectionState, selector: Selector, settings: str, gamma: int, device) -> None:
-    """Put the selector's selection path (its fast path, else the generic one) in force in ``state``."""
+def use_path(state: SelectionState, selector: Selector, settings: str, gamma: int, device, *,
+             runner: str = "v2") -> None:
+    """Put the selector's selection path (its fast path, else the generic one) in force in
+    ``state``; ``runner`` ("v1" or "v2"): the model runner, for the default of
+    ``vllm.select_in_draft`` (:func:`select_in_draft`)."""
     from ..selectors.score_topk import ScoreTopKFastPath
 
     state.use(path_class(selector)(selector, gamma, device), settings)
     options = selector.config.vllm
     state.prefill_skip_tokens = options.prefill_skip_tokens
     applies = isinstance(state.path, ScoreTopKFastPath) and state.all_reduce is None
-    state.select_in_draft = applies and select_in_draft(options)
+    state.select_in_draft = applies and select_in_draft(options, runner)
     if options.select_in_draft and not applies:
         logger.info("vegas: vllm.select_in_draft ignored: it serves the score-based top-k selectors (collect2, "
                     "aggregated, last_token) on one GPU; selector %r%s", selector.name,
                     " with tensor parallelism" if state.all_reduce is not None else "")
 
 
-def select_in_draft(options) -> bool:
+def select_in_draft(options, runner: str = "v2") -> bool:
     """``VegasConfig.vllm.select_in_draft`` resolved: an explicit true or false as given; ``None``
-    (the default) on unless ``score_overlap``, ``score_path="cute"`` or the FA3 score extension
-    (``_vegas_fa3_C``) replaces the same score pass."""
+    (the default) on for the V2 runner (where it was measured: 2026-12-02, session 12) unless
+    ``score_overlap``, ``score_path="cute"`` or the FA3 score extension (``_vegas_fa3_C``)
+    replaces the same score pass; off on the V1 runner until a GPU run shows it there."""
     if options.select_in_draft is not None:
         return options.select_in_draft
-    if options.score_overlap or options.score_path == "cute":
+    if runner != "v2" or options.score_overlap or options.score_path == "cute":
         return False
     from ...kernels import fa3_scores
 

@@ -123,7 +123,7 @@ class VegasProposer:
             raise RuntimeError("vegas: vLLM's GPU model runner was not handed to the proposer "
                                "(vegas.vllm_plugin.patches.patch_runner_binding did not run)")
         self.drafting.device = self.runner.device
-        use_path(self.state, self.selector, self._settings, self.gamma, self.runner.device)
+        use_path(self.state, self.selector, self._settings, self.gamma, self.runner.device, runner="v1")
         # the layers are registered once the model is built: learn them before the first
         # forward (the prefill), whose last queries give the first selection
         self._init_layers()
