@@ -82,6 +82,18 @@ def _init_speculator(vllm_config, device):
     return None
 
 
+def _init_candidates(self):
+    self.candidates = "vllm"
+
+
+def _dispatch(self, num_reqs, num_tokens, uniform_token_count, num_active_loras):
+    return "vllm-desc"
+
+
+def _capture(self, create_forward_fn, progress_bar_desc="Capturing CUDA graphs"):
+    return {}
+
+
 def fake_vllm(monkeypatch, tmp_path, version="0.24.0", runner_imports=True, **replace):
     """Install fake ``vllm`` modules holding every object of :data:`patches.PATCHES` with vLLM
     0.24.0's signatures; ``replace`` swaps one by its attribute name (``_bookkeeping_sync=...``)."""
@@ -114,6 +126,8 @@ def fake_vllm(monkeypatch, tmp_path, version="0.24.0", runner_imports=True, **re
               "_model_forward": fn("_model_forward"), "drafter": None}
     mod("vllm.v1.worker.gpu_model_runner", GPUModelRunner=type("GPUModelRunner", (), runner))
     mod("vllm.v1.worker.gpu.spec_decode", init_speculator=fn("_init_speculator"))
+    mod("vllm.v1.worker.gpu.cudagraph_utils", CudaGraphManager=type("CudaGraphManager", (), {
+        "_init_candidates": fn("_init_candidates"), "dispatch": fn("_dispatch"), "capture": fn("_capture")}))
     source = tmp_path / "model_runner.py"
     source.write_text("from vllm.v1.worker.gpu.spec_decode import init_speculator\n" if runner_imports
                       else "from vllm.v1.worker.gpu.spec_decode import build_speculator\n")
@@ -126,7 +140,7 @@ def fake_vllm(monkeypatch, tmp_path, version="0.24.0", runner_imports=True, **re
 def test_the_table_matches_vllm_0_24_0(monkeypatch, tmp_path):
     fake_vllm(monkeypatch, tmp_path)
     patches.check_vllm()
-    assert len(patches.PATCHES) == len({p.target for p in patches.PATCHES}) == 14
+    assert len(patches.PATCHES) == len({p.target for p in patches.PATCHES}) == 17
     assert all(p.why and p.params for p in patches.PATCHES)
 
 
@@ -148,6 +162,8 @@ def test_another_vllm_version_is_refused_at_registration(monkeypatch, tmp_path):
     ("_init_speculator", lambda vllm_config, device, extra: None, r"spec_decode:init_speculator has parameters"),
     ("_unsupported", lambda self, extra: [], r"_get_v2_model_runner_unsupported_features has parameters"),
     ("_load_model", lambda self: None, r"GPUModelRunner\.load_model has parameters"),
+    ("_dispatch", lambda self, num_reqs, num_tokens, uniform_token_count: None,
+     r"CudaGraphManager\.dispatch has parameters"),
 ])
 def test_a_changed_signature_is_refused_naming_the_function(monkeypatch, tmp_path, name, changed, match):
     fake_vllm(monkeypatch, tmp_path, **{name: changed})
@@ -172,7 +188,8 @@ def test_every_patch_installs_a_table_entry_once(monkeypatch, tmp_path):
     register()
     register()  # idempotent, and the check still passes on the wrapped functions
     for install in (patches.patch_draft_probs_gather, patches.patch_bookkeeping,
-                    patches.patch_draft_graph_capture, patches.patch_runner_binding, patches.patch_v2_execute_model):
+                    patches.patch_draft_graph_capture, patches.patch_runner_binding, patches.patch_v2_execute_model,
+                    patches.patch_plain_step_graphs):
         install()
         install()
     patches.patch_v2_runner(_build_v2_speculator)

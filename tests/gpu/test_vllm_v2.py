@@ -91,7 +91,10 @@ def test_vllm_v2_fallback_probes_plain_steps_and_keeps_greedy_equal(plain_v2, mo
     """vllm.fallback: the scheduler's measured fallback (step_switch.MeasuredFallback) runs plain
     probe steps (no draft slots, no selection, no drafting) between drafting steps; the output
     stays plain greedy's. A short probe interval (engine core in this process) so that 48 tokens
-    reach a probe."""
+    reach a probe. The plain steps of one token per request replay the full CUDA graphs of query
+    length 1 captured without the selection (vegas.vllm_plugin.plain_graphs), not vLLM's piecewise
+    graphs (``plain_full_graph_steps``). One test, one in-process engine: a second engine in the
+    same process fails in vLLM's CUDA-graph pool (docs/gpu-checks.md)."""
     from vegas.vllm_plugin import step_switch
 
     prompts, sp, plain = plain_v2
@@ -108,6 +111,7 @@ def test_vllm_v2_fallback_probes_plain_steps_and_keeps_greedy_equal(plain_v2, mo
     vegas, stats = _vegas_v2(monkeypatch, "collect2", prompts, sp, fallback=True)
     assert made and made[-1].fallback.probes >= 1, stats
     assert stats["scheduled_skips"] >= 1 and stats["proposals"] > 0 and stats["acceptance_length"] > 1.0, stats
+    assert stats["full_cuda_graphs"] and 1 <= stats["plain_full_graph_steps"] <= stats["scheduled_skips"], stats
     _assert_equal_up_to_ties(plain, vegas)
 
 

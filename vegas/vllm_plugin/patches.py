@@ -47,6 +47,7 @@ __all__ = [
     "patch_config_check",
     "patch_draft_graph_capture",
     "patch_draft_probs_gather",
+    "patch_plain_step_graphs",
     "patch_runner_binding",
     "patch_scheduler_lookahead",
     "patch_scheduler_switch",
@@ -88,6 +89,7 @@ class Patch:
 
 
 _RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+_GRAPHS = "vllm.v1.worker.gpu.cudagraph_utils:CudaGraphManager"
 
 #: every vLLM object Vegas replaces, checked once by :func:`check_vllm` at plugin registration
 PATCHES: tuple[Patch, ...] = (
@@ -141,6 +143,13 @@ PATCHES: tuple[Patch, ...] = (
           "build the Vegas speculator on the V2 runner: vLLM's function is a fixed if-chain without a registry "
           "(patch_v2_init_speculator)",
           imported_by="vllm.v1.worker.gpu.model_runner"),
+    Patch(f"{_GRAPHS}._init_candidates", ("self",),
+          "add FULL graphs of query length 1 for the plain steps of an engine with the step switch: vLLM captures "
+          "its FULL decode graphs for query length γ + 1 only (patch_plain_step_graphs)"),
+    Patch(f"{_GRAPHS}.dispatch", ("self", "num_reqs", "num_tokens", "uniform_token_count", "num_active_loras"),
+          "replay those graphs only for a step the scheduler marked skipped (patch_plain_step_graphs)"),
+    Patch(f"{_GRAPHS}.capture", ("self", "create_forward_fn", "progress_bar_desc"),
+          "capture those graphs with the selection skipped (patch_plain_step_graphs)"),
 )
 
 _BY_TARGET = {p.target: p for p in PATCHES}
@@ -392,6 +401,68 @@ def patch_v2_execute_model() -> None:
         return execute_model
 
     _install("vllm.v1.worker.gpu.model_runner:GPUModelRunner.execute_model", make)
+
+
+def patch_plain_step_graphs() -> None:
+    """Wrap three methods of ``CudaGraphManager`` in ``vllm/v1/worker/gpu/cudagraph_utils.py``
+    (vLLM 0.24.0, the V2 runner's CUDA-graph manager) so that an engine that takes plain steps
+    replays full CUDA graphs for them (:mod:`vegas.vllm_plugin.plain_graphs`):
+
+    - ``CudaGraphManager._init_candidates``: after vLLM's, a manager whose ``vllm_config`` has
+      registered plain-step graphs (:func:`~vegas.vllm_plugin.plain_graphs.lookup`; only the
+      runner's ``ModelCudaGraphManager``) also captures FULL graphs of query length 1
+      (:meth:`~vegas.vllm_plugin.plain_graphs.PlainStepGraphs.add_descs`);
+    - ``CudaGraphManager.dispatch``: a uniform query-length-1 batch whose forward the scheduler
+      marked skipped goes to one of them; every other batch to vLLM's dispatch;
+    - ``CudaGraphManager.capture``: their forwards (warm-up and captured) run with the selection
+      skipped, then one log line says what was captured.
+
+    Installed by the V2 speculator when its engine can take plain steps
+    (:func:`~vegas.vllm_plugin.plain_graphs.plain_step_graphs`); every other manager passes through.
+    Why: vLLM captures its FULL uniform-decode graphs for query length ``decode_query_len`` = γ + 1
+    only, so plain steps ran its piecewise graphs (host-bound, slower than plain vLLM's decode step).
+    """
+    from . import plain_graphs
+
+    def make_candidates(original):
+        def _init_candidates(self):
+            original(self)
+            graphs = plain_graphs.lookup(getattr(self, "vllm_config", None))
+            if graphs is None:
+                return
+            from vllm.config.compilation import CUDAGraphMode
+            from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor, ModelCudaGraphManager
+
+            if isinstance(self, ModelCudaGraphManager):  # the runner's manager, not a drafter's
+                graphs.add_descs(self, BatchExecutionDescriptor, CUDAGraphMode.FULL)
+
+        return _init_candidates
+
+    def make_dispatch(original):
+        def dispatch(self, num_reqs, num_tokens, uniform_token_count, num_active_loras):
+            graphs = getattr(self, "_vegas_plain", None)
+            if graphs is not None:
+                desc = graphs.dispatch(self, num_reqs, num_tokens, uniform_token_count, num_active_loras)
+                if desc is not None:
+                    return desc
+            return original(self, num_reqs, num_tokens, uniform_token_count, num_active_loras)
+
+        return dispatch
+
+    def make_capture(original):
+        def capture(self, create_forward_fn, progress_bar_desc="Capturing CUDA graphs"):
+            graphs = getattr(self, "_vegas_plain", None)
+            if graphs is None:
+                return original(self, create_forward_fn, progress_bar_desc)
+            out = original(self, graphs.wrap(create_forward_fn), progress_bar_desc)
+            graphs.log_captured(self)
+            return out
+
+        return capture
+
+    _install(f"{_GRAPHS}._init_candidates", make_candidates)
+    _install(f"{_GRAPHS}.dispatch", make_dispatch)
+    _install(f"{_GRAPHS}.capture", make_capture)
 
 
 def stacked_draft_probs(probs, prob_req_ids, req_ids, num_draft_tokens):

@@ -33,6 +33,7 @@ from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
 
 from ..drafting.engine import DraftBuffers, DraftEngine, attention_layers, draft_graph_key
+from ..plain_graphs import plain_step_graphs
 from ..selection.state import SelectionState
 from ..stats import take_finished, timing_event
 from ..step_switch import StepSwitch
@@ -101,10 +102,16 @@ class VegasSpeculator(DraftModelSpeculator):
         self.scheduled_switch = bool(vllm_config.scheduler_config.async_scheduling) and StepSwitch.wanted(
             options.prefill_skip_tokens, options.fallback)
         self.drafts_next = self.gamma  # drafts the current step makes (its num_spec_tokens_to_schedule)
+        #: full CUDA graphs of query length 1 for the plain steps (:mod:`~vegas.vllm_plugin.plain_graphs`),
+        #: when this engine takes plain steps and verifies in full graphs; registered before vLLM
+        #: builds its CUDA-graph manager (``initialize_kv_cache``)
+        self.plain_graphs = plain_step_graphs(self.state, vllm_config, self.scheduled_switch)
         if self.scheduled_switch:
             from .. import patches
 
             patches.patch_v2_execute_model()
+            if self.plain_graphs is not None:
+                patches.patch_plain_step_graphs()
         self.drafting = DraftEngine(
             vllm_config, self.state, self.gamma, options, device,
             block_table=lambda: self.block_tables.input_block_tables[0],  # [max_reqs, max_blocks] int32, batch order
@@ -234,6 +241,8 @@ class VegasSpeculator(DraftModelSpeculator):
         """Zero the counters (waits for the GPU)."""
         self.counters.zero_()
         self.proposals = self.skipped = self.prefill_skips = self.scheduled_skips = 0
+        if self.plain_graphs is not None:
+            self.plain_graphs.steps = 0
         torch.cuda.synchronize(self.device)
         self.select_ms = self.draft_ms = 0.0
         self.draft_events.clear()
@@ -243,7 +252,9 @@ class VegasSpeculator(DraftModelSpeculator):
     def stats(self) -> dict:
         """proposals (steps that drafted), skipped (steps that did not; ``prefill_skips`` of
         them for a prefill chunk of at least ``prefill_skip_tokens`` tokens; ``scheduled_skips``: steps
-        whose next step the scheduler gave no draft slots, :mod:`~vegas.vllm_plugin.step_switch`), iterations (verified
+        whose next step the scheduler gave no draft slots, :mod:`~vegas.vllm_plugin.step_switch`;
+        ``plain_full_graph_steps``: of those, forwards that replayed a full CUDA graph of query
+        length 1, :mod:`~vegas.vllm_plugin.plain_graphs`), iterations (verified
         steps of rows with drafts), emitted (accepted + bonus tokens of those),
         ``acceptance_length`` = emitted / iterations, ``select_ms`` (GPU time of the
         selection inside verification), ``draft_ms`` (GPU time of the draft phases, CUDA
@@ -259,6 +270,9 @@ class VegasSpeculator(DraftModelSpeculator):
             "skipped": self.skipped,
             "prefill_skips": self.prefill_skips,
             "scheduled_skips": self.scheduled_skips,
+            # of those, the forwards of one token per request (after another such step) that replayed a
+            # full CUDA graph of query length 1 (plain_graphs), not vLLM's piecewise graphs
+            "plain_full_graph_steps": self.plain_graphs.steps if self.plain_graphs is not None else 0,
             "iterations": iterations,
             "emitted": emitted,
             "acceptance_length": emitted / iterations if iterations else 0.0,

@@ -204,6 +204,20 @@ class SelectionState:
             self.plan = None
         return self.skipped
 
+    @contextmanager
+    def skipping(self):
+        """Forwards run inside the block skip their selection as a step the scheduler gave no
+        draft slots does (:attr:`scheduled_skip` True): used to capture the full CUDA graphs of
+        plain steps without any selection in them (:mod:`~vegas.vllm_plugin.plain_graphs`).
+        :attr:`scheduled_skip` and :attr:`skipped` are restored afterwards, so that no capture
+        leaves a decision behind for the first real step."""
+        before = self.scheduled_skip, self.skipped
+        self.scheduled_skip = True
+        try:
+            yield
+        finally:
+            self.scheduled_skip, self.skipped = before
+
     def take_skip(self) -> bool:
         """Whether the last forward skipped its selection (then the drafter drafts nothing);
         clears the flag, since a replayed full CUDA graph (decode-only) does not run
