@@ -216,7 +216,15 @@ def test_tiny_run_writes_schema_plots_tables_and_resumes(counted, tmp_path, clic
     assert headings and all(" ctx " not in h for h in headings), headings
     assert any(source_label(str(source)) in h for h in headings), headings
 
-    assert "| 0.1: τ | attended |" in tables and "| 13.0 |" in tables
+    assert "| 0.1 (13 tok.): τ | attended |" in tables and "| 13.0 |" in tables  # the budget in tokens in the header
+    # the budget study alone (one default point per selector) has nothing to ablate: no ablations.png
+    from vegas.plots import plot_ablate
+
+    alone = tmp_path / "budget_only"
+    alone.mkdir()
+    budget_only = [p for p in data["points"] if p["study"] == "budget"]
+    assert plot_ablate(budget_only, _tiny(tmp_path, source), alone) == ["tau_by_budget.png"]
+    assert not (alone / "ablations.png").exists()
 
     # points.json from before kv_attended: its points are reused, their attended cells "–"
     for p in data["points"]:

@@ -25,6 +25,8 @@ def test_bench_small_writes_json(tmp_path):
         assert 1.0 <= row["greedy_acceptance_length"] <= 3.0
     assert "collect2" in result.output
     assert "cannot exceed 3.00" in " ".join(result.output.split())
+    # sampled τ is capped the same way by --new-tokens (8 at γ = 4: 8 / ceil(8 / 5) = 4)
+    assert "run of 8 new tokens cannot exceed 4.00" in " ".join(result.output.split())
     assert "τ ≤ γ+1 = 5" in result.output and "selection (% decode)" in result.output
     verdict = next(line for line in result.output.splitlines() if "recommended: " in line)
     assert "plain decoding (--selector none)" in verdict or "× plain decoding" in verdict
@@ -330,3 +332,17 @@ def test_off_a_terminal_transformers_progress_bars_are_off(monkeypatch):
     finally:
         transformers_logging.enable_progress_bar()
         os.environ.pop("TQDM_DISABLE", None)
+
+
+def test_ablate_names_its_own_flag_when_the_prompt_source_is_too_short(tmp_path):
+    """A prompt source shorter than the context: the error names ablate's --contexts (bench and
+    tune have --context)."""
+    short = tmp_path / "short.py"
+    short.write_text("def f(x):\n    return x + 1\n")
+    result = CliRunner().invoke(main, ["ablate", "--quick", "--studies", "budget", "--selectors", "collect2",
+                                       "--contexts", "1024", "--prompts", str(short), "--device", "cpu",
+                                       "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert "(--contexts) of 1024 tokens is longer than the prompt source" in text
+    assert "shorter --contexts" in text and "(--context)" not in text

@@ -234,7 +234,7 @@ class _Prompts:
             if self.ids is None:
                 self.ids = tok(self.text, add_special_tokens=False, verbose=False).input_ids
             if kind == "heldout":
-                rows = [{"prompt": p} for p in cut_contexts(self.ids, context, self.opts.num_prompts)]
+                rows = [{"prompt": p} for p in cut_contexts(self.ids, context, self.opts.num_prompts, "--contexts")]
             else:
                 if self.anchors is None:  # a function definition starts at a "def" token
                     self.anchors = {t for t in set(self.ids) if tok.decode([t]).strip() == "def"}

@@ -215,10 +215,11 @@ class VllmOptions:
             raise VegasConfigError.bad("vllm.select_in_draft",
                                        f"must be true, false or null (automatic), got {self.select_in_draft!r}")
         if self.select_in_draft and (self.score_overlap or self.score_path == "cute"):
+            other = "vllm.score_overlap true" if self.score_overlap else 'vllm.score_path "cute"'
             raise VegasConfigError.bad(
-                "vllm.select_in_draft", "moves the score pass into the draft phase; it cannot be combined with "
-                f"vllm.score_overlap={self.score_overlap} or vllm.score_path={self.score_path!r} (allowed with it: "
-                "score_overlap=false, score_path='auto')")
+                "vllm.select_in_draft", f"true cannot be combined with {other} (each replaces the same score pass); "
+                'with select_in_draft true use score_overlap false and score_path "auto", or leave select_in_draft '
+                "null to choose automatically")
 
 
 @dataclass(frozen=True)

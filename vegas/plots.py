@@ -191,7 +191,8 @@ def _budget_panels(points: list[dict], kind: str, gamma: int, title: str, path: 
             extra += f", passage ~{here[0].get('distance_tokens', 0):.0f} tokens back"
         ax.set_title(f"context {ctx}{extra}", fontsize="medium")
         ax.set_xscale("log")
-        _plain_ticks(ax.xaxis)
+        _plain_ticks(ax.xaxis, minor=False)  # minor labels run together within a decade (0.07 0.08 0.09)
+        ax.set_xticks(sorted({p["sparsity_ratio"] for p in here}))  # the measured sparsities, labelled
         ax.set_xlabel("sparsity (KV budget / context)")
         ax.set_ylabel("τ (tokens / iteration), mean and 95 % CI")
         ax.grid(True, which="both", alpha=0.3)
@@ -231,7 +232,8 @@ def plot_ablate(points: list[dict], opts, out: Path, source: str = "held-out cod
     ctx, s = opts.contexts[0], round_sparsity(opts.ablation_sparsity)
     here = _ablate_points(points, prompt_kind="heldout", context=ctx, sparsity_ratio=s)
     variants = [p for p in here if p["num_draft_tokens"] == gamma and p["selector"] in ("aggregated", "collect2", "last_token")]
-    if variants:
+    ablated = any(p["variant"] != "default" for p in here) or len({p["num_draft_tokens"] for p in here}) > 1
+    if variants and ablated:  # the budget study alone has one default point per selector: nothing to compare
         fig, (ax_v, ax_g) = _figure(ncols=2, width=5.6)
         sels = [sel for sel in ("aggregated", "collect2", "last_token") if any(p["selector"] == sel for p in variants)]
         names = sorted({p["variant"] for p in variants}, key=lambda v: (v != "default", v))
@@ -296,8 +298,9 @@ def plot_ablate(points: list[dict], opts, out: Path, source: str = "held-out cod
 #: what the ``attended`` columns of ``tables.md`` hold
 ATTENDED_NOTE = ("attended: KV entries per layer a draft query attended to among the committed ones "
                  "(`kv_attended`, mean over layers, draft steps, iterations and prompts; the drafts' own new "
-                 "positions not counted), beside the nominal KV budget; – : not recorded (points measured before "
-                 "it was)")
+                 "positions not counted), to read against the KV budget in the column header (tokens at the "
+                 "prompt's length; the budget grows with the context as tokens are generated, by sparsity × "
+                 "generated tokens at most); – : not recorded (points measured before it was)")
 
 
 def _tau_cells(p: dict | None) -> list[str]:
@@ -307,6 +310,13 @@ def _tau_cells(p: dict | None) -> list[str]:
     t, attended = p["tau"], p.get("kv_attended")  # points.json from before kv_attended lacks it
     return [f"{t['mean']:.2f} [{t['ci95'][0]:.2f}, {t['ci95'][1]:.2f}]",
             "–" if attended is None else f"{attended:.1f}"]
+
+
+def _budget_label(points: list[dict], sparsity: float) -> str:
+    """Column label of a sparsity: ``"0.02 (21 tok.)"`` with the KV budget in tokens of the
+    points at that sparsity (at the prompt's length), or the sparsity alone when none says it."""
+    budget = next((p.get("kv_budget") for p in points if p["sparsity_ratio"] == sparsity and p.get("kv_budget")), None)
+    return f"{sparsity:g}" + (f" ({budget} tok.)" if budget else "")
 
 
 def _tau_header(columns: list[str]) -> list[str]:
@@ -329,7 +339,7 @@ def write_ablate_tables(points: list[dict], path: Path, source: str = "held-out 
         prompts = source if kind == "heldout" else f"copy-task (retrieval) prompts from {source}"
         lines += [f"### τ, {prompts}, context {ctx}" + (f" (YaRN ×{rope['factor']:g})" if rope else "")
                   + f", γ={gamma}: mean [95 % CI] over {here[0]['tau']['n']} prompts", "",
-                  *_tau_header([f"{s:g}" for s in budgets])]
+                  *_tau_header([_budget_label(here, s) for s in budgets])]
         for sel in sorted({p["selector"] for p in here}):
             cells = [c for s in budgets
                      for c in _tau_cells(next((p for p in here if p["selector"] == sel and p["sparsity_ratio"] == s),

@@ -131,10 +131,11 @@ def _concatenate(files: list[Path], root: Path) -> str:
     return "\n".join(parts)
 
 
-def cut_contexts(token_ids: list[int], context: int, count: int) -> list[list[int]]:
+def cut_contexts(token_ids: list[int], context: int, count: int, flag: str = "--context") -> list[list[int]]:
     """``count`` windows of ``context`` tokens, spread evenly over ``token_ids``.
 
-    Windows overlap when the document is shorter than ``count * context`` tokens.
+    Windows overlap when the document is shorter than ``count * context`` tokens. ``flag``: the
+    command-line option that set ``context``, for the error message.
 
     Raises:
         VegasConfigError: ``context`` < 1, ``count`` < 1, or the document is shorter than
@@ -144,8 +145,8 @@ def cut_contexts(token_ids: list[int], context: int, count: int) -> list[list[in
         raise VegasConfigError(f"context and count must be >= 1, got context={context}, count={count}")
     if len(token_ids) < context:
         raise VegasConfigError(
-            f"context (--context) of {context} tokens is longer than the prompt source ({len(token_ids)} tokens); "
-            "give a shorter --context or a longer --prompts source"
+            f"context ({flag}) of {context} tokens is longer than the prompt source ({len(token_ids)} tokens); "
+            f"give a shorter {flag} or a longer --prompts source"
         )
     span = len(token_ids) - context
     starts = [span * i // max(count - 1, 1) if count > 1 else span for i in range(count)]
@@ -173,7 +174,7 @@ def retrieval_prompts(
         per prompt ``{"prompt": ids (context), "expected": ids (<= answer), "distance": tokens
         from the passage to the cue}``.
     """
-    bodies = cut_contexts(token_ids, context - cue, count)
+    bodies = cut_contexts(token_ids, context - cue, count, "--contexts")  # vegas ablate's retrieval study
     out = []
     for i, body in enumerate(bodies):
         half = len(body) // 2
