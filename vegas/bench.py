@@ -95,11 +95,12 @@ def _raise_if_bad_options(opts: BenchOptions, pipe: Pipeline) -> None:
         value = getattr(opts, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise VegasConfigError.bad(name, f"must be an integer >= 1, got {value!r}")
-    room = pipe.backend.max_context - max(opts.new_tokens, opts.check_tokens) - opts.num_draft_tokens - 1
+    generated = max(opts.new_tokens, opts.check_tokens)
+    room = pipe.backend.max_context - generated - opts.num_draft_tokens - 1
     if not 2 <= opts.context <= room:
         raise VegasConfigError.bad(
             "context", f"must be in [2, {room}] tokens: the model context is {pipe.backend.max_context} and "
-            f"max(--new-tokens, --check-tokens) = {max(opts.new_tokens, opts.check_tokens)} tokens plus γ + 1 "
+            f"max(--new-tokens, --check-tokens) = {generated} tokens plus γ + 1 "
             f"verification slots need the rest; got {opts.context}"
         )
 
@@ -242,11 +243,12 @@ def render(results: dict) -> Table:
     budget = ("--kv-budget" if o.get("kv_budget") is not None
               else f"sparsity {o['sparsity_ratio']}, min {results['config']['min_kv_budget']}")
     caption = "τ: tokens per iteration, the bonus token included (τ ≤ γ+1 = {})".format(gamma + 1)
-    new = o.get("new_tokens")
-    if results["selectors"] and new and greedy_tau_cap(new, gamma) < gamma + 1:
-        caption += (f"; τ of a run of {new} new tokens cannot exceed {greedy_tau_cap(new, gamma):.2f} (its last "
-                    "iteration is cut at --new-tokens): raise --new-tokens for a finer τ")
     if results["selectors"]:
+        new = o.get("new_tokens")
+        new_cap = greedy_tau_cap(new, gamma) if new else gamma + 1
+        if new_cap < gamma + 1:  # sampled τ is cut at --new-tokens as greedy τ is at --check-tokens
+            caption += (f"; τ of a run of {new} new tokens cannot exceed {new_cap:.2f} (its last "
+                        "iteration is cut at --new-tokens): raise --new-tokens for a finer τ")
         caption += (f"; τ greedy* comes from the {check}-token exactness run, so it cannot exceed "
                     f"{greedy_tau_cap(check, gamma):.2f} (raise --check-tokens for a finer one); selection: share "
                     "of decode time spent selecting KV entries")
