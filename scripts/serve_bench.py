@@ -136,20 +136,25 @@ VARIANTS = {
 }
 
 
-def split_variant(method: str) -> tuple[str, str]:
-    """``(selector, suffix)`` of a method name (suffix ``""`` without a :data:`VARIANTS` suffix)."""
-    for suffix in VARIANTS:
-        if method.endswith(suffix):
-            return method.removesuffix(suffix), suffix
-    return method, ""
+def split_variant(method: str) -> tuple[str, list[str]]:
+    """``(selector, suffixes)`` of a method name: the :data:`VARIANTS` suffixes it ends with, in
+    the order written (``collect2-skip-fallback`` -> ``("collect2", ["-skip", "-fallback"])``;
+    none: ``[]``)."""
+    suffixes = []
+    while True:
+        suffix = next((s for s in VARIANTS if method.endswith(s)), None)
+        if suffix is None:
+            return method, suffixes[::-1]
+        suffixes.append(suffix)
+        method = method.removesuffix(suffix)
 
 
 def method_config(method: str, args) -> tuple[str, dict]:
-    """``(selector, --config values)`` of a Vegas method: ``--config``'s values with its
-    :data:`VARIANTS` suffix's ``vllm`` fields merged in."""
-    selector, suffix = split_variant(method)
+    """``(selector, --config values)`` of a Vegas method: ``--config``'s values with the ``vllm``
+    fields of each of its :data:`VARIANTS` suffixes merged in."""
+    selector, suffixes = split_variant(method)
     config = args.config_values
-    if suffix:
+    for suffix in suffixes:
         config = {**config, "vllm": {**config.get("vllm", {}), **VARIANTS[suffix](args)}}
     return selector, config
 
@@ -558,7 +563,7 @@ def parse_args(argv=None):
                         "<selector>-skip: that selector with --prefill-skip-tokens; <selector>-overlap: with "
                         "vllm.score_overlap; <selector>-indraft: with vllm.select_in_draft (the default); "
                         "<selector>-separate: without it (the score pass after the verification); <selector>-fallback: with "
-                        "vllm.fallback.")
+                        "vllm.fallback; suffixes combine (collect2-skip-fallback).")
     p.add_argument("--rates", default="1,2,4,8,16,inf", type=rate_list,
                    help="Request rates (requests/s, > 0; inf sends all at once: saturation).")
     p.add_argument("--num-prompts", type=int, default=64, help="Requests per rate.")
@@ -642,7 +647,7 @@ def raise_if_bad_args(args) -> None:
     bad = [m for m in args.methods if m not in allowed and split_variant(m)[0] not in allowed[2:]]
     if bad or not args.methods:
         raise VegasConfigError(f"--methods: unknown {', '.join(bad) or '(none given)'}; allowed: "
-                               f"{', '.join(allowed)}, and <selector> with a suffix: {', '.join(VARIANTS)}")
+                               f"{', '.join(allowed)}, and <selector> with one or more suffixes: {', '.join(VARIANTS)}")
     for flag, value, least in (("--num-prompts", args.num_prompts, 1),
                                ("--num-prompts-inf", args.num_prompts_inf if args.num_prompts_inf is not None else 1, 1),
                                ("--repeats", args.repeats, 1),

@@ -306,7 +306,8 @@ def test_a_client_run_is_logged_and_a_hanging_one_is_cancelled(sb, tmp_path, mon
 
 def test_variant_methods_set_their_vllm_option(sb, tmp_path, capsys):
     """``<selector>-overlap`` and ``-fallback`` set ``vllm.score_overlap`` / ``vllm.fallback``
-    (merged into --config like ``-skip``); an unknown suffix is refused with the allowed ones."""
+    (merged into --config like ``-skip``); suffixes combine; an unknown suffix is refused with
+    the allowed ones."""
     import json
 
     model = _model(tmp_path, 8192)
@@ -319,6 +320,10 @@ def test_variant_methods_set_their_vllm_option(sb, tmp_path, capsys):
     assert json.loads(opts[opts.index("--config") + 1]) == {"vllm": {"fallback": True}}
     opts, _ = sb.method_args("collect2-indraft", args)
     assert json.loads(opts[opts.index("--config") + 1]) == {"vllm": {"select_in_draft": True}}
+    opts, _ = sb.method_args("collect2-skip-fallback", args)  # suffixes combine
+    assert opts[opts.index("--selector") + 1] == "collect2"
+    assert json.loads(opts[opts.index("--config") + 1]) == {"vllm": {"prefill_skip_tokens": 2048, "fallback": True}}
+    assert sb.split_variant("quest") == ("quest", [])
     assert sb.compile_family("collect2-overlap") == "vegas"
     with pytest.raises(SystemExit):
         sb.parse_args(["--model", model, "--methods", "plain,collect2-turbo"])
