@@ -369,10 +369,10 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
             for spec in specs:
                 if store.find(**point_key(spec)) is not None:
                     state["reused"] += 1
-                    progress.advance(task)
+                    progress.skip(task)  # no "done" line naming the previous point
                     continue
                 if spec["selector"] in skipped:
-                    progress.advance(task)
+                    progress.skip(task)
                     continue
                 point_name = (f"{spec['study']}: {spec['selector']} ctx {spec['context']} "
                               f"s={spec['sparsity_ratio']:g} γ={spec['num_draft_tokens']} {spec['variant']}")
