@@ -5,7 +5,8 @@
 #   bash scripts/device_serving.sh serve     # vllm bench serve against vegas serve (scripts/serve_bench.py)
 #   bash scripts/device_serving.sh greedy    # greedy Vegas (V2 runner) against plain vLLM (tests/gpu/test_vllm_v2.py)
 #   bash scripts/device_serving.sh serve-start          # the serve run detached (outlives the device call)
-#   bash scripts/device_serving.sh serve-wait [SECONDS]  # wait for it (default 540 s); when done, $OUT/serve.tgz
+#   bash scripts/device_serving.sh serve-wait [SECONDS]  # wait for it (default 540 s); when done, $OUT/serve.tgz,
+#                                                        # else what is done so far, $OUT/serve_partial.tgz
 #   bash scripts/device_serving.sh tests21 [NAMES]  # issue 21's GPU tests, one after another, each with its own
 #                                            # time limit (seeds plugin softcap serve invariant faults; default all)
 #   bash scripts/device_serving.sh cute-tests [NAMES]  # issue 22: tests/gpu/test_cute_rowsum_cuda.py (kernel engine)
@@ -61,7 +62,9 @@ case ${1:-} in
     if [ -f /tmp/vegas_serve/serve/table.md ]; then
       sleep 2; tail -20 /tmp/vegas_serve/serve_bg.log
       tar -C /tmp/vegas_serve -czf "$OUT/serve.tgz" serve serve_bg.log serve_run.log && echo "results: \$OUT/serve.tgz"
-    else
+    else  # what is done so far comes back with every call: a machine taken away loses only the rest
+      tar -C /tmp/vegas_serve -czf "$OUT/serve_partial.tgz" serve serve_bg.log serve_run.log 2>/dev/null \
+        && echo "partial results: \$OUT/serve_partial.tgz (scripts/serve_bench.py --report on its serve/)"
       echo "still running; call serve-wait again"
     fi
     ;;
