@@ -98,6 +98,7 @@ def test_vegas_greedy_is_token_identical_to_plain_under_batch_invariance(model, 
         _plain[model] = _run(model, None)[0]
     plain = _plain[model]
     vegas, stats = _run(model, selector)
+    print(f"vegas-invariant {selector} on {Path(model).name}: stats {stats}", flush=True)
     assert stats.get("acceptance_length", 0) > 1.0, stats  # it drafted
     diffs = []
     for i, (p, v) in enumerate(zip(plain, vegas)):
@@ -106,4 +107,7 @@ def test_vegas_greedy_is_token_identical_to_plain_under_batch_invariance(model, 
             j = next(k for k in range(min(len(a), len(b))) if a[k] != b[k])
             top = sorted((x.logprob for x in p.outputs[0].logprobs[j].values()), reverse=True)
             diffs.append(f"prompt {i}: first difference at token {j} (plain's top-2 logprob gap {top[0] - top[1]:.4f})")
+    # printed as soon as known (run with -s): a run cut short by its time limit still says why
+    print(f"vegas-invariant {selector} on {Path(model).name}: acceptance length "
+          f"{stats['acceptance_length']:.2f}, " + ("; ".join(diffs) or f"{len(plain)} prompts identical"), flush=True)
     assert not diffs, f"{selector} on {Path(model).name}: " + "; ".join(diffs)
