@@ -22,9 +22,13 @@ Prompts: every timed run (rate, repeat) sends prompts of its own (:func:`run_see
 for every method, after an untimed warm-up run per server (``--warmup-prompts``): with vLLM's
 prefix caching on, as users run it, a run that re-sent earlier prompts would measure no prefill.
 
+What bounds the gain at rate inf (``--prefill-floor``): after plain's run at rate inf, as many new
+prompts of the same lengths with one output token each; plain's duration over theirs is the most
+a speculative method can gain there when prompts dominate (Amdahl's law; :func:`prefill_floor`).
+
 Results: ``OUT/raw/<method>_r<rate>_k<repeat>.json`` (vLLM's result files; the warm-ups' in
-``OUT/warmup``), ``OUT/summary.json``,
-``OUT/table.md``, the two PNGs and each server's log in ``OUT/logs``.
+``OUT/warmup``), ``OUT/summary.json``, ``OUT/table.md`` (with the prefill floor's bound when
+measured, also ``OUT/prefill_floor.json``), the two PNGs and each server's log in ``OUT/logs``.
 """
 
 from __future__ import annotations
@@ -280,12 +284,21 @@ def prompts_per_run(rate, args) -> int:
     return args.num_prompts
 
 
+#: the pseudo-method of ``--prefill-floor`` runs: plain vLLM's server, rate inf, one output token
+PREFILL_FLOOR = "prefill-floor"
+#: added to a repeat's prompt seed for its prefill-floor run: prompts of the same lengths that no
+#: server has seen (plain's prefix cache holds the timed run's prompts)
+PREFILL_SEED_OFFSET = 1000
+
+
 def bench_argv(method: str, rate, args, port: int, result_dir: Path, dataset_path: Path | None,
-               repeat: int = 0, *, seed: int | None = None, num_prompts: int | None = None) -> list[str]:
+               repeat: int = 0, *, seed: int | None = None, num_prompts: int | None = None,
+               output_len: int | None = None) -> list[str]:
     """The ``vllm bench serve`` command of one method, request rate and repeat; ``seed``
     (default :func:`run_seed`) picks the prompts, ``num_prompts`` defaults to
-    :func:`prompts_per_run`."""
+    :func:`prompts_per_run`, ``output_len`` to ``--output-len``."""
     seed = run_seed(args, rate, repeat) if seed is None else seed
+    output_len = args.output_len if output_len is None else output_len
     argv = [*vllm_command(), "bench", "serve", "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}",
             "--endpoint", "/v1/completions", "--model", NAME, "--tokenizer", args.model,
             "--num-prompts", str(num_prompts or prompts_per_run(rate, args)), "--request-rate", rate_label(rate),
@@ -295,10 +308,10 @@ def bench_argv(method: str, rate, args, port: int, result_dir: Path, dataset_pat
             "--result-filename", f"{method}_r{rate_label(rate)}_k{repeat}.json", "--metadata", f"method={method}"]
     if dataset_path is None:
         argv += ["--dataset-name", "random", "--random-input-len", str(args.input_len),
-                 "--random-output-len", str(args.output_len), "--random-range-ratio", str(args.range_ratio)]
+                 "--random-output-len", str(output_len), "--random-range-ratio", str(args.range_ratio)]
     else:
         argv += ["--dataset-name", "custom", "--dataset-path", str(dataset_path), "--skip-chat-template",
-                 "--custom-output-len", str(args.output_len)]
+                 "--custom-output-len", str(output_len)]
     return argv
 
 
@@ -410,6 +423,48 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     return written
 
 
+def prefill_floor(result_dir: Path) -> dict | None:
+    """What bounds a speculative method at rate inf: per repeat, plain vLLM's run duration and the
+    duration of its prefill-floor run (the same number of prompts of the same lengths, one output
+    token each: the prompts' prefill and little else), from ``result_dir``'s result files.
+
+    Returns:
+        None without prefill-floor runs; else ``{"repeats": [{"repeat", "plain_s", "prefill_s"}],
+        "plain_s", "prefill_s", "decode_share", "decode_free_bound"}`` (medians over the repeats
+        that have both runs): ``decode_share`` = 1 - prefill / plain, the share of plain's run
+        that decoding takes; ``decode_free_bound`` = plain / prefill, the output throughput over
+        plain's that a method whose decoding cost nothing would reach (Amdahl's law).
+    """
+    import statistics
+
+    result_dir = Path(result_dir)
+    reps = []
+    for p in sorted(result_dir.glob(f"{PREFILL_FLOOR}_rinf_k*.json")):
+        k = p.stem.rsplit("_k", 1)[1]
+        plain = result_dir / f"plain_rinf_k{k}.json"
+        if not plain.exists():
+            continue
+        d_plain, d_floor = (float(json.loads(f.read_text())["duration"]) for f in (plain, p))
+        reps.append({"repeat": int(k), "plain_s": d_plain, "prefill_s": d_floor})
+    if not reps:
+        return None
+    plain_s = statistics.median(r["plain_s"] for r in reps)
+    prefill_s = statistics.median(r["prefill_s"] for r in reps)
+    return {"repeats": reps, "plain_s": plain_s, "prefill_s": prefill_s,
+            "decode_share": 1.0 - prefill_s / plain_s, "decode_free_bound": plain_s / prefill_s}
+
+
+def render_prefill_floor(floor: dict) -> str:
+    """The prefill floor as Markdown: durations per repeat and the decode-free bound."""
+    per = ", ".join(f"{r['plain_s']:.2f} / {r['prefill_s']:.2f}" for r in floor["repeats"])
+    return (f"Rate inf, plain vLLM's run against its prompts alone (one output token, "
+            f"`{PREFILL_FLOOR}`), s per repeat (plain / prompts alone): {per}. Medians: "
+            f"{floor['plain_s']:.2f} s / {floor['prefill_s']:.2f} s; decoding is "
+            f"{100 * floor['decode_share']:.0f} % of plain's run, so a method whose decoding cost "
+            f"nothing would reach at most **{floor['decode_free_bound']:.2f}x** plain's output throughput "
+            f"at rate inf.")
+
+
 def report(out: Path, dest: Path | None = None) -> str:
     """Table, summary.json, table.md and plots from ``out/raw``, written to ``dest`` (default
     ``out``); returns the table.
@@ -422,11 +477,16 @@ def report(out: Path, dest: Path | None = None) -> str:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise SystemExit(f"{out / 'raw'} holds a file that is not a vllm bench serve result: {exc}") from exc
     rows = [r for r in rows if r.get("output_throughput") is not None]
+    floor = prefill_floor(out / "raw")
+    rows = [r for r in rows if r["method"] != PREFILL_FLOOR]
     if not rows:
         raise SystemExit(f"no vllm bench serve results in {out / 'raw'}")
     dest = Path(dest or out)
     dest.mkdir(parents=True, exist_ok=True)
     table = render_table(rows)
+    if floor:
+        table += "\n\n" + render_prefill_floor(floor)
+        (dest / "prefill_floor.json").write_text(json.dumps(floor, indent=1))
     (dest / "table.md").write_text(table + "\n")
     (dest / "summary.json").write_text(json.dumps(rows, indent=1))
     plot(rows, dest)
@@ -528,6 +588,13 @@ def run(args) -> None:
                 t0 = time.monotonic()
                 rc = run_client(cmd, log, bench_timeout(rate, args))
                 print(f"[{method}] rate {rate_label(rate)} #{rep}: rc={rc} ({time.monotonic() - t0:.0f} s)", flush=True)
+                if method == "plain" and args.prefill_floor and math.isinf(rate_value(rate)):
+                    seed = run_seed(args, rate, rep) + PREFILL_SEED_OFFSET
+                    floor_cmd = bench_argv(PREFILL_FLOOR, rate, args, servers[method][1], out / "raw",
+                                           dataset(seed, prompts_per_run(rate, args)), rep, seed=seed, output_len=1)
+                    floor_rc = run_client(floor_cmd, out / "logs" / f"bench_{PREFILL_FLOOR}_rinf_k{rep}.log",
+                                          bench_timeout(rate, args))
+                    print(f"[{PREFILL_FLOOR}] rate inf #{rep}: rc={floor_rc}", flush=True)
                 if rc == 124:
                     timeouts[method] = timeouts.get(method, 0) + 1
                     if timeouts[method] >= MAX_TIMEOUTS:
@@ -594,6 +661,10 @@ def parse_args(argv=None):
     p.add_argument("--one-server-at-a-time", action="store_true",
                    help="One server per method in turn, each with all of --gpu-memory-utilization (repeats then "
                         "interleave over rates only).")
+    p.add_argument("--prefill-floor", action="store_true",
+                   help="After plain's run at rate inf, send as many new prompts of the same lengths with one "
+                        "output token each: the table then says what share of plain's run decoding takes and "
+                        "the most a speculative method could gain there (needs plain in --methods).")
     p.add_argument("--prefill-skip-tokens", type=int, default=2048,
                    help="vllm.prefill_skip_tokens of the '<selector>-skip' methods.")
     p.add_argument("--serve-arg", action="append", default=[], help="One more vllm serve argument (repeatable).")
@@ -675,6 +746,9 @@ def raise_if_bad_args(args) -> None:
             raise VegasConfigError("--prompts is read only with --dataset code")
         if not Path(args.prompts).exists():
             raise VegasConfigError(f"--prompts {args.prompts!r} is not a file or a directory")
+    if args.prefill_floor and ("plain" not in args.methods or not any(math.isinf(r) for r in args.rates)):
+        raise VegasConfigError("--prefill-floor runs on plain vLLM's server at rate inf: add plain to --methods "
+                               "and inf to --rates")
     if len(set(args.methods)) != len(args.methods):
         raise VegasConfigError(f"--methods names a method twice: {','.join(args.methods)}")
     args.config_values = read_config(args.config)[0] if args.config else {}

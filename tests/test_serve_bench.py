@@ -214,7 +214,9 @@ def test_bad_arguments_fail_before_any_server(sb, tmp_path, capsys):
                        (["--config", "{bad"], "--config must be a JSON object"),
                        (["--config", '{"bogus": 1}'], "--config: unknown field(s) bogus"),
                        (["--config", '{"selector": "quest"}'], "--config must not name a selector"),
-                       (["--bench-timeout", "-1"], "--bench-timeout must be a number > 0")):
+                       (["--bench-timeout", "-1"], "--bench-timeout must be a number > 0"),
+                       (["--methods", "collect2", "--prefill-floor"], "--prefill-floor runs on plain vLLM's server"),
+                       (["--rates", "4", "--prefill-floor"], "add plain to --methods and inf to --rates")):
         with pytest.raises(SystemExit):
             sb.parse_args(["--model", model, *argv])
         assert text in capsys.readouterr().err
@@ -370,3 +372,64 @@ def test_run_warms_every_server_up_then_interleaves_runs_with_prompts_of_their_o
         by_run.setdefault(opt(a, "--result-filename").split("_", 1)[1], set()).add(opt(a, "--seed"))
     assert all(len(s) == 1 for s in by_run.values())  # the same prompts for both methods
     assert len({next(iter(s)) for s in by_run.values()} | {"0"}) == 5  # 4 runs + the warm-up, all different
+
+
+def test_prefill_floor_runs_after_plain_at_rate_inf_and_bounds_the_gain(sb, tmp_path, monkeypatch):
+    """--prefill-floor: after plain's timed run at rate inf (only there), one run of new prompts of
+    the same lengths with one output token on plain's server; the report gives plain's duration
+    against it and the decode-free bound (plain / prompts alone), and keeps it out of the table."""
+    import types
+
+    import vegas.backends.vllm as vb
+
+    monkeypatch.setattr(vb, "vllm_installed", lambda: True)
+    sent = []
+
+    class FakeServer:
+        def __init__(self, label, argv, log, port, env=None, cwd=None):
+            self.argv, self.log, self.proc = argv, log, types.SimpleNamespace(poll=lambda: None, returncode=None)
+            log.write_text("")
+
+        def wait_ready(self, timeout):
+            return 0.0
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(sb, "ServerProcess", FakeServer)
+    monkeypatch.setattr(sb, "run_client", lambda argv, log, timeout: sent.append(argv) or 0)
+    out = tmp_path / "out"
+    args = sb.parse_args(["--model", _model(tmp_path, 32768), "--methods", "plain,collect2", "--rates", "4,inf",
+                          "--repeats", "2", "--warmup-prompts", "0", "--prefill-floor", "--out", str(out)])
+    with pytest.raises(SystemExit, match="no vllm bench serve results"):
+        sb.run(args)
+
+    def opt(argv, flag):
+        return argv[argv.index(flag) + 1]
+
+    names = [opt(a, "--result-filename") for a in sent]
+    assert names == ["plain_r4_k0.json", "collect2_r4_k0.json", "plain_rinf_k0.json", "prefill-floor_rinf_k0.json",
+                     "collect2_rinf_k0.json", "plain_r4_k1.json", "collect2_r4_k1.json", "plain_rinf_k1.json",
+                     "prefill-floor_rinf_k1.json", "collect2_rinf_k1.json"]
+    plain_inf, floor = sent[2], sent[3]
+    assert opt(floor, "--random-output-len") == "1" and opt(plain_inf, "--random-output-len") == "256"
+    assert opt(floor, "--request-rate") == "inf" and opt(floor, "--base-url") == opt(plain_inf, "--base-url")
+    assert opt(floor, "--num-prompts") == opt(plain_inf, "--num-prompts")
+    seeds = {opt(a, "--seed") for a in sent}
+    assert len(seeds) == 6  # 4 timed (rate, repeat) seeds + 2 floor seeds: no prompt the cache has seen
+
+    raw = tmp_path / "rep" / "raw"
+    raw.mkdir(parents=True)
+    for k, (d_plain, d_floor) in enumerate(((9.0, 3.0), (8.0, 4.0), (10.0, 3.5))):
+        for method, duration, tput in (("plain", d_plain, 7000.0), (sb.PREFILL_FLOOR, d_floor, 80.0),
+                                       ("collect2", d_plain / 1.2, 8400.0)):
+            r = _fake_result(method, "inf", 5.0, tput)
+            r["duration"] = duration
+            (raw / f"{method}_rinf_k{k}.json").write_text(json.dumps(r))
+    table = sb.report(tmp_path / "rep")
+    assert sb.PREFILL_FLOOR not in table.split("\n\n")[0]  # not a row of the table
+    assert "9.00 / 3.00, 8.00 / 4.00, 10.00 / 3.50" in table
+    assert "Medians: 9.00 s / 3.50 s; decoding is 61 % of plain's run" in table and "**2.57x**" in table
+    floor_json = json.loads((tmp_path / "rep" / "prefill_floor.json").read_text())
+    assert floor_json["decode_free_bound"] == pytest.approx(9.0 / 3.5)
+    assert sb.prefill_floor(tmp_path) is None  # no floor runs: no bound
