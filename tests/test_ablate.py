@@ -225,6 +225,12 @@ def test_tiny_run_writes_schema_plots_tables_and_resumes(counted, tmp_path, clic
     budget_only = [p for p in data["points"] if p["study"] == "budget"]
     assert plot_ablate(budget_only, _tiny(tmp_path, source), alone) == ["tau_by_budget.png"]
     assert not (alone / "ablations.png").exists()
+    # the same sparsities at a second context: τ against context (tau_by_context.png), beside the budget panels
+    longer = [{**p, "context": 2 * p["context"]} for p in budget_only]
+    two = tmp_path / "two_contexts"
+    two.mkdir()
+    assert plot_ablate(budget_only + longer, _tiny(tmp_path, source), two) == ["tau_by_budget.png", "tau_by_context.png"]
+    assert (two / "tau_by_context.png").read_bytes().startswith(PNG)
 
     # points.json from before kv_attended: its points are reused, their attended cells "–"
     for p in data["points"]:

@@ -202,6 +202,38 @@ def _budget_panels(points: list[dict], kind: str, gamma: int, title: str, path: 
     return True
 
 
+def _context_panels(points: list[dict], gamma: int, title: str, path: Path) -> bool:
+    """τ against context on held-out prompts, one panel per sparsity measured at two or more
+    contexts, one line per selector (oracle dashed): whether a selector's gain over another
+    grows with context. False (nothing drawn) when no sparsity has two contexts."""
+    chosen = [p for p in _ablate_points(points, prompt_kind="heldout", variant="default", num_draft_tokens=gamma)
+              if p["study"] == "budget"]
+    sparsities = sorted(s for s in {p["sparsity_ratio"] for p in chosen}
+                        if len({p["context"] for p in chosen if p["sparsity_ratio"] == s}) > 1)
+    if not sparsities:
+        return False
+    fig, axes = _figure(ncols=len(sparsities), width=5.0)
+    for ax, s in zip(axes, sparsities):
+        here = [p for p in chosen if p["sparsity_ratio"] == s]
+        for sel in sorted({p["selector"] for p in here}):
+            curve = sorted((p for p in here if p["selector"] == sel), key=lambda p: p["context"])
+            style = {"color": "black", "linestyle": "--"} if sel == "oracle" else {}
+            _tau_errorbar(ax, curve, [p["context"] for p in curve], label=sel, **style)
+        contexts = sorted({p["context"] for p in here})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(contexts, [f"{c:,}" + (" (YaRN)" if any(p.get("rope_scaling") for p in here if p["context"] == c)
+                                             else "") for c in contexts])
+        ax.minorticks_off()
+        ax.set_title(f"sparsity {s:g}", fontsize="medium")
+        ax.set_xlabel("context (prompt tokens)")
+        ax.set_ylabel("τ (tokens / iteration), mean and 95 % CI")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.suptitle(title)
+    fig.savefig(path, dpi=100)
+    return True
+
+
 def plot_ablate(points: list[dict], opts, out: Path, source: str = "held-out code") -> list[str]:
     """Write the ``vegas ablate`` plots into ``out`` and return their file names (a study
     without points draws nothing).
@@ -214,6 +246,8 @@ def plot_ablate(points: list[dict], opts, out: Path, source: str = "held-out cod
       chunk, across iterations; min–max over prompts shaded), and of each proxy's set with
       the next chunk's queries against draft step.
     * ``retrieval.png``: as ``tau_by_budget.png`` on copy-task prompts.
+    * ``tau_by_context.png``: τ against context per selector, one panel per sparsity measured at
+      two or more contexts (held-out prompts, γ = ``opts.num_draft_tokens``).
 
     ``source``: how the prompt source reads in titles (:func:`vegas.prompts.source_label`).
     """
@@ -226,6 +260,8 @@ def plot_ablate(points: list[dict], opts, out: Path, source: str = "held-out cod
     if _budget_panels(points, "retrieval", gamma, f"τ by KV budget, copy-task (retrieval) prompts, γ={gamma}, {temp}",
                       out / "retrieval.png"):
         written.append("retrieval.png")
+    if _context_panels(points, gamma, f"τ by context, {source}, γ={gamma}, {temp}", out / "tau_by_context.png"):
+        written.append("tau_by_context.png")
 
     from .tune_points import round_sparsity
 
