@@ -29,6 +29,37 @@ def _fake_result(method, rate, tpot, throughput, tau=None):
     return r
 
 
+def _fake_servers_and_client(sb, monkeypatch) -> list[list[str]]:
+    """run() without vLLM or a GPU: servers that are ready at once, a client that records the
+    ``vllm bench serve`` commands it is given (the returned list) and writes no result."""
+    import types
+
+    import vegas.backends.vllm as vb
+
+    monkeypatch.setattr(vb, "vllm_installed", lambda: True)
+    sent = []
+
+    class FakeServer:
+        def __init__(self, label, argv, log, port, env=None, cwd=None):
+            self.argv, self.log, self.proc = argv, log, types.SimpleNamespace(poll=lambda: None, returncode=None)
+            log.write_text("")
+
+        def wait_ready(self, timeout):
+            return 0.0
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(sb, "ServerProcess", FakeServer)
+    monkeypatch.setattr(sb, "run_client", lambda argv, log, timeout: sent.append(argv) or 0)
+    return sent
+
+
+def opt(argv: list[str], flag: str) -> str:
+    """The value after ``flag`` in a command."""
+    return argv[argv.index(flag) + 1]
+
+
 def _model(tmp_path, context: int) -> str:
     """A model directory whose config says ``context`` positions (SmolLM2: 8,192)."""
     d = tmp_path / f"model-{context}"
@@ -334,34 +365,12 @@ def test_variant_methods_set_their_vllm_option(sb, tmp_path, capsys):
 
 def test_run_warms_every_server_up_then_interleaves_runs_with_prompts_of_their_own(sb, tmp_path, monkeypatch):
     """run() without vLLM: servers and the client faked, the commands it would send recorded."""
-    import types
-
-    import vegas.backends.vllm as vb
-
-    monkeypatch.setattr(vb, "vllm_installed", lambda: True)
-    sent = []
-
-    class FakeServer:
-        def __init__(self, label, argv, log, port, env=None, cwd=None):
-            self.argv, self.log, self.proc = argv, log, types.SimpleNamespace(poll=lambda: None, returncode=None)
-            log.write_text("")
-
-        def wait_ready(self, timeout):
-            return 0.0
-
-        def stop(self):
-            pass
-
-    monkeypatch.setattr(sb, "ServerProcess", FakeServer)
-    monkeypatch.setattr(sb, "run_client", lambda argv, log, timeout: sent.append(argv) or 0)
+    sent = _fake_servers_and_client(sb, monkeypatch)
     out = tmp_path / "out"
     args = sb.parse_args(["--model", _model(tmp_path, 32768), "--methods", "plain,collect2", "--rates", "4,inf",
                           "--repeats", "2", "--kv-cache-gib", "4", "--out", str(out)])
     with pytest.raises(SystemExit, match="no vllm bench serve results"):  # the fake client writes none
         sb.run(args)
-
-    def opt(argv, flag):
-        return argv[argv.index(flag) + 1]
 
     warm, timed = sent[:2], sent[2:]
     assert [opt(a, "--num-prompts") for a in warm] == ["16", "16"] and {opt(a, "--seed") for a in warm} == {"0"}
@@ -378,34 +387,12 @@ def test_prefill_floor_runs_after_plain_at_rate_inf_and_bounds_the_gain(sb, tmp_
     """--prefill-floor: after plain's timed run at rate inf (only there), one run of new prompts of
     the same lengths with one output token on plain's server; the report gives plain's duration
     against it and the decode-free bound (plain / prompts alone), and keeps it out of the table."""
-    import types
-
-    import vegas.backends.vllm as vb
-
-    monkeypatch.setattr(vb, "vllm_installed", lambda: True)
-    sent = []
-
-    class FakeServer:
-        def __init__(self, label, argv, log, port, env=None, cwd=None):
-            self.argv, self.log, self.proc = argv, log, types.SimpleNamespace(poll=lambda: None, returncode=None)
-            log.write_text("")
-
-        def wait_ready(self, timeout):
-            return 0.0
-
-        def stop(self):
-            pass
-
-    monkeypatch.setattr(sb, "ServerProcess", FakeServer)
-    monkeypatch.setattr(sb, "run_client", lambda argv, log, timeout: sent.append(argv) or 0)
+    sent = _fake_servers_and_client(sb, monkeypatch)
     out = tmp_path / "out"
     args = sb.parse_args(["--model", _model(tmp_path, 32768), "--methods", "plain,collect2", "--rates", "4,inf",
                           "--repeats", "2", "--warmup-prompts", "0", "--prefill-floor", "--out", str(out)])
     with pytest.raises(SystemExit, match="no vllm bench serve results"):
         sb.run(args)
-
-    def opt(argv, flag):
-        return argv[argv.index(flag) + 1]
 
     names = [opt(a, "--result-filename") for a in sent]
     assert names == ["plain_r4_k0.json", "collect2_r4_k0.json", "plain_rinf_k0.json", "prefill-floor_rinf_k0.json",

@@ -171,6 +171,14 @@ def _tau_errorbar(ax, curve: list[dict], x: list, **style) -> None:
     ax.errorbar(x, y, yerr=err, marker="o", capsize=3, **style)
 
 
+def _selector_lines(ax, points: list[dict], x: str) -> None:
+    """One τ line per selector of ``points`` against the field ``x`` (oracle dashed black)."""
+    for sel in sorted({p["selector"] for p in points}):
+        curve = sorted((p for p in points if p["selector"] == sel), key=lambda p: p[x])
+        style = {"color": "black", "linestyle": "--"} if sel == "oracle" else {}
+        _tau_errorbar(ax, curve, [p[x] for p in curve], label=sel, **style)
+
+
 def _budget_panels(points: list[dict], kind: str, gamma: int, title: str, path: Path) -> bool:
     """τ against sparsity, one panel per context, one line per selector (oracle dashed)."""
     chosen = [p for p in _ablate_points(points, prompt_kind=kind, variant="default", num_draft_tokens=gamma)
@@ -181,10 +189,7 @@ def _budget_panels(points: list[dict], kind: str, gamma: int, title: str, path: 
     fig, axes = _figure(ncols=len(contexts), width=5.0)
     for ax, ctx in zip(axes, contexts):
         here = [p for p in chosen if p["context"] == ctx]
-        for sel in sorted({p["selector"] for p in here}):
-            curve = sorted((p for p in here if p["selector"] == sel), key=lambda p: p["sparsity_ratio"])
-            style = {"color": "black", "linestyle": "--"} if sel == "oracle" else {}
-            _tau_errorbar(ax, curve, [p["sparsity_ratio"] for p in curve], label=sel, **style)
+        _selector_lines(ax, here, "sparsity_ratio")
         rope = here[0].get("rope_scaling")
         extra = f", YaRN ×{rope['factor']:g}" if rope else ""
         if kind == "retrieval":
@@ -215,10 +220,7 @@ def _context_panels(points: list[dict], gamma: int, title: str, path: Path) -> b
     fig, axes = _figure(ncols=len(sparsities), width=5.0)
     for ax, s in zip(axes, sparsities):
         here = [p for p in chosen if p["sparsity_ratio"] == s]
-        for sel in sorted({p["selector"] for p in here}):
-            curve = sorted((p for p in here if p["selector"] == sel), key=lambda p: p["context"])
-            style = {"color": "black", "linestyle": "--"} if sel == "oracle" else {}
-            _tau_errorbar(ax, curve, [p["context"] for p in curve], label=sel, **style)
+        _selector_lines(ax, here, "context")
         contexts = sorted({p["context"] for p in here})
         ax.set_xscale("log", base=2)
         ax.set_xticks(contexts, [f"{c:,}" + (" (YaRN)" if any(p.get("rope_scaling") for p in here if p["context"] == c)
