@@ -4,6 +4,7 @@
 #   bash scripts/device_serving.sh profile   # step timelines (scripts/vllm_profile.py), one process per engine
 #   bash scripts/device_serving.sh serve     # vllm bench serve against vegas serve (scripts/serve_bench.py)
 #   bash scripts/device_serving.sh greedy    # greedy Vegas (V2 runner) against plain vLLM (tests/gpu/test_vllm_v2.py)
+#   bash scripts/device_serving.sh offline   # vegas bench --backend vllm: plain vs collect2, closed and open batches
 #   bash scripts/device_serving.sh serve-start          # the serve run detached (outlives the device call)
 #   bash scripts/device_serving.sh serve-wait [SECONDS]  # wait for it (default 540 s); when done, $OUT/serve.tgz,
 #                                                        # else what is done so far, $OUT/serve_partial.tgz
@@ -68,6 +69,20 @@ case ${1:-} in
         && echo "partial results: \$OUT/serve_partial.tgz (scripts/serve_bench.py --report on its serve/)"
       echo "still running; call serve-wait again"
     fi
+    ;;
+  offline)  # issue 19's offline rows: SmolLM2 7,680 tokens, plain vs collect2, closed then open (3 x batch
+             # requests through batch slots), 3 repeats; OFFLINE_BATCHES (default "128 32"); the engine logs
+             # (vLLM's "GPU KV cache size") give each KV pool: $OUT/bench_b<batch>_open<k>.log
+    for b in ${OFFLINE_BATCHES:-128 32}; do
+      for k in 0 3; do
+        t0=$(date +%s)
+        timeout ${OFFLINE_S:-290} python3 -c "from vegas.cli import main; main()" bench --backend vllm --model "$MODEL" \
+          --selectors collect2 --context 7680 --batch-size $b --new-tokens 256 --top-p 1 --repeats 3 --open $k \
+          --check-tokens 16 --json "$OUT/bench_b${b}_open$k.json" 2>&1 | grep -v "it/s\]" > "$OUT/bench_b${b}_open$k.log"
+        echo "[batch $b open $k] $(( $(date +%s) - t0 )) s"
+        grep -E "^\||KV cache size|Error" "$OUT/bench_b${b}_open$k.log" | tail -12
+      done
+    done
     ;;
   cute)  # CUTE_CASES="smollm2" or "qwen3" runs one half (each can take most of a call); CUTE_ARGS adds
          # flags, e.g. CUTE_ARGS=--no-scores to leave out the per-element score_mod writer measured 2026-12-02
