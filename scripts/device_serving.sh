@@ -72,9 +72,10 @@ case ${1:-} in
     ;;
   offline)  # issue 19's offline rows: SmolLM2 7,680 tokens, plain vs collect2, closed then open (3 x batch
              # requests through batch slots), 3 repeats; OFFLINE_BATCHES (default "128 32"); the engine logs
-             # (vLLM's "GPU KV cache size") give each KV pool: $OUT/bench_b<batch>_open<k>.log
+             # (vLLM's "GPU KV cache size") give each KV pool: $OUT/bench_b<batch>_open<k>.log;
+             # OFFLINE_OPEN (default "0 3": closed, then open) picks the rows
     for b in ${OFFLINE_BATCHES:-128 32}; do
-      for k in 0 3; do
+      for k in ${OFFLINE_OPEN:-0 3}; do
         t0=$(date +%s)
         timeout ${OFFLINE_S:-290} python3 -c "from vegas.cli import main; main()" bench --backend vllm --model "$MODEL" \
           --selectors collect2 --context 7680 --batch-size $b --new-tokens 256 --top-p 1 --repeats 3 --open $k \

@@ -570,7 +570,8 @@ def run(args) -> None:
                                  seed=args.seed, num_prompts=args.warmup_prompts)
                 rc = run_client(cmd, out / "logs" / f"warmup_{method}.log", bench_timeout(math.inf, args))
                 print(f"[{method}] warm-up ({args.warmup_prompts} prompts, rate inf): rc={rc}", flush=True)
-            for rep, rate, method in ((rep, rate, m) for rep in range(args.repeats) for rate in args.rates
+            for rep, rate, method in ((rep, rate, m) for rep in range(args.first_repeat, args.first_repeat + args.repeats)
+                                      for rate in args.rates
                                       for m in servers):
                 if time.monotonic() > t_end:
                     print(f"[time budget] rate {rate_label(rate)} #{rep} and later skipped", flush=True)
@@ -638,6 +639,9 @@ def parse_args(argv=None):
                    help="Requests per run at rate inf (default: --num-prompts); e.g. 256, where 64 requests "
                         "sent at once make runs of 2-4 s that noise decides.")
     p.add_argument("--repeats", type=int, default=3, help="Runs per rate and method (the table gives medians).")
+    p.add_argument("--first-repeat", type=int, default=0,
+                   help="Index of the first repeat (its prompt seed and result file name): e.g. 2 with --repeats 1 "
+                        "adds a third repeat to an earlier run's raw/ folder, with that repeat's own prompts.")
     p.add_argument("--dataset", choices=("random", "code"), default="random",
                    help="random token prompts, or held-out code cut from --prompts.")
     p.add_argument("--prompts", default=None, help="Code file or directory for --dataset code (default: click).")
@@ -721,7 +725,7 @@ def raise_if_bad_args(args) -> None:
                                f"{', '.join(allowed)}, and <selector> with one or more suffixes: {', '.join(VARIANTS)}")
     for flag, value, least in (("--num-prompts", args.num_prompts, 1),
                                ("--num-prompts-inf", args.num_prompts_inf if args.num_prompts_inf is not None else 1, 1),
-                               ("--repeats", args.repeats, 1),
+                               ("--repeats", args.repeats, 1), ("--first-repeat", args.first_repeat, 0),
                                ("--gamma", args.gamma, 1), ("--output-len", args.output_len, 1),
                                ("--input-len", args.input_len, 1), ("--prefill-skip-tokens", args.prefill_skip_tokens, 0),
                                ("--warmup-prompts", args.warmup_prompts, 0), ("--seed", args.seed, 0)):
