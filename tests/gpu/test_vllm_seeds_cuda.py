@@ -54,6 +54,7 @@ def test_v1_seeded_request_is_reproducible_with_n2_and_changing_neighbours(monke
     first = [list(c.token_ids) for c in alone[0].outputs]
     second = [list(c.token_ids) for c in crowded[1].outputs]
     assert len(first) == 2 and all(len(t) == 32 for t in first)
-    assert first == second
+    diffs = [next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(first, second)]
+    assert first == second, f"first differing token per child: {diffs}; stats: {stats}"
     assert first[0] != first[1]  # the children's seeds (123, 124) differ
     assert stats["iterations"] > 0 and stats["acceptance_length"] > 1.0, stats
