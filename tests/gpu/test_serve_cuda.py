@@ -205,10 +205,24 @@ def test_max_tokens_stop_n_and_seed(servers):
                                    extra_body={"ignore_eos": True})
         assert cut.choices[0].finish_reason == "stop" and stop not in cut.choices[0].text
         assert text.startswith(cut.choices[0].text)
-    sampled = [c.completions.create(model=NAME, prompt=prompt, max_tokens=24, temperature=0.8, seed=123, n=2,
-                                    extra_body={"ignore_eos": True}) for _ in range(2)]
-    assert [ch.text for ch in sampled[0].choices] == [ch.text for ch in sampled[1].choices]  # seed: reproducible
-    assert len(sampled[0].choices) == 2 and all(ch.finish_reason == "length" for ch in sampled[0].choices)
+
+    def seeded():
+        return servers["vegas"].client().completions.create(
+            model=NAME, prompt=prompt, max_tokens=24, temperature=0.8, seed=123, n=2, extra_body={"ignore_eos": True})
+
+    def neighbour(p):
+        return servers["vegas"].client().completions.create(
+            model=NAME, prompt=p, max_tokens=40, temperature=1.0, extra_body={"ignore_eos": True})
+
+    alone = seeded()
+    with cf.ThreadPoolExecutor(4) as pool:  # the same request again, now among unseeded neighbours
+        others = [pool.submit(neighbour, p) for p in _prompts(4)[1:]]
+        crowded = pool.submit(seeded)
+        again = crowded.result()
+        [f.result() for f in others]
+    texts = [[ch.text for ch in r.choices] for r in (alone, again)]
+    assert texts[0] == texts[1], f"seeded request not reproducible among new neighbours: {texts}"
+    assert len(alone.choices) == 2 and all(ch.finish_reason == "length" for ch in alone.choices)
 
 
 def test_servers_shut_down_cleanly(servers):
