@@ -9,7 +9,7 @@
 #   bash scripts/device_serving.sh serve-wait [SECONDS]  # wait for it (default 540 s); when done, $OUT/serve.tgz,
 #                                                        # else what is done so far, $OUT/serve_partial.tgz
 #   bash scripts/device_serving.sh tests21 [NAMES]  # issue 21's GPU tests, one after another, each with its own
-#                                            # time limit (seeds seeds-invariant plugin softcap serve invariant
+#                                            # time limit (seeds seeds-invariant seeds-v2 plugin softcap serve invariant
 #                                            # invariant-smollm2 faults; default all)
 #   bash scripts/device_serving.sh cute-tests [NAMES]  # issue 22: tests/gpu/test_cute_rowsum_cuda.py (kernel engine)
 #   bash scripts/device_serving.sh cute      # issue 22: the CuTe-DSL attention (+ score writer) against FA3 and
@@ -114,12 +114,14 @@ case ${1:-} in
     ;;
   tests21)  # logs: $OUT/t21_<name>.log; the summary line of each
     v1="env VLLM_USE_V2_MODEL_RUNNER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn"
-    for t in ${2:-seeds seeds-invariant plugin softcap serve invariant invariant-smollm2 faults}; do
+    for t in ${2:-seeds seeds-invariant seeds-v2 plugin softcap serve invariant invariant-smollm2 faults}; do
       case $t in
         seeds) cmd="$v1 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_vllm_seeds_cuda.py"; lim=280 ;;
         # the same under vLLM's batch-invariant kernels: passes -> the V1 failure is batch numerics reaching
         # the drafts (selection scores -> top-k -> draft probabilities); fails -> a seed/row bookkeeping bug
         seeds-invariant) cmd="$v1 VLLM_BATCH_INVARIANT=1 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_vllm_seeds_cuda.py"; lim=280 ;;
+        # V2 runner, vllm.seeded_verification="coupled": seeded output independent of the neighbours (and of the drafts)
+        seeds-v2) cmd="python3 -m pytest -s -q -rs -p no:cacheprovider tests/gpu/test_vllm_seeds_v2_cuda.py"; lim=300 ;;
         plugin) cmd="$v1 PYTHONPATH=$PYTHONPATH:$PWD/plugins/vegas-h2o python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_vllm_backend_cuda.py -k plugin"; lim=300 ;;
         softcap) cmd="$v1 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_vllm_backend_cuda.py -k soft_capped"; lim=420 ;;
         serve) cmd="python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_serve_cuda.py"; lim=480 ;;
@@ -128,7 +130,7 @@ case ${1:-} in
         invariant) cmd="python3 -m pytest -s -q -rs -p no:cacheprovider tests/gpu/test_vllm_batch_invariant.py -k tiny"; lim=480 ;;
         invariant-smollm2) cmd="python3 -m pytest -s -q -rs -p no:cacheprovider tests/gpu/test_vllm_batch_invariant.py -k smollm2"; lim=480 ;;
         faults) cmd="python3 -m pytest -s -q -rs -p no:cacheprovider tests/gpu/test_vllm_serving_faults.py"; lim=560 ;;  # nine engines, ~45 s each (8 started in 360 s, 2026-12-03)
-        *) echo "tests21: unknown test group $t (seeds seeds-invariant plugin softcap serve invariant invariant-smollm2 faults)" >&2; exit 2 ;;
+        *) echo "tests21: unknown test group $t (seeds seeds-invariant seeds-v2 plugin softcap serve invariant invariant-smollm2 faults)" >&2; exit 2 ;;
       esac
       t0=$(date +%s)
       timeout $lim $cmd > "$OUT/t21_$t.log" 2>&1; rc=$?

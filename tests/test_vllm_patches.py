@@ -94,6 +94,45 @@ def _capture(self, create_forward_fn, progress_bar_desc="Capturing CUDA graphs")
     return {}
 
 
+def _rejection_sample(target_logits, draft_logits, draft_sampled, cu_num_logits, pos, idx_mapping,
+                      expanded_idx_mapping, expanded_local_pos, temperature, seed, num_speculative_steps,
+                      synthetic_conditional_rates=None, use_fp64=False):
+    """Stands in for vLLM's kernel: accepts every draft (its output is what the coupling replaces)."""
+    import torch
+
+    num_reqs = cu_num_logits.shape[0] - 1
+    sampled = torch.full((num_reqs, num_speculative_steps + 1), -7, dtype=torch.int64)
+    for r in range(num_reqs):
+        a, b = int(cu_num_logits[r]), int(cu_num_logits[r + 1])
+        sampled[r, : b - a - 1] = draft_sampled[a + 1 : b]
+        sampled[r, b - a - 1] = 999
+    num_sampled = (cu_num_logits[1:] - cu_num_logits[:-1]).to(torch.int32)
+    return sampled, num_sampled
+
+
+def _rejection_call(self, logits, input_batch, draft_logits=None):
+    """vLLM 0.24.0's ``RejectionSampler.__call__`` reduced to its call of ``rejection_sample`` (by the
+    name its module imported), with processed logits = logits."""
+    ib = input_batch
+    return sys.modules["vllm.v1.worker.gpu.spec_decode.rejection_sampler"].rejection_sample(
+        logits, draft_logits, ib.draft_sampled, ib.cu_num_logits, ib.pos, ib.idx_mapping, ib.expanded_idx_mapping,
+        ib.expanded_local_pos, ib.temperature, ib.seeds, 4, None, use_fp64=False)
+
+
+def _gumbel_sample(logits, expanded_idx_mapping, temperature, seed, pos, apply_temperature,
+                   output_processed_logits=None, output_processed_logits_col=None, use_fp64=False):
+    """A reference of vLLM's counter-based Gumbel-max sampler: noise keyed by (seed, pos) only."""
+    import torch
+
+    out = []
+    for i in range(logits.shape[0]):
+        slot = int(expanded_idx_mapping[i])
+        g = torch.Generator().manual_seed(int(seed[slot]) * 1_000_003 + int(pos[i]))
+        noise = -torch.log(-torch.log(torch.rand(logits.shape[1], generator=g).clamp_min(1e-20)))
+        out.append(int(torch.argmax(logits[i] + (noise if float(temperature[slot]) else 0))))
+    return torch.tensor(out, dtype=torch.int64)
+
+
 def fake_vllm(monkeypatch, tmp_path, version="0.24.0", runner_imports=True, **replace):
     """Install fake ``vllm`` modules holding every object of :data:`patches.PATCHES` with vLLM
     0.24.0's signatures; ``replace`` swaps one by its attribute name (``_bookkeeping_sync=...``)."""
@@ -126,6 +165,14 @@ def fake_vllm(monkeypatch, tmp_path, version="0.24.0", runner_imports=True, **re
               "_model_forward": fn("_model_forward"), "drafter": None}
     mod("vllm.v1.worker.gpu_model_runner", GPUModelRunner=type("GPUModelRunner", (), runner))
     mod("vllm.v1.worker.gpu.spec_decode", init_speculator=fn("_init_speculator"))
+    mod("vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils", rejection_sample=fn("_rejection_sample"))
+    mod("vllm.v1.worker.gpu.sample")
+    mod("vllm.v1.worker.gpu.sample.gumbel", gumbel_sample=_gumbel_sample)
+    rs_source = tmp_path / "rejection_sampler.py"  # vLLM's own form of the import, parenthesised
+    rs_source.write_text("from vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils import (\n    rejection_sample,\n)\n")
+    rs = mod("vllm.v1.worker.gpu.spec_decode.rejection_sampler", rejection_sample=fn("_rejection_sample"),
+             RejectionSampler=type("RejectionSampler", (), {"__call__": fn("_rejection_call")}))
+    rs.__spec__ = importlib.util.spec_from_file_location("vllm.v1.worker.gpu.spec_decode.rejection_sampler", rs_source)
     mod("vllm.v1.worker.gpu.cudagraph_utils", CudaGraphManager=type("CudaGraphManager", (), {
         "_init_candidates": fn("_init_candidates"), "dispatch": fn("_dispatch"), "capture": fn("_capture")}))
     source = tmp_path / "model_runner.py"
@@ -140,7 +187,7 @@ def fake_vllm(monkeypatch, tmp_path, version="0.24.0", runner_imports=True, **re
 def test_the_table_matches_vllm_0_24_0(monkeypatch, tmp_path):
     fake_vllm(monkeypatch, tmp_path)
     patches.check_vllm()
-    assert len(patches.PATCHES) == len({p.target for p in patches.PATCHES}) == 17
+    assert len(patches.PATCHES) == len({p.target for p in patches.PATCHES}) == 19
     assert all(p.why and p.params for p in patches.PATCHES)
 
 
@@ -189,7 +236,7 @@ def test_every_patch_installs_a_table_entry_once(monkeypatch, tmp_path):
     register()  # idempotent, and the check still passes on the wrapped functions
     for install in (patches.patch_draft_probs_gather, patches.patch_bookkeeping,
                     patches.patch_draft_graph_capture, patches.patch_runner_binding, patches.patch_v2_execute_model,
-                    patches.patch_plain_step_graphs):
+                    patches.patch_plain_step_graphs, patches.patch_v2_coupled_verification):
         install()
         install()
     patches.patch_v2_runner(_build_v2_speculator)
@@ -426,3 +473,60 @@ def test_a_real_v2_step_hands_its_schedule_to_the_speculator_first(monkeypatch, 
     assert seen == ["step-1"]
     plain = modules["vllm.v1.worker.gpu.model_runner"].GPUModelRunner()  # no Vegas speculator
     assert plain.execute_model("step") == ("vllm-execute", False)
+
+
+def test_coupled_engines_emit_the_targets_seeded_samples_and_others_are_untouched(monkeypatch, tmp_path):
+    """The V2 rejection sampler of a Vegas engine with ``seeded_verification="coupled"``: rows with an
+    explicit seed emit the target's own samples (vLLM's gumbel_sample at each logit) up to the first
+    draft that differs; rows without a seed, and other engines, keep vLLM's output."""
+    import numpy as np
+    import torch
+
+    from vegas.vllm_plugin import coupling
+
+    modules = fake_vllm(monkeypatch, tmp_path)
+    monkeypatch.setattr(coupling, "_ENGINES", {})
+    patches.patch_v2_coupled_verification()
+    rs_mod = modules["vllm.v1.worker.gpu.spec_decode.rejection_sampler"]
+    assert rs_mod.rejection_sample._vegas  # the name the sampler's module imported is replaced too
+    vocab, cu = 11, torch.tensor([0, 5, 10, 11], dtype=torch.int32)  # two requests verifying 4 drafts, one prefill
+    logits = torch.randn(11, vocab, generator=torch.Generator().manual_seed(0))
+    ib = types.SimpleNamespace(cu_num_logits=cu, pos=torch.tensor([20, 21, 22, 23, 24, 7, 8, 9, 10, 11, 3]),
+                               idx_mapping=torch.tensor([2, 0, 1]), idx_mapping_np=np.array([2, 0, 1]),
+                               expanded_idx_mapping=torch.tensor([2] * 5 + [0] * 5 + [1]),
+                               expanded_local_pos=torch.zeros(11, dtype=torch.int64),
+                               temperature=torch.tensor([0.8, 0.8, 0.8]), seeds=torch.tensor([5, 6, 123]))
+    target = _gumbel_sample(logits, ib.expanded_idx_mapping, ib.temperature, ib.seeds, ib.pos, False)
+    drafts = torch.randint(0, vocab, (11,), generator=torch.Generator().manual_seed(1))
+    drafts[1:3] = target[0:2]  # request 0 (slot 2): drafts 1 and 2 equal the target's tokens, draft 3 not
+    drafts[3] = (target[2] + 1) % vocab
+    ib.draft_sampled = drafts
+    sampler = rs_mod.RejectionSampler()
+    sampler.sampler = types.SimpleNamespace(sampling_states=types.SimpleNamespace(seeds_set=np.array([False, True, True])))
+    engine_logits = torch.zeros(4, 4, vocab)
+    state = coupling.CoupledRows(3, "cpu")
+    coupling.register_engine(engine_logits, state)
+
+    plain_out = sampler(logits, ib, torch.zeros(4, 4, vocab))  # another engine: vLLM's output
+    sampled, num_sampled = sampler(logits, ib, engine_logits)
+    assert torch.equal(plain_out[0][1], sampled[1]) and int(num_sampled[1]) == int(plain_out[1][1])  # slot 0: no seed
+    assert num_sampled.tolist() == [3, 5, 1]
+    assert sampled[0, :3].tolist() == target[0:3].tolist()  # 2 accepted drafts, then the target's own token
+    assert sampled[2, :1].tolist() == target[10:11].tolist()  # a request without drafts: its plain sample
+    assert coupling.active_rows() is None  # marked only while its call runs
+
+
+def test_a_real_v2_step_hands_the_runner_to_a_speculator_that_asks(monkeypatch, tmp_path):
+    modules = fake_vllm(monkeypatch, tmp_path)
+    patches.patch_v2_execute_model()
+    seen = []
+
+    class Speculator:
+        def on_runner(self, runner):
+            seen.append(runner)
+
+    runner = modules["vllm.v1.worker.gpu.model_runner"].GPUModelRunner()
+    runner.speculator = Speculator()
+    runner.execute_model("step-1")
+    runner.execute_model("dummy", None, True)
+    assert seen == [runner]

@@ -29,6 +29,8 @@ TP_SELECTIONS = ("all_reduce", "per_rank")
 VERIFY_CUDA_GRAPH_MODES = ("full", "piecewise")
 #: where the vLLM backend's verification scores come from (``VegasConfig.vllm.score_path``)
 SCORE_PATHS = ("auto", "cute")
+#: how the vLLM backend's V2 runner verifies seeded requests (``VegasConfig.vllm.seeded_verification``)
+SEEDED_VERIFICATIONS = ("rejection", "coupled")
 #: default largest row count (requests) the vLLM backend captures a draft CUDA graph for
 DEFAULT_DRAFT_GRAPH_MAX_ROWS = 256
 #: default cost of one sparse draft forward over one plain decode step: the dummy Qwen3-8B
@@ -184,6 +186,17 @@ class VllmOptions:
             (head_dim 64), 7,680 context, batch 32 1.219x against 1.223x (a tie), batch 128
             1.403x against 1.248x (slower): worth it at head_dim 128, not at 64. Not yet run
             in an engine on a GPU; opt-in.
+        seeded_verification: how the V2 runner verifies the drafts of a request with an
+            explicit seed (``SamplingParams.seed``, the OpenAI ``seed`` field).
+            ``"rejection"`` (default): vLLM's rejection sampling, as for every other request; the
+            emitted tokens then depend on the drafts, which depend on the KV selection's batch
+            numerics, so the same seeded request can give another output among other batch
+            neighbours. ``"coupled"``: Gumbel-max coupling (:mod:`vegas.vllm_plugin.coupling`;
+            Daliri, Musco and Suresh, 2024): each verified position emits the target's own seeded
+            sample, the token plain vLLM draws there, and a draft drawn with the same noise is
+            accepted iff it equals it; the output is then plain vLLM's seeded output whatever was
+            drafted, at somewhat lower acceptance for those requests. Unseeded requests always
+            take rejection sampling; the V1 runner ignores it. Opt-in until its GPU test passes.
 
     Raises:
         VegasConfigError: a field is outside its allowed values.
@@ -198,6 +211,7 @@ class VllmOptions:
     score_overlap: bool = False
     select_in_draft: bool | None = None
     score_path: Literal["auto", "cute"] = "auto"
+    seeded_verification: Literal["rejection", "coupled"] = "rejection"
 
     def __post_init__(self) -> None:
         _raise_if_not_one_of("vllm.tp_selection", self.tp_selection, TP_SELECTIONS)
@@ -211,6 +225,7 @@ class VllmOptions:
         if not isinstance(self.score_overlap, bool):
             raise VegasConfigError.bad("vllm.score_overlap", f"must be true or false, got {self.score_overlap!r}")
         _raise_if_not_one_of("vllm.score_path", self.score_path, SCORE_PATHS)
+        _raise_if_not_one_of("vllm.seeded_verification", self.seeded_verification, SEEDED_VERIFICATIONS)
         if self.select_in_draft is not None and not isinstance(self.select_in_draft, bool):
             raise VegasConfigError.bad("vllm.select_in_draft",
                                        f"must be true, false or null (automatic), got {self.select_in_draft!r}")

@@ -28,6 +28,7 @@ import importlib
 import importlib.util
 import inspect
 import logging
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ __all__ = [
     "patch_runner_binding",
     "patch_scheduler_lookahead",
     "patch_scheduler_switch",
+    "patch_v2_coupled_verification",
     "patch_v2_execute_model",
     "patch_v2_init_speculator",
     "patch_v2_runner",
@@ -143,6 +145,18 @@ PATCHES: tuple[Patch, ...] = (
           "build the Vegas speculator on the V2 runner: vLLM's function is a fixed if-chain without a registry "
           "(patch_v2_init_speculator)",
           imported_by="vllm.v1.worker.gpu.model_runner"),
+    Patch("vllm.v1.worker.gpu.spec_decode.rejection_sampler:RejectionSampler.__call__",
+          ("self", "logits", "input_batch", "draft_logits"),
+          "mark the batch rows with an explicit seed of a Vegas engine with vllm.seeded_verification='coupled', "
+          "for the coupled verification below (patch_v2_coupled_verification)"),
+    Patch("vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils:rejection_sample",
+          ("target_logits", "draft_logits", "draft_sampled", "cu_num_logits", "pos", "idx_mapping",
+           "expanded_idx_mapping", "expanded_local_pos", "temperature", "seed", "num_speculative_steps",
+           "synthetic_conditional_rates", "use_fp64"),
+          "emit the target's own seeded sample at every verified position of those rows (Gumbel-max coupling, "
+          "vegas.vllm_plugin.coupling): vLLM's rejection sampling has no per-request verification rule "
+          "(patch_v2_coupled_verification)",
+          imported_by="vllm.v1.worker.gpu.spec_decode.rejection_sampler"),
     Patch(f"{_GRAPHS}._init_candidates", ("self",),
           "add FULL graphs of query length 1 for the plain steps of an engine with the step switch: vLLM captures "
           "its FULL decode graphs for query length γ + 1 only (patch_plain_step_graphs)"),
@@ -255,7 +269,10 @@ def _imports_by_name(module: str, target: str) -> bool:
             src = f.read()
     except (ImportError, ValueError, AttributeError, TypeError, OSError):
         return True
-    return f"from {source_module} import {name}" in src
+    # ``from m import name``, ``from m import a, name`` or ``from m import (\n    name,\n)``
+    names = rf"(?:\([^)]*\b{re.escape(name)}\b|[\w \t,]*\b{re.escape(name)}\b)"
+    pattern = rf"from[ \t]+{re.escape(source_module)}[ \t]+import[ \t]+{names}"
+    return re.search(pattern, src) is not None
 
 
 def _install(target: str, make: Callable[[Callable], Callable]) -> Callable:
@@ -387,20 +404,75 @@ def patch_scheduler_switch() -> None:
 def patch_v2_execute_model() -> None:
     """Wrap ``vllm.v1.worker.gpu.model_runner.GPUModelRunner.execute_model`` (vLLM 0.24.0) so
     that a real step (not a dummy run) first hands its ``SchedulerOutput`` to the runner's
-    speculator when it has ``on_schedule`` (the Vegas speculator); installed by the speculator,
-    when the runner module is already imported."""
+    speculator when it has ``on_schedule`` (the Vegas speculator), and the runner itself when
+    it has ``on_runner``; installed by the speculator, when the runner module is already imported."""
     def make(original):
         def execute_model(self, scheduler_output, intermediate_tensors=None, dummy_run=False,
                           skip_attn_for_dummy_run=False, is_profile=False):
             speculator = getattr(self, "speculator", None)
             if not dummy_run and hasattr(speculator, "on_schedule"):
                 speculator.on_schedule(scheduler_output)
+            if not dummy_run and hasattr(speculator, "on_runner"):
+                speculator.on_runner(self)
             return original(self, scheduler_output, intermediate_tensors, dummy_run, skip_attn_for_dummy_run,
                             is_profile)
 
         return execute_model
 
     _install("vllm.v1.worker.gpu.model_runner:GPUModelRunner.execute_model", make)
+
+
+def patch_v2_coupled_verification() -> None:
+    """Wrap the V2 runner's rejection sampling (vLLM 0.24.0) for Gumbel-max coupled
+    verification of seeded requests (:mod:`vegas.vllm_plugin.coupling`):
+
+    - ``RejectionSampler.__call__``: when ``draft_logits`` belongs to a Vegas engine that couples
+      (:func:`~vegas.vllm_plugin.coupling.engine_for`) and the batch has rows with an explicit
+      seed (``sampler.sampling_states.seeds_set``), vLLM's call runs with those rows marked;
+      every other call is vLLM's unchanged;
+    - ``rejection_sample`` (defined in ``rejection_sampler_utils``, imported by name into
+      ``rejection_sampler``): after vLLM's, the marked rows' output becomes the coupled one:
+      the target's own sample at each logit (vLLM's ``gumbel_sample`` on the processed logits,
+      seed and position, as its plain sampler draws) up to the first draft that differs from it.
+
+    Installed by the V2 speculator of an engine with ``vllm.seeded_verification="coupled"``;
+    idempotent. Why: vLLM's V2 rejection sampler has one verification rule for all requests.
+    """
+    from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
+
+    from . import coupling
+
+    def make_call(original):
+        def __call__(self, logits, input_batch, draft_logits=None):
+            state = coupling.engine_for(draft_logits)
+            rows = None if state is None else state.rows(self.sampler.sampling_states.seeds_set,
+                                                         input_batch.idx_mapping_np)
+            if rows is None:
+                return original(self, logits, input_batch, draft_logits)
+            with coupling.coupled(rows, logits.device):
+                return original(self, logits, input_batch, draft_logits)
+
+        return __call__
+
+    def make_sample(original):
+        def rejection_sample(target_logits, draft_logits, draft_sampled, cu_num_logits, pos, idx_mapping,
+                             expanded_idx_mapping, expanded_local_pos, temperature, seed, num_speculative_steps,
+                             synthetic_conditional_rates=None, use_fp64=False):
+            sampled, num_sampled = original(target_logits, draft_logits, draft_sampled, cu_num_logits, pos,
+                                            idx_mapping, expanded_idx_mapping, expanded_local_pos, temperature, seed,
+                                            num_speculative_steps, synthetic_conditional_rates, use_fp64)
+            rows = coupling.active_rows()
+            if rows is not None:
+                target = gumbel_sample(target_logits, expanded_idx_mapping, temperature, seed, pos,
+                                       apply_temperature=False, use_fp64=use_fp64)
+                coupling.couple_rows(sampled, num_sampled, target, draft_sampled, cu_num_logits, rows)
+            return sampled, num_sampled
+
+        return rejection_sample
+
+    _install("vllm.v1.worker.gpu.spec_decode.rejection_sampler:RejectionSampler.__call__", make_call)
+    new = _install("vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils:rejection_sample", make_sample)
+    sys.modules["vllm.v1.worker.gpu.spec_decode.rejection_sampler"].rejection_sample = new
 
 
 def patch_plain_step_graphs() -> None:

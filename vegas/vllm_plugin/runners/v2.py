@@ -112,6 +112,17 @@ class VegasSpeculator(DraftModelSpeculator):
             patches.patch_v2_execute_model()
             if self.plain_graphs is not None:
                 patches.patch_plain_step_graphs()
+        #: Gumbel-max coupled verification of seeded requests (``vllm.seeded_verification``,
+        #: :mod:`~vegas.vllm_plugin.coupling`): which request slots couple, read by the draft graphs
+        self.coupling = None
+        self._sampling_states = None  # the runner's SamplingStates (its seeds_set), from on_runner
+        if options.seeded_verification == "coupled":
+            from .. import coupling, patches
+
+            self.coupling = coupling.CoupledRows(n, device)
+            coupling.register_engine(self.draft_logits, self.coupling)
+            patches.patch_v2_coupled_verification()
+            patches.patch_v2_execute_model()
         self.drafting = DraftEngine(
             vllm_config, self.state, self.gamma, options, device,
             block_table=lambda: self.block_tables.input_block_tables[0],  # [max_reqs, max_blocks] int32, batch order
@@ -156,6 +167,13 @@ class VegasSpeculator(DraftModelSpeculator):
         self.drafts_next = int(scheduler_output.num_spec_tokens_to_schedule)
         self.state.scheduled_skip = self.drafts_next == 0
         self.scheduled_skips += self.drafts_next == 0
+
+    def on_runner(self, runner) -> None:
+        """Before a real step's forward (:func:`~vegas.vllm_plugin.patches.patch_v2_execute_model`):
+        keep the runner's ``SamplingStates`` once, whose ``seeds_set`` says which request slots
+        have an explicit seed (coupled engines only)."""
+        if self.coupling is not None and self._sampling_states is None:
+            self._sampling_states = getattr(getattr(runner, "sampler", None), "sampling_states", None)
 
     def init_cudagraph_manager(self, cudagraph_mode) -> None:
         self.cudagraph_mode = cudagraph_mode
@@ -204,6 +222,8 @@ class VegasSpeculator(DraftModelSpeculator):
         step_in = step_inputs(num_sampled, num_rejected, input_batch.seq_lens, idx, last_sampled, nblocks)
         self.temp_buf[: self.max_num_reqs].copy_(temperature)
         self.seed_buf[: self.max_num_reqs].copy_(seeds)
+        if self.coupling is not None and self._sampling_states is not None:
+            self.coupling.update(self._sampling_states.seeds_set)
         self.proposals += 1
         if not state.time_events:
             return self._draft(n, step_in, idx)
@@ -296,12 +316,14 @@ class VegasSpeculator(DraftModelSpeculator):
 
     def _sample(self, logits: torch.Tensor, j: int, bufs: DraftBuffers) -> torch.Tensor:
         """V2's draft sampler: vLLM's ``gumbel_sample`` keyed by each request's seed and the
-        draft position (:func:`~vegas.vllm_plugin.runners.v2_helpers.draft_noise_positions`), which also
+        draft position (:func:`~vegas.vllm_plugin.runners.v2_helpers.draft_noise_positions`: the target's own
+        counter for a coupled row, a disjoint one otherwise), which also
         writes the temperature-scaled logits into ``draft_logits[bufs.slots, j]`` for V2's
         rejection sampler; greedy rows (temperature 0) take the argmax."""
+        coupled = None if self.coupling is None else self.coupling.slots[bufs.slots]
         return gumbel_sample(
             logits, bufs.slots, self.temp_buf, self.seed_buf,
-            draft_noise_positions(bufs.positions, self.drafting.max_model_len),
+            draft_noise_positions(bufs.positions, self.drafting.max_model_len, coupled),
             apply_temperature=True, output_processed_logits=self.draft_logits,
             output_processed_logits_col=self.step_cols[j], use_fp64=self.use_fp64_gumbel,
         )

@@ -55,8 +55,9 @@ def step_inputs(
 
 
 
-def draft_noise_positions(pos: torch.Tensor, max_model_len: int) -> torch.Tensor:
-    """Gumbel-noise counters of the draft samples: ``pos + max_model_len`` (``[rows]`` int64).
+def draft_noise_positions(pos: torch.Tensor, max_model_len: int, coupled: torch.Tensor | None = None) -> torch.Tensor:
+    """Gumbel-noise counters of the draft samples: ``pos + max_model_len`` (``[rows]`` int64),
+    or ``pos`` itself for a row that ``coupled`` marks.
 
     V2 draws the target's acceptance uniforms and resampling noise from counters
     ``< max_model_len`` (the query positions). Draft noise from disjoint counters keeps the
@@ -65,8 +66,17 @@ def draft_noise_positions(pos: torch.Tensor, max_model_len: int) -> torch.Tensor
     resampling counter of the same token, which biases the residual sample. The V1 runner's
     draft sampler (:func:`vegas.vllm_plugin.runners.seeds.seeded_sampler`) uses the same counters; V1's
     rejection sampler draws its noise from per-request ``torch.Generator`` streams instead.
+    A row verified by the Gumbel-max coupling (:mod:`vegas.vllm_plugin.coupling`) drafts with the
+    counter its verification's logit at ``pos`` draws the target's token with, so that draft and
+    target share their noise (no residual sample there to bias).
+
+    Args:
+        pos: ``[rows]`` input positions of the draft step.
+        max_model_len: the engine's ``max_model_len``.
+        coupled: ``[rows]`` bool, or None (no row coupled).
     """
-    return pos.long() + max_model_len
+    offset = pos.long() + max_model_len
+    return offset if coupled is None else torch.where(coupled, pos.long(), offset)
 
 
 def one_hot_draft_logits(draft_logits: torch.Tensor, slots: torch.Tensor, token: int = 0) -> None:
