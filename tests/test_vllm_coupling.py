@@ -84,3 +84,29 @@ def test_the_setting_names_its_values():
     assert VllmOptions(seeded_verification="coupled").seeded_verification == "coupled"
     with pytest.raises(VegasConfigError, match="vllm.seeded_verification must be one of 'rejection', 'coupled'"):
         VllmOptions(seeded_verification="gumbel")
+
+
+def test_v1_withholds_the_drafts_of_seeded_rows_only():
+    from vegas.vllm_plugin.coupling import withhold_drafts
+
+    g = torch.Generator().manual_seed(0)
+    drafts = torch.randint(1, 9, (3, 4), generator=g)
+    probs = torch.softmax(torch.randn(3, 4, 9, generator=g), dim=-1)
+    keep_d, keep_p = drafts.clone(), probs.clone()
+    view = probs[:3]  # the V1 proposer hands vLLM a view of its static buffer: changed in place
+    withhold_drafts(drafts, view, torch.tensor([False, True, False]))
+    assert drafts[1].tolist() == [0] * 4 and torch.equal(drafts[[0, 2]], keep_d[[0, 2]])
+    assert torch.equal(probs[1], torch.nn.functional.one_hot(torch.zeros(4, dtype=torch.int64), 9).float())
+    assert torch.equal(probs[[0, 2]], keep_p[[0, 2]])
+    withhold_drafts(drafts, None, torch.tensor([True, False, False]))  # a greedy batch has no probabilities
+    assert drafts[0].tolist() == [0] * 4
+
+
+def test_v1_knows_which_requests_carry_their_own_seed():
+    from types import SimpleNamespace
+
+    from vegas.vllm_plugin.runners.seeds import RequestSeeds
+
+    requests = {"a": SimpleNamespace(sampling_params=SimpleNamespace(seed=123)),
+                "b": SimpleNamespace(sampling_params=SimpleNamespace(seed=None)), "c": SimpleNamespace()}
+    assert RequestSeeds.explicit(["b", "a", "c"], requests).tolist() == [False, True, False]

@@ -196,7 +196,10 @@ class VllmOptions:
             sample, the token plain vLLM draws there, and a draft drawn with the same noise is
             accepted iff it equals it; the output is then plain vLLM's seeded output whatever was
             drafted, at somewhat lower acceptance for those requests. Unseeded requests always
-            take rejection sampling; the V1 runner ignores it. Opt-in until its GPU test passes.
+            take rejection sampling. The V1 runner has no counter-keyed target sampler to couple
+            with: there ``"coupled"`` withholds the drafts of seeded sampled requests
+            (:func:`vegas.vllm_plugin.coupling.withhold_drafts`), reproducible at plain speed.
+            Opt-in until its GPU tests pass.
 
     Raises:
         VegasConfigError: a field is outside its allowed values.

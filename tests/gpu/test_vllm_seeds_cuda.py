@@ -1,7 +1,10 @@
-"""Seeded sampling under Vegas on vLLM 0.24's V1 runner (``VLLM_USE_V2_MODEL_RUNNER=0``): a request with
-``seed=123, n=2, temperature=0.8`` gives the same two outputs alone and among unseeded batch
-neighbours, since its drafts are drawn from noise keyed by its own seed and the draft position
-(:mod:`vegas.vllm_plugin.runners.seeds`). Skips without CUDA or vLLM.
+"""Seeded sampling under Vegas on vLLM 0.24's V1 runner (``VLLM_USE_V2_MODEL_RUNNER=0``) with
+``vllm.seeded_verification="coupled"``: a request with ``seed=123, n=2, temperature=0.8`` gives the
+same two outputs alone and among unseeded batch neighbours, since its drafts are withheld
+(:func:`vegas.vllm_plugin.coupling.withhold_drafts`) and its output is the target's own sample from
+its generator. Under rejection sampling (the default) it did not (H200, 2026-12-03: the first
+difference at the third token): the drafts follow the KV selection's batch numerics. Skips without
+CUDA or vLLM.
 
 As under plain vLLM, the outputs are equal up to the target's bf16 batch effects: a different
 batch size can move a logit by an ulp, which changes a token only at a near-tie of the noisy
@@ -14,7 +17,7 @@ import torch
 
 from tests.gpu.test_vllm_backend_cuda import TP1
 from vegas.backends.vllm import vllm_engine_kwargs
-from vegas.config import VegasConfig
+from vegas.config import VegasConfig, VllmOptions
 from vegas.vllm_plugin.settings import settings_json
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -40,7 +43,8 @@ def test_v1_seeded_request_is_reproducible_with_n2_and_changing_neighbours(monke
     seeded = SamplingParams(temperature=0.8, seed=123, n=2, max_tokens=32, ignore_eos=True, detokenize=False)
     unseeded = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, detokenize=False)
     llm = LLM(**vllm_engine_kwargs(str(DEFAULT_MODEL), num_draft_tokens=4,
-                                   settings=settings_json("collect2", VegasConfig(min_kv_budget=64)), **TP1))
+                                   settings=settings_json("collect2", VegasConfig(
+                                       min_kv_budget=64, vllm=VllmOptions(seeded_verification="coupled"))), **TP1))
     try:
         assert not llm.llm_engine.vllm_config.use_v2_model_runner
         alone = llm.generate([{"prompt_token_ids": target}], seeded, use_tqdm=False)

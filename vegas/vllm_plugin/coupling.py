@@ -1,4 +1,5 @@
-"""Drafter-invariant verification of seeded requests on vLLM's V2 runner (no vLLM import).
+"""Drafter-invariant verification of seeded requests on vLLM (no vLLM import): the V2 runner
+couples, the V1 runner withholds their drafts (:func:`withhold_drafts`).
 
 Rejection sampling (Leviathan et al., 2023) emits the target distribution whatever was
 drafted, but *which* tokens it emits depends on the drafts: the acceptance test compares
@@ -33,8 +34,8 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-__all__ = ["CoupledRows", "active_rows", "couple_rows", "coupled", "engine_for",
-           "register_engine"]
+__all__ = ["CoupledRows", "active_rows", "couple_rows", "coupled", "engine_for", "register_engine",
+           "withhold_drafts"]
 
 
 def couple_rows(sampled: torch.Tensor, num_sampled: torch.Tensor, target_tokens: torch.Tensor,
@@ -70,6 +71,25 @@ def couple_rows(sampled: torch.Tensor, num_sampled: torch.Tensor, target_tokens:
     accepted = torch.cumprod(match.to(torch.int32), dim=1).sum(dim=1)  # [num_reqs]
     sampled.copy_(torch.where(rows[:, None], target, sampled))
     num_sampled.copy_(torch.where(rows, (accepted + 1).to(num_sampled.dtype), num_sampled))
+
+
+def withhold_drafts(draft_ids: torch.Tensor, probs: torch.Tensor | None, rows: torch.Tensor) -> None:
+    """The V1 runner's form of a drafter-invariant seeded request, in place: the ``rows``
+    draft token 0 with probability one (``probs`` one-hot), so V1's rejection sampler, whose
+    noise comes from each request's ``torch.Generator`` in amounts fixed by the γ drafts, emits
+    the target's own sample at the first position whatever the neighbours (and accepts the fixed
+    draft only with the target's probability of token 0). Those rows decode at plain speed:
+    V1 has no counter-keyed target sampler to couple drafts with.
+
+    Args:
+        draft_ids: ``[num_reqs, γ]`` int64 drafts.
+        probs: ``[num_reqs, γ, vocab]`` float32 draft probabilities, or None (greedy batch).
+        rows: ``[num_reqs]`` bool.
+    """
+    draft_ids.masked_fill_(rows[:, None], 0)
+    if probs is not None:
+        probs.masked_fill_(rows[:, None, None], 0.0)
+        probs[..., 0].masked_fill_(rows[:, None], 1.0)
 
 
 class CoupledRows:

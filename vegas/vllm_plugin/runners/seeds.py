@@ -81,6 +81,11 @@ class RequestSeeds:
             seeds[i] = seed
         return seeds
 
+    @staticmethod
+    def explicit(req_ids: Sequence[str], requests: Mapping[str, object]) -> np.ndarray:
+        """``[len(req_ids)]`` bool: which requests carry a seed of their own (``SamplingParams.seed``)."""
+        return np.array([request_seed(requests.get(r)) is not None for r in req_ids], dtype=bool)
+
     def on_device(self, req_ids: Sequence[str], requests: Mapping[str, object], device) -> torch.Tensor:
         """:meth:`rows` as a ``[num_reqs]`` int64 tensor on ``device``, copied (pinned, no host
         wait) only when the batch's request ids or their order changed since the last call."""

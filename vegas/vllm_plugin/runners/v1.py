@@ -17,8 +17,10 @@ selector can then change at run time). Any other selector runs on the generic pa
 After each verification step (``propose`` runs after the runner's bookkeeping, same
 ``execute_model`` call) it drafts γ tokens per request (:mod:`vegas.vllm_plugin.drafting.engine`).
 Drafts are sampled by vLLM's seeded Gumbel-max kernel with noise keyed by each request's seed
-and the draft position (:mod:`vegas.vllm_plugin.runners.seeds`), so a seeded request drafts, and
-outputs, the same tokens whatever its batch neighbours. Draft probabilities are handed to
+and the draft position (:mod:`vegas.vllm_plugin.runners.seeds`), never from a stream the batch
+shares; a seeded request's output still depends on its drafts under rejection sampling (the
+drafts follow the KV selection's batch numerics), unless ``vllm.seeded_verification="coupled"``
+withholds its drafts (:func:`~vegas.vllm_plugin.coupling.withhold_drafts`). Draft probabilities are handed to
 vLLM's rejection sampler (``runner._draft_probs``), so sampling keeps the target distribution
 with full acceptance rates; greedy requests use vLLM's greedy path (token-identical up to bf16
 batch effects).
@@ -35,7 +37,8 @@ import torch
 from ...config import VegasConfigError
 from .. import patches
 from ..async_sched import draft_start_positions, next_tokens_and_counts
-from ..drafting.engine import DraftEngine, DraftSampler, attention_layers, draft_graph_key
+from ..coupling import withhold_drafts
+from ..drafting.engine import GREEDY_TEMPERATURE, DraftEngine, DraftSampler, attention_layers, draft_graph_key
 from ..selection.state import SelectionState
 from ..stats import StatsRecorder, timing_event
 from .seeds import RequestSeeds, seeded_sampler
@@ -263,11 +266,23 @@ class VegasProposer:
         if sampling:
             runner._draft_probs = probs[:num_reqs]  # [num_reqs, γ, vocab]
             runner._draft_prob_req_ids = list(req_ids)
+            if self.config.vllm.seeded_verification == "coupled":
+                self._withhold_seeded(req_ids, draft_ids, probs[:num_reqs], temperature)
         self.recorder.pending_timings.append(("draft_ms", start, timing_event()))
         self.stats.proposals += 1
         self.stats.draft_steps += self.gamma
         self.stats.propose_wall_ms += (time.perf_counter() - started) * 1e3
         return draft_ids
+
+    def _withhold_seeded(self, req_ids, draft_ids, probs, temperature) -> None:
+        """``vllm.seeded_verification="coupled"`` on V1: sampled requests with a seed of their own
+        draft nothing that depends on the drafter (:func:`~vegas.vllm_plugin.coupling.withhold_drafts`),
+        so their output is reproducible whatever their batch neighbours; no work without such rows."""
+        explicit = self.seeds.explicit(req_ids, self.runner.requests)
+        if not explicit.any():
+            return
+        rows = torch.from_numpy(explicit).to(draft_ids.device) & (temperature >= GREEDY_TEMPERATURE)
+        withhold_drafts(draft_ids, probs, rows)
 
     def _sync_step_inputs(self, sampled_token_ids, num_tokens_no_spec, req_ids, num_blocks):
         """Synchronous scheduling: the step's ``(4, num_reqs)`` int64 draft inputs (active,
