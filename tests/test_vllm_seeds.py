@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from vegas.config import VegasConfig, VllmOptions
 from vegas.vllm_plugin.drafting.engine import DraftBuffers
 from vegas.vllm_plugin.runners.seeds import RequestSeeds, request_seed, seeded_sampler
 
@@ -192,6 +193,7 @@ def test_the_v1_proposer_hands_each_row_its_requests_seed(monkeypatch):
     prop._drafted, prop._layers_known, prop._checked_groups = set(), True, True
     prop.state = SelectionState(has_selection=True, sel_buf=torch.zeros(1, n_max, 1), skipped=False)
     prop.seeds = RequestSeeds(draw=_draws(1000))
+    prop.config = VegasConfig()  # seeded_verification "rejection": every row keeps its drafts
     prop.resolve_events = lambda wait=False: None
     monkeypatch.setattr("vegas.vllm_plugin.runners.v1.timing_event", lambda: None)  # no CUDA here
     seen = []
@@ -213,3 +215,35 @@ def test_the_v1_proposer_hands_each_row_its_requests_seed(monkeypatch):
     step(["x"], all_greedy=True)
     assert seen == [[123, 1000], [1000, 9, 123, 124], None]
     assert runner._draft_prob_req_ids == ["free", "other", "x", "x_child"]
+
+
+def test_the_v1_proposer_withholds_seeded_drafts_when_coupled(monkeypatch):
+    """``vllm.seeded_verification="coupled"`` on V1: a sampled request with a seed of its own drafts
+    token 0 at probability one (its output is then V1's own seeded sample); the others keep theirs."""
+    from vegas.vllm_plugin import proposer as proposer_mod
+    from vegas.vllm_plugin.selection.state import SelectionState
+    from vegas.vllm_plugin.stats import StatsRecorder
+
+    requests = _requests(x=123, free=None, cold=7)
+    input_batch = SimpleNamespace(
+        num_reqs=3, req_ids=["free", "x", "cold"], block_table=[SimpleNamespace(num_blocks_per_row=np.full(3, 3))],
+        sampling_metadata=SimpleNamespace(all_greedy=False, temperature=torch.tensor([0.8, 0.8, 0.0])),
+    )
+    runner = SimpleNamespace(input_batch=input_batch, requests=requests, device="cpu", use_async_scheduling=False)
+    prop = object.__new__(proposer_mod.VegasProposer)
+    prop.runner, prop.gamma, prop.recorder = runner, GAMMA, StatsRecorder()
+    prop._drafted, prop._layers_known, prop._checked_groups = set(), True, True
+    prop.state = SelectionState(has_selection=True, sel_buf=torch.zeros(1, 3, 1), skipped=False)
+    prop.seeds = RequestSeeds(draw=_draws(1000))
+    prop.config = VegasConfig(vllm=VllmOptions(seeded_verification="coupled"))
+    prop.resolve_events = lambda wait=False: None
+    monkeypatch.setattr("vegas.vllm_plugin.runners.v1.timing_event", lambda: None)
+    probs = torch.softmax(torch.randn(3, GAMMA, VOCAB, generator=torch.Generator().manual_seed(0)), dim=-1)
+    prop._draft = lambda num_reqs, sampling, step_inputs, temperature, seeds: (
+        torch.full((num_reqs, GAMMA), 3, dtype=torch.int64), probs)
+    drafts = prop.propose([[5]] * 3, np.full(3, 40), None)
+    # "x" (seed 123, T = 0.8) withheld; "free" (no seed) and "cold" (seed 7 but greedy) keep theirs
+    assert drafts.tolist() == [[3] * GAMMA, [0] * GAMMA, [3] * GAMMA]
+    assert torch.equal(runner._draft_probs[1], torch.nn.functional.one_hot(torch.zeros(GAMMA, dtype=torch.int64),
+                                                                           VOCAB).float())
+    assert runner._draft_probs[0].sum(-1).allclose(torch.ones(GAMMA)) and runner._draft_probs[0, 0, 0] < 1
