@@ -324,3 +324,16 @@ def test_top_level_fallback_fields_get_a_note_that_names_the_vllm_one():
                for n in plan.notes), plan.notes
     plan = vegas_serve.plan_serve(MODEL, selector="collect2", config='{"vllm": {"fallback": true}}')
     assert not any("HF backend" in n for n in plan.notes) and plan.settings["vllm"]["fallback"] is True
+
+
+def test_a_hub_id_outside_the_local_cache_is_named_in_the_plan_without_network():
+    """A hub id that is not cached is passed to vllm serve (which may fetch it) with a note saying
+    so; vegas does not try the network for it (HF_HUB_OFFLINE unset, no internet: no minute of retries)."""
+    import time
+
+    t0 = time.monotonic()
+    plan = vegas_serve.plan_serve("org/not-cached-model", selector="collect2")
+    assert time.monotonic() - t0 < 20
+    assert any("not in the local Hugging Face cache" in n for n in plan.notes), plan.notes
+    assert "org/not-cached-model" in plan.argv
+    assert not any("local Hugging Face cache" in n for n in vegas_serve.plan_serve(MODEL, selector="collect2").notes)

@@ -48,3 +48,17 @@ def test_generation_config_eos_ids_are_used(pipe):
     assert pipe.tokenizer.eos_token_id in eos
     gen = pipe.backend.model.generation_config.eos_token_id
     assert set([gen] if isinstance(gen, int) else gen or []) <= set(eos)
+
+
+def test_accepted_drafts_count_only_what_was_emitted():
+    """A stop inside an iteration's accepted drafts (max_new_tokens, EOS) cuts them: the stats count
+    the accepted drafts that were emitted, never more than the tokens generated."""
+    from vegas.loop import _Outputs
+
+    out = _Outputs(1, 1, ())
+    out.emit(0, [7, 8, 9, 10, 11], 4, 4)  # all four drafts accepted, one token allowed
+    stats = out.stats[0]
+    assert (stats.num_generated, stats.num_drafted, stats.num_accepted) == (1, 4, 1)
+    more = _Outputs(1, 64, (9,))
+    more.emit(0, [7, 8, 9, 10, 11], 4, 4)  # EOS (9) third
+    assert (more.stats[0].num_generated, more.stats[0].num_accepted) == (3, 3)

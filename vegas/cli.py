@@ -340,7 +340,7 @@ def generate(prompt, selector, max_new_tokens, chat, model, rope_scaling, backen
         + f"KV budget {s.kv_budget} tokens"
     )
     click.echo(
-        f"\n[{s.num_generated} tokens, {drafting}, decode {s.decode_seconds:.2f} s, "
+        f"\n[{s.num_generated} token{'' if s.num_generated == 1 else 's'}, {drafting}, decode {s.decode_seconds:.2f} s, "
         f"selection {s.selection_seconds:.3f} s]",
         err=True,
     )

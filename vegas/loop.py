@@ -47,16 +47,19 @@ class _Outputs:
         stats.iterations += 1
         stats.plain_steps += plain
         stats.num_drafted += num_drafted
-        stats.num_accepted += num_accepted
         stats.kv_budget = kv_budget
         if kv_attended is not None:  # running mean over the drafting iterations (γ drafts each)
             mean = stats.kv_attended or 0.0
             stats.kv_attended = mean + (kv_attended - mean) / (stats.iterations - stats.plain_steps)
+        emitted = 0
         for token in tokens:
             self.tokens[b].append(token)
+            emitted += 1
             if token in self.eos_token_ids or len(self.tokens[b]) == self.max_new_tokens:
                 self.done[b] = True
                 break
+        # accepted drafts that were emitted: a stop (max_new_tokens, EOS) inside them cuts the rest
+        stats.num_accepted += min(num_accepted, emitted)
         stats.num_generated = len(self.tokens[b])
 
     @property

@@ -184,6 +184,16 @@ def resolve_model(model: str | os.PathLike | None) -> str:
     raise VegasConfigError(f"model {text!r} is not a known model name; model must be {_allowed()}")
 
 
+def in_local_cache(model: str) -> bool:
+    """Whether hub id ``model`` has a ``config.json`` in the local Hugging Face cache (no network)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(model, "config.json"), str)
+    except Exception:  # a malformed id, or huggingface_hub's own errors: treat as not cached
+        return False
+
+
 def _has_gguf_magic(path: Path) -> bool:
     """Whether ``path`` starts with the 4 bytes ``GGUF`` (every GGUF file does)."""
     try:
@@ -411,7 +421,7 @@ def rope_scaled_config(model: str, rope_scaling: dict, *, trust_remote_code: boo
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor < 1:
         raise VegasConfigError(f"rope_scaling['factor'] must be a number >= 1, got {factor!r}; e.g. {example}")
     try:
-        config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise unloadable_model(model, exc) from exc
     base = getattr(config, "rope_parameters", None)

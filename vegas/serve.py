@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import VegasConfig, VegasConfigError, parse_json_object
-from .models import resolve_model
+from .models import in_local_cache, resolve_model
 
 __all__ = [
     "PLUGIN_ENTRY_POINT",
@@ -309,6 +309,10 @@ def plan_serve(
                      'the measured fallback on vLLM is {"vllm": {"fallback": true}}')
     if not vllm_installed():
         notes.append(vllm_missing_message("the command below"))
+    if not Path(model).is_dir() and not in_local_cache(model):
+        notes.append(f"model {model!r} is not a local directory and not in the local Hugging Face cache, so it "
+                     "was not checked here: vllm serve will look it up on the hub (HF_HUB_OFFLINE=1 makes it fail "
+                     "at once instead)")
     if not plain and not plugin_entry_point_installed():
         notes.append(
             f"no vllm.general_plugins entry point {PLUGIN_ENTRY_POINT} in this environment (vegas not "

@@ -347,9 +347,13 @@ class HFBackend(Backend):
             "config": rope_scaled_config(model, rope_scaling, trust_remote_code=trust_remote_code)
         }
         try:
-            self._tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
+            # local_files_only: a hub id is read from the local Hugging Face cache, never fetched
+            # (offline, a fetch retries for a minute before failing)
+            self._tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code,
+                                                            local_files_only=True)
             self.model = AutoModelForCausalLM.from_pretrained(
                 model,
+                local_files_only=True,
                 dtype=DTYPES[dtype],
                 attn_implementation=ATTENTION_NAME,
                 trust_remote_code=trust_remote_code,

@@ -160,8 +160,8 @@ def raise_if_only_sliding_window(model: str, max_model_len: int | None = None) -
     try:
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(model, trust_remote_code=False)
-    except Exception as e:  # a hub id offline, remote code, no config.json: vLLM reports it
+        config = AutoConfig.from_pretrained(model, trust_remote_code=False, local_files_only=True)
+    except Exception as e:  # a hub id not cached, remote code, no config.json: vLLM reports it
         log.debug("vllm backend: config of %r not read for the sliding-window check: %r", model, e)
         return
     layers = sliding_window_layers(config)
