@@ -515,8 +515,10 @@ def serve(model, selector, num_draft_tokens, sparsity_ratio, kv_budget, config_j
         if not dry_run:
             raise_if_vllm_missing()
     except VegasConfigError as exc:
-        # a setting with a flag names the flag; anything else (a model that cannot be resolved) in one line
-        raise (_click_error(exc) if exc.field is not None else OneLineError(str(exc))) from exc
+        # a setting with a flag names the flag; the model (an argument) and anything else in one line,
+        # Pipeline's message
+        one_line = exc.field is None or exc.field == "model"
+        raise (OneLineError(str(exc)) if one_line else _click_error(exc)) from exc
     for line in plan.describe():
         click.echo(line, err=not dry_run)
     if dry_run:

@@ -117,11 +117,13 @@ def unloadable_model(model: str, exc: Exception) -> VegasConfigError:
     if Path(model).expanduser().is_dir():
         return VegasConfigError(
             f"model directory {model!r} does not load as a transformers causal LM ({cause}); it needs "
-            "config.json with a known model_type, the weights it names and a tokenizer"
+            "config.json with a known model_type, the weights it names and a tokenizer",
+            field="model",
         )
     return VegasConfigError(
         f"model {model!r} is neither a local transformers model directory nor a model in the local "
-        f"Hugging Face cache ({cause})"
+        f"Hugging Face cache ({cause})",
+        field="model",
     )
 
 
@@ -170,18 +172,18 @@ def resolve_model(model: str | os.PathLike | None) -> str:
         if path.is_file() and not (path.suffix.lower() == ".gguf" and _has_gguf_magic(path)):
             why = " (a .gguf file starts with the bytes 'GGUF')" if path.suffix.lower() == ".gguf" else ""
             raise VegasConfigError(f"model {text!r} is not a model{why}: pass a model directory, a model name, "
-                                   "or a .gguf file")
+                                   "or a .gguf file", field="model")
         return str(convert_gguf(path))
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise VegasConfigError(f"model directory {text!r} has no config.json: not a transformers checkpoint; "
-                                   f"model must be {_allowed()}")
+                                   f"model must be {_allowed()}", field="model")
         return str(path)
     if _HUB_ID.fullmatch(text) and not text.startswith((".", "~")):
         return text  # transformers looks for it in the local Hugging Face cache
     if "/" in text or os.sep in text:
-        raise VegasConfigError(f"model path {text!r} does not exist; model must be {_allowed()}")
-    raise VegasConfigError(f"model {text!r} is not a known model name; model must be {_allowed()}")
+        raise VegasConfigError(f"model path {text!r} does not exist; model must be {_allowed()}", field="model")
+    raise VegasConfigError(f"model {text!r} is not a known model name; model must be {_allowed()}", field="model")
 
 
 def in_local_cache(model: str) -> bool:
@@ -212,7 +214,7 @@ def named_model_gguf(name: str) -> Path:
             installed (the message gives the install command).
     """
     if name not in NAMED_MODELS:
-        raise VegasConfigError(f"model {name!r} is not a known model name; allowed: {', '.join(NAMED_MODELS)}")
+        raise VegasConfigError(f"model {name!r} is not a known model name; allowed: {', '.join(NAMED_MODELS)}", field="model")
     named = NAMED_MODELS[name]
     spec = importlib.util.find_spec(named.package)
     files = []
@@ -286,7 +288,7 @@ def convert_gguf(path: str | os.PathLike, *, cache: str | os.PathLike | None = N
     """
     path = Path(path).expanduser()
     if not path.is_file():
-        raise VegasConfigError(f"model path {str(path)!r} does not exist; model must be {_allowed()}")
+        raise VegasConfigError(f"model path {str(path)!r} does not exist; model must be {_allowed()}", field="model")
     path = path.resolve()
     target = _cache_dir_for(path, Path(cache).expanduser() if cache is not None else cache_root())
     if target.is_dir():
