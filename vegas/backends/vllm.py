@@ -202,9 +202,11 @@ def _raise_if_unavailable() -> None:
     import torch
 
     if not vllm_installed():
-        raise VegasConfigError(vllm_missing_message("backend 'vllm'") + ", or use backend='hf'")
+        problem = vllm_missing_message("'vllm'") + "; or use the 'hf' backend"
+        raise VegasConfigError(f"backend {problem}", field="backend", problem=problem)
     if not torch.cuda.is_available():
-        raise VegasConfigError("backend 'vllm' needs a CUDA GPU and none is visible; use backend='hf'")
+        problem = "'vllm' needs a CUDA GPU and none is visible; use the 'hf' backend"
+        raise VegasConfigError(f"backend {problem}", field="backend", problem=problem)
 
 
 def _raise_if_foreign_extension(qualname: str | None) -> None:
