@@ -405,7 +405,8 @@ def rope_scaled_config(model: str, rope_scaling: dict, *, trust_remote_code: boo
 
     example = '{"rope_type": "yarn", "factor": 4.0}'
     if not isinstance(rope_scaling, dict):
-        raise VegasConfigError(f"rope_scaling must be a dict such as {example}, got {type(rope_scaling).__name__}")
+        raise VegasConfigError(f"rope_scaling must be a dict such as {example}, got {type(rope_scaling).__name__}",
+                               field="rope_scaling")
     params = dict(rope_scaling)
     rope_type = params.pop("type", None) or params.get("rope_type")
     if rope_type not in ROPE_TYPES:
@@ -421,7 +422,8 @@ def rope_scaled_config(model: str, rope_scaling: dict, *, trust_remote_code: boo
         )
     factor = params.get("factor")
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor < 1:
-        raise VegasConfigError(f"rope_scaling['factor'] must be a number >= 1, got {factor!r}; e.g. {example}")
+        raise VegasConfigError(f"rope_scaling['factor'] must be a number >= 1, got {factor!r}; e.g. {example}",
+                               field="rope_scaling")
     try:
         config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code, local_files_only=True)
     except (OSError, ValueError) as exc:
@@ -453,5 +455,6 @@ def rope_scaled_config(model: str, rope_scaling: dict, *, trust_remote_code: boo
     try:
         config.validate_rope()
     except (KeyError, ValueError, TypeError) as exc:
-        raise VegasConfigError(f"rope_scaling {rope_scaling!r} is not valid for {rope_type}: {exc}") from exc
+        raise VegasConfigError(f"rope_scaling {rope_scaling!r} is not valid for {rope_type}: {exc}",
+                               field="rope_scaling") from exc
     return config
