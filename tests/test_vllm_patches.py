@@ -457,7 +457,7 @@ def test_a_vegas_scheduler_switches_on_v2_with_async_scheduling_only():
     assert patches.scheduler_switch(cfg(True, 0, fallback=True), use_v2_model_runner=True).fallback is not None
 
 
-def test_a_real_v2_step_hands_its_schedule_to_the_speculator_first(monkeypatch, tmp_path):
+def test_a_real_v2_step_hands_its_schedule_and_runner_to_the_speculator_first(monkeypatch, tmp_path):
     modules = fake_vllm(monkeypatch, tmp_path)
     patches.patch_v2_execute_model()
     seen = []
@@ -466,11 +466,14 @@ def test_a_real_v2_step_hands_its_schedule_to_the_speculator_first(monkeypatch, 
         def on_schedule(self, scheduler_output):
             seen.append(scheduler_output)
 
+        def on_runner(self, runner):
+            seen.append(runner)
+
     runner = modules["vllm.v1.worker.gpu.model_runner"].GPUModelRunner()
     runner.speculator = Speculator()
     assert runner.execute_model("step-1") == ("vllm-execute", False)
     assert runner.execute_model("dummy", None, True) == ("vllm-execute", True)  # dummy runs: not handed over
-    assert seen == ["step-1"]
+    assert seen == ["step-1", runner]
     plain = modules["vllm.v1.worker.gpu.model_runner"].GPUModelRunner()  # no Vegas speculator
     assert plain.execute_model("step") == ("vllm-execute", False)
 
@@ -514,19 +517,3 @@ def test_coupled_engines_emit_the_targets_seeded_samples_and_others_are_untouche
     assert sampled[0, :3].tolist() == target[0:3].tolist()  # 2 accepted drafts, then the target's own token
     assert sampled[2, :1].tolist() == target[10:11].tolist()  # a request without drafts: its plain sample
     assert coupling.active_rows() is None  # marked only while its call runs
-
-
-def test_a_real_v2_step_hands_the_runner_to_a_speculator_that_asks(monkeypatch, tmp_path):
-    modules = fake_vllm(monkeypatch, tmp_path)
-    patches.patch_v2_execute_model()
-    seen = []
-
-    class Speculator:
-        def on_runner(self, runner):
-            seen.append(runner)
-
-    runner = modules["vllm.v1.worker.gpu.model_runner"].GPUModelRunner()
-    runner.speculator = Speculator()
-    runner.execute_model("step-1")
-    runner.execute_model("dummy", None, True)
-    assert seen == [runner]
