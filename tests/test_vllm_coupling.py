@@ -80,7 +80,7 @@ def test_slot_flags_follow_the_users_seeds():
 
 
 def test_the_setting_names_its_values():
-    assert VllmOptions().seeded_verification == "rejection"
+    assert VllmOptions().seeded_verification == "coupled"
     assert VllmOptions(seeded_verification="coupled").seeded_verification == "coupled"
     with pytest.raises(VegasConfigError, match="vllm.seeded_verification must be one of 'rejection', 'coupled'"):
         VllmOptions(seeded_verification="gumbel")

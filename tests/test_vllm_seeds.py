@@ -193,7 +193,7 @@ def test_the_v1_proposer_hands_each_row_its_requests_seed(monkeypatch):
     prop._drafted, prop._layers_known, prop._checked_groups = set(), True, True
     prop.state = SelectionState(has_selection=True, sel_buf=torch.zeros(1, n_max, 1), skipped=False)
     prop.seeds = RequestSeeds(draw=_draws(1000))
-    prop.config = VegasConfig()  # seeded_verification "rejection": every row keeps its drafts
+    prop.config = VegasConfig(vllm=VllmOptions(seeded_verification="rejection"))  # every row keeps its drafts
     prop.resolve_events = lambda wait=False: None
     monkeypatch.setattr("vegas.vllm_plugin.runners.v1.timing_event", lambda: None)  # no CUDA here
     seen = []

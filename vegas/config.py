@@ -188,10 +188,11 @@ class VllmOptions:
             in an engine on a GPU; opt-in.
         seeded_verification: how the V2 runner verifies the drafts of a request with an
             explicit seed (``SamplingParams.seed``, the OpenAI ``seed`` field).
-            ``"rejection"`` (default): vLLM's rejection sampling, as for every other request; the
+            ``"rejection"``: vLLM's rejection sampling, as for every other request; the
             emitted tokens then depend on the drafts, which depend on the KV selection's batch
             numerics, so the same seeded request can give another output among other batch
-            neighbours. ``"coupled"``: Gumbel-max coupling (:mod:`vegas.vllm_plugin.coupling`;
+            neighbours. ``"coupled"`` (default since 2026-12-03, after its GPU tests passed on V1
+            and V2): Gumbel-max coupling (:mod:`vegas.vllm_plugin.coupling`;
             Daliri, Musco and Suresh, 2024): each verified position emits the target's own seeded
             sample, the token plain vLLM draws there, and a draft drawn with the same noise is
             accepted iff it equals it; the output is then plain vLLM's seeded output whatever was
@@ -214,7 +215,7 @@ class VllmOptions:
     score_overlap: bool = False
     select_in_draft: bool | None = None
     score_path: Literal["auto", "cute"] = "auto"
-    seeded_verification: Literal["rejection", "coupled"] = "rejection"
+    seeded_verification: Literal["rejection", "coupled"] = "coupled"
 
     def __post_init__(self) -> None:
         _raise_if_not_one_of("vllm.tp_selection", self.tp_selection, TP_SELECTIONS)

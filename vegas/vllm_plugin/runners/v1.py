@@ -19,7 +19,7 @@ After each verification step (``propose`` runs after the runner's bookkeeping, s
 Drafts are sampled by vLLM's seeded Gumbel-max kernel with noise keyed by each request's seed
 and the draft position (:mod:`vegas.vllm_plugin.runners.seeds`), never from a stream the batch
 shares; a seeded request's output still depends on its drafts under rejection sampling (the
-drafts follow the KV selection's batch numerics), unless ``vllm.seeded_verification="coupled"``
+drafts follow the KV selection's batch numerics), unless ``vllm.seeded_verification="coupled"`` (the default)
 withholds its drafts (:func:`~vegas.vllm_plugin.coupling.withhold_drafts`). Draft probabilities are handed to
 vLLM's rejection sampler (``runner._draft_probs``), so sampling keeps the target distribution
 with full acceptance rates; greedy requests use vLLM's greedy path (token-identical up to bf16
