@@ -11,6 +11,12 @@ on one engine per method (SmolLM2 7,680-token held-out code prompts unless told 
 - ``open``: ``--open-factor`` x batch prefix-cached prompts through ``batch`` slots;
 - ``serve``: ``--serve-requests`` fresh prompts of ``--serve-len`` tokens submitted at once
   (what ``vllm bench serve`` sends at request rate inf): prefill and decode mixed, TTFT per request.
+- ``paced``: ``--paced-requests`` fresh prompts of ``--serve-len`` tokens arriving as a Poisson
+  process of ``--paced-rate`` requests/s (what ``vllm bench serve --request-rate`` sends), fed to
+  the in-process engine step by step; each request's TTFT is split into the wait before its
+  prefill step starts (queue + the step in flight), the prefill step itself (host time from
+  ``execute_model`` to the end of ``sample_tokens``) and the time from that step's end until the
+  engine hands out the first token (later steps: drafting, async scheduling's one-step lag).
 
 For each (method, workload) it prints: output tok/s, TTFT mean/p99 (serve), steps by kind
 (decode-only, mixed, prefill-only) with mean host ms, mean GPU ms and the idle gap between steps,
@@ -68,7 +74,8 @@ def instrument() -> None:
         spec = so.scheduled_spec_decode_tokens
         n_prefill = sum(1 for r, n in so.num_scheduled_tokens.items() if n > 1 + len(spec.get(r, ())))
         rec = {"t0": time.perf_counter(), "reqs": len(so.num_scheduled_tokens), "prefill_reqs": n_prefill,
-               "tokens": so.total_num_scheduled_tokens, "draft_tokens": sum(len(v) for v in spec.values())}
+               "tokens": so.total_num_scheduled_tokens, "draft_tokens": sum(len(v) for v in spec.values()),
+               "new_ids": [r.req_id for r in so.scheduled_new_reqs]}
         rec["e0"] = torch.cuda.Event(enable_timing=True)
         rec["e0"].record()
         STEPS.append(rec)
@@ -94,7 +101,8 @@ def summarize(steps: list[dict], t_start: float, t_end: float) -> dict:
     """Per step kind: count, mean host ms, mean GPU ms; gaps; wall / GPU."""
     import torch
 
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     kinds: dict[str, list[dict]] = {}
     gpu_total = 0.0
     prev_end = None
@@ -160,6 +168,57 @@ def run_workload(llm, name: str, prompts, sp, method: str) -> dict:
     return res
 
 
+def run_paced(llm, prompts, sp, rate: float, seed: int = 0) -> dict:
+    """The ``paced`` workload: Poisson arrivals at ``rate`` requests/s through ``LLMEngine.step``;
+    TTFT per request and its three parts (module docstring), means and p90 in ms."""
+    import random
+
+    eng = llm.llm_engine
+    rng = random.Random(seed)
+    offsets, t = [], 0.0
+    for _ in prompts:
+        offsets.append(t)
+        t += rng.expovariate(rate)
+    STEPS.clear()
+    added, first, done = {}, {}, 0
+    start = time.perf_counter()
+    nxt = 0
+    while done < len(prompts):
+        now = time.perf_counter() - start
+        while nxt < len(prompts) and offsets[nxt] <= now:
+            rid = f"paced{nxt}"
+            eng.add_request(rid, {"prompt_token_ids": prompts[nxt]}, sp)
+            added[rid] = time.perf_counter()
+            nxt += 1
+        if not eng.has_unfinished_requests():
+            time.sleep(max(0.0, min(0.002, offsets[nxt] - (time.perf_counter() - start))))
+            continue
+        for o in eng.step():
+            rid = o.request_id.split("-")[0]  # the id given (vLLM may hand back its internal "<id>-<random>")
+            if rid not in first and o.outputs and o.outputs[0].token_ids:
+                first[rid] = time.perf_counter()
+            done += bool(o.finished)
+    wall = time.perf_counter() - start
+    res = summarize(list(STEPS), start, start + wall)
+    parts = {"ttft": [], "wait": [], "prefill_step": [], "after_step": []}
+    for rid, t_add in added.items():
+        step = next((s for s in STEPS if any(n == rid or n.startswith(rid + "-") for n in s["new_ids"])), None)
+        if rid not in first or step is None or "t1" not in step:
+            continue
+        parts["ttft"].append((first[rid] - t_add) * 1e3)
+        parts["wait"].append((step["t0"] - t_add) * 1e3)
+        parts["prefill_step"].append((step["t1"] - step["t0"]) * 1e3)
+        parts["after_step"].append((first[rid] - step["t1"]) * 1e3)
+    for name, v in parts.items():
+        if v:
+            v.sort()
+            res[f"{name}_mean_ms"] = statistics.mean(v)
+            res[f"{name}_p90_ms"] = v[int(0.9 * (len(v) - 1))]
+    res["requests_timed"] = len(parts["ttft"])
+    res["rate"] = rate
+    return res
+
+
 def generate(llm, prompts, sp):
     return llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
 
@@ -195,7 +254,9 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192, help="vllm serve's default on an H200")
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--temperature", type=float, default=0.8)
-    ap.add_argument("--workloads", default="serve,closed,open")
+    ap.add_argument("--paced-requests", type=int, default=48)
+    ap.add_argument("--paced-rate", type=float, default=4.0, help="requests/s of the paced workload")
+    ap.add_argument("--workloads", default="serve,closed,open", help="serve, closed, open, paced (comma-separated)")
     ap.add_argument("--torch-profile", action="store_true")
     ap.add_argument("--torch-profile-workload", default="serve", choices=["serve", "open", "closed"],
                     help="the workload --torch-profile runs under torch.profiler (serve: fresh prompts)")
@@ -213,8 +274,9 @@ def main() -> int:
 
     args.model = resolve_model(args.model)
     n_open = args.batch * args.open_factor
-    prompts = vb.load_prompts(args.model, n_open + args.serve_requests * 2, args.ctx)
-    cached, fresh = prompts[:n_open], prompts[n_open:]
+    prompts = vb.load_prompts(args.model, n_open + args.serve_requests * 2 + args.paced_requests, args.ctx)
+    cached, fresh = prompts[:n_open], prompts[n_open:n_open + args.serve_requests * 2]
+    paced = [p[: args.serve_len] for p in prompts[n_open + args.serve_requests * 2:]]
     sp = SamplingParams(temperature=args.temperature, max_tokens=args.new_tokens, ignore_eos=True, detokenize=False)
     results: dict = {"args": vars(args), "rows": {}}
     instrument()
@@ -233,6 +295,15 @@ def main() -> int:
                 rows[wl] = run_workload(llm, wl, cached[: args.batch], sp, method)
             elif wl == "open":
                 rows[wl] = run_workload(llm, wl, cached, sp, method)
+            elif wl == "paced":
+                if method.startswith("vegas"):
+                    llm.collective_rpc("vegas_configure", args=(None, True))
+                rows[wl] = res = run_paced(llm, paced, sp, args.paced_rate)
+                line = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in res.items() if not isinstance(v, dict)}
+                print(f"[{method} paced] {json.dumps(line)}", flush=True)
+                for kind in ("decode", "mixed", "prefill"):
+                    if kind in res:
+                        print(f"    {kind}: " + json.dumps({k: round(v, 2) for k, v in res[kind].items()}), flush=True)
             elif wl == "serve":
                 # fresh prompts each time (no prefix-cache hits), cut to --serve-len tokens
                 for rep in range(2):
