@@ -8,6 +8,10 @@
 #   bash scripts/device_serving.sh serve-start          # the serve run detached (outlives the device call)
 #   bash scripts/device_serving.sh serve-wait [SECONDS]  # wait for it (default 540 s); when done, $OUT/serve.tgz,
 #                                                        # else what is done so far, $OUT/serve_partial.tgz
+#   bash scripts/device_serving.sh bg-start "JOB1" ["JOB2" ...]  # any of these subcommands (with arguments, and
+#                                            # VAR=value prefixes) one after another, detached: outlives the call
+#   bash scripts/device_serving.sh bg-wait [SECONDS]   # wait for them (default 540 s); each call brings back what
+#                                            # is done so far ($OUT/bg.tgz: every job's $OUT and the log)
 #   bash scripts/device_serving.sh tests21 [NAMES]  # issue 21's GPU tests, one after another, each with its own
 #                                            # time limit (seeds seeds-invariant seeds-v2 plugin softcap serve invariant
 #                                            # invariant-smollm2 faults; default all)
@@ -69,6 +73,31 @@ case ${1:-} in
         && echo "partial results: \$OUT/serve_partial.tgz (scripts/serve_bench.py --report on its serve/)"
       echo "still running; call serve-wait again"
     fi
+    ;;
+  bg-start)  # e.g. bg-start "tests21 faults" "PROFILE_ARGS='--workloads paced' profile": results under /tmp/vegas_bg
+    shift
+    rm -rf /tmp/vegas_bg; mkdir -p /tmp/vegas_bg/out
+    printf '%s\n' "$@" > /tmp/vegas_bg/jobs.txt
+    (OUT=/tmp/vegas_bg/out setsid nohup bash "$0" bg-run > /tmp/vegas_bg/bg.log 2>&1 < /dev/null &)
+    echo "background jobs started ($#): /tmp/vegas_bg/bg.log"
+    ;;
+  bg-run)  # (bg-start's detached part) each line of /tmp/vegas_bg/jobs.txt: VAR=value prefixes, then a subcommand
+    while IFS= read -r -u 3 job; do
+      echo "[bg] $(date +%T) start: $job"
+      ( eval "set -- $job"
+        while [ $# -gt 0 ] && [[ $1 =~ ^[A-Z_][A-Z0-9_]*= ]]; do export "$1"; shift; done
+        bash "$0" "$@" ); rc=$?
+      echo "[bg] $(date +%T) end (rc $rc): $job"
+    done 3< /tmp/vegas_bg/jobs.txt
+    touch /tmp/vegas_bg/done
+    ;;
+  bg-wait)
+    end=$(( $(date +%s) + ${2:-540} ))
+    while [ ! -f /tmp/vegas_bg/done ] && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
+    grep "^\[" /tmp/vegas_bg/bg.log | tail -30
+    tar -C /tmp/vegas_bg -czf "$OUT/bg.tgz" out bg.log jobs.txt
+    if [ -f /tmp/vegas_bg/done ]; then echo "all jobs done: \$OUT/bg.tgz"
+    else echo "still running; call bg-wait again (\$OUT/bg.tgz holds what is done so far)"; fi
     ;;
   offline)  # issue 19's offline rows: SmolLM2 7,680 tokens, plain vs collect2, closed then open (3 x batch
              # requests through batch slots), 3 repeats; OFFLINE_BATCHES (default "128 32"); the engine logs
