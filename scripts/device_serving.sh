@@ -43,10 +43,11 @@ fi
 case ${1:-} in
   profile)
     for m in ${PROFILE_METHODS:-plain vegas}; do  # one process per engine (vLLM's graph pools)
-      mkdir -p "$OUT/$m"
+      d="$OUT/${PROFILE_TAG:-}$m"  # PROFILE_TAG keeps two profile runs of one $OUT apart
+      mkdir -p "$d"
       timeout ${PROFILE_S:-240} python3 scripts/vllm_profile.py --model "$MODEL" --methods "$m" \
-        --out "$OUT/$m" ${PROFILE_ARGS:-} 2>&1 | grep -v "it/s\]" > "$OUT/$m/profile.log"
-      grep -E "^\[|^    |Error" "$OUT/$m/profile.log" | grep -v "rank0\]: \[rank0\]:   " | head -30
+        --out "$d" ${PROFILE_ARGS:-} 2>&1 | grep -v "it/s\]" > "$d/profile.log"
+      grep -E "^\[|^    |Error" "$d/profile.log" | grep -v "rank0\]: \[rank0\]:   " | head -30
     done
     ;;
   serve)

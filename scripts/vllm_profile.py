@@ -286,9 +286,10 @@ def main() -> int:
         t = time.time()
         llm = build_llm(args.selector if method.startswith("vegas") else "plain", args, runner)
         print(f"[{method}] engine start {time.time() - t:.1f}s", flush=True)
-        generate(llm, cached, SamplingParams(max_tokens=1, detokenize=False))  # prefix cache
-        generate(llm, cached[: args.batch], SamplingParams(temperature=args.temperature, max_tokens=16,
-                                                                ignore_eos=True, detokenize=False))  # warm-up
+        if cached:  # --open-factor 0 (a paced-only run): no prefix-cached prompts to load
+            generate(llm, cached, SamplingParams(max_tokens=1, detokenize=False))  # prefix cache
+        generate(llm, (cached or fresh)[: args.batch], SamplingParams(temperature=args.temperature, max_tokens=16,
+                                                                      ignore_eos=True, detokenize=False))  # warm-up
         rows = results["rows"].setdefault(method, {})
         for wl in args.workloads.split(","):
             if wl == "closed":
