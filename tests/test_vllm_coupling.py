@@ -110,3 +110,14 @@ def test_v1_knows_which_requests_carry_their_own_seed():
     requests = {"a": SimpleNamespace(sampling_params=SimpleNamespace(seed=123)),
                 "b": SimpleNamespace(sampling_params=SimpleNamespace(seed=None)), "c": SimpleNamespace()}
     assert RequestSeeds.explicit(["b", "a", "c"], requests).tolist() == [False, True, False]
+    seeds = RequestSeeds(draw=lambda: 5)
+    assert seeds.explicit_on_device() is None  # no batch yet
+    seeds.on_device(["b", "a", "c"], requests, "cpu")
+    mask = seeds.explicit_on_device()
+    assert mask.dtype == torch.bool and mask.tolist() == [False, True, False]
+    seeds.on_device(["b", "a", "c"], requests, "cpu")
+    assert seeds.explicit_on_device() is mask  # the same batch: kept, no host work
+    seeds.on_device(["a", "b"], requests, "cpu")  # reordered: rebuilt in the new order
+    assert seeds.explicit_on_device().tolist() == [True, False]
+    seeds.on_device(["b", "c"], requests, "cpu")  # nobody seeded: nothing to withhold
+    assert seeds.explicit_on_device() is None

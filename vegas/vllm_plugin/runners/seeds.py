@@ -62,6 +62,8 @@ class RequestSeeds:
         self._drawn: dict[str, int] = {}  # unseeded request id -> its drawn seed
         self._ids: list[str] | None = None  # batch order of the cached device seeds
         self._device_seeds: torch.Tensor | None = None  # [num_reqs] int64
+        #: [num_reqs] bool on the device, rows with a seed of their own; None when no row has one
+        self._device_explicit: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self._drawn)
@@ -88,15 +90,28 @@ class RequestSeeds:
 
     def on_device(self, req_ids: Sequence[str], requests: Mapping[str, object], device) -> torch.Tensor:
         """:meth:`rows` as a ``[num_reqs]`` int64 tensor on ``device``, copied (pinned, no host
-        wait) only when the batch's request ids or their order changed since the last call."""
+        wait) only when the batch's request ids or their order changed since the last call; the
+        same batch's :meth:`explicit` rows are kept beside it (:meth:`explicit_on_device`)."""
         req_ids = list(req_ids)
         if self._device_seeds is None or req_ids != self._ids:
             host = torch.from_numpy(self.rows(req_ids, requests))
-            if torch.device(device).type == "cuda":
+            explicit = self.explicit(req_ids, requests)
+            cuda = torch.device(device).type == "cuda"
+            if cuda:
                 host = host.pin_memory()
             self._device_seeds = host.to(device, non_blocking=True)
+            self._device_explicit = None
+            if explicit.any():
+                mask = torch.from_numpy(explicit)
+                self._device_explicit = (mask.pin_memory() if cuda else mask).to(device, non_blocking=True)
             self._ids = req_ids
         return self._device_seeds
+
+    def explicit_on_device(self) -> torch.Tensor | None:
+        """``[num_reqs]`` bool on the device of the last :meth:`on_device` call, in its batch
+        order: the rows whose request carries a seed of its own; None when none does. Built with
+        the seeds (no host work while the batch stays the same)."""
+        return self._device_explicit
 
 
 def seeded_sampler(sampling: bool, max_model_len: int, use_fp64: bool = False,

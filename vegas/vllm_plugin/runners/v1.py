@@ -267,21 +267,22 @@ class VegasProposer:
             runner._draft_probs = probs[:num_reqs]  # [num_reqs, γ, vocab]
             runner._draft_prob_req_ids = list(req_ids)
             if self.config.vllm.seeded_verification == "coupled":
-                self._withhold_seeded(req_ids, draft_ids, probs[:num_reqs], temperature)
+                self._withhold_seeded(draft_ids, probs[:num_reqs], temperature)
         self.recorder.pending_timings.append(("draft_ms", start, timing_event()))
         self.stats.proposals += 1
         self.stats.draft_steps += self.gamma
         self.stats.propose_wall_ms += (time.perf_counter() - started) * 1e3
         return draft_ids
 
-    def _withhold_seeded(self, req_ids, draft_ids, probs, temperature) -> None:
+    def _withhold_seeded(self, draft_ids, probs, temperature) -> None:
         """``vllm.seeded_verification="coupled"`` on V1: sampled requests with a seed of their own
         draft nothing that depends on the drafter (:func:`~vegas.vllm_plugin.coupling.withhold_drafts`),
-        so their output is reproducible whatever their batch neighbours; no work without such rows."""
-        explicit = self.seeds.explicit(req_ids, self.runner.requests)
-        if not explicit.any():
+        so their output is reproducible whatever their batch neighbours; no work without such rows
+        (which rows have a seed is kept with the batch's seeds, :meth:`RequestSeeds.explicit_on_device`)."""
+        explicit = self.seeds.explicit_on_device()  # the batch of this step's seeds.on_device call
+        if explicit is None:
             return
-        rows = torch.from_numpy(explicit).to(draft_ids.device) & (temperature >= GREEDY_TEMPERATURE)
+        rows = explicit & (temperature >= GREEDY_TEMPERATURE)
         withhold_drafts(draft_ids, probs, rows)
 
     def _sync_step_inputs(self, sampled_token_ids, num_tokens_no_spec, req_ids, num_blocks):
