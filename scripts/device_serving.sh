@@ -11,7 +11,8 @@
 #   bash scripts/device_serving.sh bg-start "JOB1" ["JOB2" ...]  # any of these subcommands (with arguments, and
 #                                            # VAR=value prefixes) one after another, detached: outlives the call
 #   bash scripts/device_serving.sh bg-wait [SECONDS]   # wait for them (default 540 s); each call brings back what
-#                                            # is done so far ($OUT/bg.tgz: every job's $OUT and the log)
+#                                            # is done so far ($OUT/bg.tgz: every job's $OUT and the log; keep
+#                                            # large files such as torch-profiler traces out of a queued job)
 #   bash scripts/device_serving.sh tests21 [NAMES]  # issue 21's GPU tests, one after another, each with its own
 #                                            # time limit (seeds seeds-invariant seeds-v2 plugin softcap serve invariant
 #                                            # invariant-smollm2 faults; default all)
@@ -25,7 +26,8 @@
 # GREEDY_K selects tests of the greedy run (pytest -k), e.g. GREEDY_K="not sampling".
 # PROFILE_METHODS (default "plain vegas"; also vegas-v1, vegas-v2), PROFILE_ARGS, SERVE_ARGS adjust the runs; logs and JSON land in $OUT.
 set -u
-cd "$(dirname "$0")/.."
+SELF=$(realpath "$0")  # this script, wherever it was called from (the detached runs call it again)
+cd "$(dirname "$SELF")/.."
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # the cutlass-dsl wheel (.device/cute parts) keeps its packages in python_packages/, named by a .pth that a
 # pip --target directory does not read
@@ -58,7 +60,7 @@ case ${1:-} in
   serve-start)  # detached: a new session survives the device call; results under /tmp/vegas_serve
     rm -rf /tmp/vegas_serve; mkdir -p /tmp/vegas_serve  # a warm machine may hold an earlier run's files
     # its own time limit (SERVE_S, default 1500 s): the 560 s of a foreground run would cut it short
-    (OUT=/tmp/vegas_serve SERVE_S=${SERVE_S:-1500} setsid nohup bash "$0" serve > /tmp/vegas_serve/serve_bg.log 2>&1 < /dev/null &)
+    (OUT=/tmp/vegas_serve SERVE_S=${SERVE_S:-1500} setsid nohup bash "$SELF" serve > /tmp/vegas_serve/serve_bg.log 2>&1 < /dev/null &)
     echo "serve run started in the background: /tmp/vegas_serve/serve_bg.log"
     ;;
   serve-wait)
@@ -77,9 +79,12 @@ case ${1:-} in
     ;;
   bg-start)  # e.g. bg-start "tests21 faults" "PROFILE_ARGS='--workloads paced' profile": results under /tmp/vegas_bg
     shift
+    if [ -f /tmp/vegas_bg/pid ] && kill -0 "$(cat /tmp/vegas_bg/pid)" 2>/dev/null; then
+      echo "bg-start: a queue is still running (/tmp/vegas_bg/bg.log); bg-wait for it first" >&2; exit 2
+    fi
     rm -rf /tmp/vegas_bg; mkdir -p /tmp/vegas_bg/out
     printf '%s\n' "$@" > /tmp/vegas_bg/jobs.txt
-    (OUT=/tmp/vegas_bg/out setsid nohup bash "$0" bg-run > /tmp/vegas_bg/bg.log 2>&1 < /dev/null &)
+    (OUT=/tmp/vegas_bg/out setsid nohup bash "$SELF" bg-run > /tmp/vegas_bg/bg.log 2>&1 < /dev/null & echo $! > /tmp/vegas_bg/pid)
     echo "background jobs started ($#): /tmp/vegas_bg/bg.log"
     ;;
   bg-run)  # (bg-start's detached part) each line of /tmp/vegas_bg/jobs.txt: VAR=value prefixes, then a subcommand
@@ -87,12 +92,13 @@ case ${1:-} in
       echo "[bg] $(date +%T) start: $job"
       ( eval "set -- $job"
         while [ $# -gt 0 ] && [[ $1 =~ ^[A-Z_][A-Z0-9_]*= ]]; do export "$1"; shift; done
-        bash "$0" "$@" ); rc=$?
+        bash "$SELF" "$@" ); rc=$?
       echo "[bg] $(date +%T) end (rc $rc): $job"
     done 3< /tmp/vegas_bg/jobs.txt
     touch /tmp/vegas_bg/done
     ;;
   bg-wait)
+    [ -f /tmp/vegas_bg/jobs.txt ] || { echo "bg-wait: no queue on this machine (a fresh one? bg-start first)" >&2; exit 2; }
     end=$(( $(date +%s) + ${2:-540} ))
     while [ ! -f /tmp/vegas_bg/done ] && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
     grep "^\[" /tmp/vegas_bg/bg.log | tail -30
@@ -171,5 +177,5 @@ case ${1:-} in
     timeout ${GREEDY_S:-300} python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_vllm_v2.py \
       ${GREEDY_K:+-k "$GREEDY_K"} 2>&1 | tail -15
     ;;
-  *) echo "usage: device_serving.sh profile|serve|serve-start|serve-wait [SECONDS]|greedy|cute|cute-tests [NAMES]|tests21 [NAMES]" >&2; exit 2 ;;
+  *) echo "usage: device_serving.sh profile|serve|serve-start|serve-wait [SECONDS]|greedy|offline|cute|cute-tests [NAMES]|tests21 [NAMES]|bg-start JOB...|bg-wait [SECONDS]" >&2; exit 2 ;;
 esac

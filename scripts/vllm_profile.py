@@ -13,10 +13,10 @@ on one engine per method (SmolLM2 7,680-token held-out code prompts unless told 
   (what ``vllm bench serve`` sends at request rate inf): prefill and decode mixed, TTFT per request.
 - ``paced``: ``--paced-requests`` fresh prompts of ``--serve-len`` tokens arriving as a Poisson
   process of ``--paced-rate`` requests/s (what ``vllm bench serve --request-rate`` sends), fed to
-  the in-process engine step by step; each request's TTFT is split into the wait before its
-  prefill step starts (queue + the step in flight), the prefill step itself (host time from
-  ``execute_model`` to the end of ``sample_tokens``) and the time from that step's end until the
-  engine hands out the first token (later steps: drafting, async scheduling's one-step lag).
+  the in-process engine step by step; each request's TTFT (from its arrival time) is split into
+  the wait before its first prefill step starts (queue + the step in flight), its prefill steps
+  (every chunk; host time, and their GPU time) and the time from the last of them until the
+  engine hands out the first token (async scheduling's lag, a draft phase that ends later).
 
 For each (method, workload) it prints: output tok/s, TTFT mean/p99 (serve), steps by kind
 (decode-only, mixed, prefill-only) with mean host ms, mean GPU ms and the idle gap between steps,
@@ -75,7 +75,7 @@ def instrument() -> None:
         n_prefill = sum(1 for r, n in so.num_scheduled_tokens.items() if n > 1 + len(spec.get(r, ())))
         rec = {"t0": time.perf_counter(), "reqs": len(so.num_scheduled_tokens), "prefill_reqs": n_prefill,
                "tokens": so.total_num_scheduled_tokens, "draft_tokens": sum(len(v) for v in spec.values()),
-               "new_ids": [r.req_id for r in so.scheduled_new_reqs]}
+               "prefill_ids": [r for r, n in so.num_scheduled_tokens.items() if n > 1 + len(spec.get(r, ()))]}
         rec["e0"] = torch.cuda.Event(enable_timing=True)
         rec["e0"].record()
         STEPS.append(rec)
@@ -169,10 +169,23 @@ def run_workload(llm, name: str, prompts, sp, method: str) -> dict:
 
 
 def run_paced(llm, prompts, sp, rate: float, seed: int = 0) -> dict:
-    """The ``paced`` workload: Poisson arrivals at ``rate`` requests/s through ``LLMEngine.step``;
-    TTFT per request and its three parts (module docstring), means and p90 in ms."""
+    """The ``paced`` workload: Poisson arrivals at ``rate`` requests/s through ``LLMEngine.step``.
+
+    Each request's TTFT runs from its Poisson arrival time (as ``vllm bench serve`` times from
+    the send; a request that arrives while ``step()`` blocks waits for that step) to the step
+    that hands out its first token, split into: ``wait`` (arrival to the start of the first step
+    that prefills it: the queue and the step in flight), ``prefill`` (that start to the end of
+    the last step that prefills it, every chunk of a chunked prefill included; host time, and
+    ``prefill_gpu`` the GPU time of those steps) and ``after_prefill`` (the end of that step to
+    the first token: async scheduling's lag, a draft phase that finishes later). Means and p90
+    in ms; ``prefill_chunks`` is the mean number of steps that prefilled a request.
+    """
     import random
 
+    from vllm.sampling_params import RequestOutputKind
+
+    sp = sp.clone()  # LLM.generate set FINAL_ONLY on the shared object: first tokens would arrive at the end
+    sp.output_kind = RequestOutputKind.CUMULATIVE
     eng = llm.llm_engine
     rng = random.Random(seed)
     offsets, t = [], 0.0
@@ -180,7 +193,7 @@ def run_paced(llm, prompts, sp, rate: float, seed: int = 0) -> dict:
         offsets.append(t)
         t += rng.expovariate(rate)
     STEPS.clear()
-    added, first, done = {}, {}, 0
+    arrived, first, done = {}, {}, 0
     start = time.perf_counter()
     nxt = 0
     while done < len(prompts):
@@ -188,9 +201,11 @@ def run_paced(llm, prompts, sp, rate: float, seed: int = 0) -> dict:
         while nxt < len(prompts) and offsets[nxt] <= now:
             rid = f"paced{nxt}"
             eng.add_request(rid, {"prompt_token_ids": prompts[nxt]}, sp)
-            added[rid] = time.perf_counter()
+            arrived[rid] = start + offsets[nxt]
             nxt += 1
         if not eng.has_unfinished_requests():
+            if nxt >= len(prompts):  # nothing left to add or to wait for (a request lost): stop
+                break
             time.sleep(max(0.0, min(0.002, offsets[nxt] - (time.perf_counter() - start))))
             continue
         for o in eng.step():
@@ -199,21 +214,25 @@ def run_paced(llm, prompts, sp, rate: float, seed: int = 0) -> dict:
                 first[rid] = time.perf_counter()
             done += bool(o.finished)
     wall = time.perf_counter() - start
-    res = summarize(list(STEPS), start, start + wall)
-    parts = {"ttft": [], "wait": [], "prefill_step": [], "after_step": []}
-    for rid, t_add in added.items():
-        step = next((s for s in STEPS if any(n == rid or n.startswith(rid + "-") for n in s["new_ids"])), None)
-        if rid not in first or step is None or "t1" not in step:
+    res = summarize(list(STEPS), start, start + wall)  # also sets each step's gpu_ms
+    parts: dict[str, list[float]] = {k: [] for k in ("ttft", "wait", "prefill", "prefill_gpu", "after_prefill",
+                                                      "prefill_chunks")}
+    for rid, t_arrive in arrived.items():
+        steps = [s for s in STEPS if "t1" in s and any(n == rid or n.startswith(rid + "-") for n in s["prefill_ids"])]
+        if rid not in first or not steps:
             continue
-        parts["ttft"].append((first[rid] - t_add) * 1e3)
-        parts["wait"].append((step["t0"] - t_add) * 1e3)
-        parts["prefill_step"].append((step["t1"] - step["t0"]) * 1e3)
-        parts["after_step"].append((first[rid] - step["t1"]) * 1e3)
+        parts["ttft"].append((first[rid] - t_arrive) * 1e3)
+        parts["wait"].append((steps[0]["t0"] - t_arrive) * 1e3)
+        parts["prefill"].append((steps[-1]["t1"] - steps[0]["t0"]) * 1e3)
+        parts["prefill_gpu"].append(sum(s.get("gpu_ms", 0.0) for s in steps))
+        parts["after_prefill"].append((first[rid] - steps[-1]["t1"]) * 1e3)
+        parts["prefill_chunks"].append(float(len(steps)))
     for name, v in parts.items():
         if v:
             v.sort()
-            res[f"{name}_mean_ms"] = statistics.mean(v)
-            res[f"{name}_p90_ms"] = v[int(0.9 * (len(v) - 1))]
+            unit = "" if name == "prefill_chunks" else "_ms"
+            res[f"{name}_mean{unit}"] = statistics.mean(v)
+            res[f"{name}_p90{unit}"] = v[int(0.9 * (len(v) - 1))]
     res["requests_timed"] = len(parts["ttft"])
     res["rate"] = rate
     return res
@@ -274,7 +293,11 @@ def main() -> int:
 
     args.model = resolve_model(args.model)
     n_open = args.batch * args.open_factor
-    prompts = vb.load_prompts(args.model, n_open + args.serve_requests * 2 + args.paced_requests, args.ctx)
+    workloads = args.workloads.split(",")
+    if n_open == 0 and set(workloads) != {"paced"}:
+        ap.error("--open-factor 0 (no prefix-cached prompts) is for --workloads paced alone")
+    n_paced = args.paced_requests if "paced" in workloads else 0
+    prompts = vb.load_prompts(args.model, n_open + args.serve_requests * 2 + n_paced, args.ctx)
     cached, fresh = prompts[:n_open], prompts[n_open:n_open + args.serve_requests * 2]
     paced = [p[: args.serve_len] for p in prompts[n_open + args.serve_requests * 2:]]
     sp = SamplingParams(temperature=args.temperature, max_tokens=args.new_tokens, ignore_eos=True, detokenize=False)
@@ -291,7 +314,7 @@ def main() -> int:
         generate(llm, (cached or fresh)[: args.batch], SamplingParams(temperature=args.temperature, max_tokens=16,
                                                                       ignore_eos=True, detokenize=False))  # warm-up
         rows = results["rows"].setdefault(method, {})
-        for wl in args.workloads.split(","):
+        for wl in workloads:
             if wl == "closed":
                 rows[wl] = run_workload(llm, wl, cached[: args.batch], sp, method)
             elif wl == "open":

@@ -1,11 +1,12 @@
 """``scripts/vllm_profile.py``'s paced workload on a CPU: Poisson arrivals fed to a stand-in
-engine, each request's TTFT split into the wait before its prefill step, the prefill step and
-the time after it (the parts must add up to the TTFT, and a request whose first token comes
-later than its prefill step must show that lag)."""
+engine, each request's TTFT split into the wait before its first prefill step, its prefill steps
+(every chunk) and the time after them (the parts must add up to the TTFT, chunks must be counted,
+and a request whose first token comes later than its prefill must show that lag)."""
 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from types import SimpleNamespace
 
@@ -26,17 +27,34 @@ def vp():
             os.environ[k] = v
 
 
-class StandInEngine:
-    """``LLMEngine``'s add_request / has_unfinished_requests / step: each step prefills the
-    requests added since the last one (internal ids ``<id>-<random>``, as vLLM 0.24 assigns),
-    takes ``step_s``, and hands out a request's first token ``lag`` steps after its prefill."""
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    """``vllm.sampling_params.RequestOutputKind`` without vLLM (not installed on CPU machines)."""
+    kinds = SimpleNamespace(CUMULATIVE="cumulative", FINAL_ONLY="final_only")
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace())
+    monkeypatch.setitem(sys.modules, "vllm.sampling_params", SimpleNamespace(RequestOutputKind=kinds))
+    return kinds
 
-    def __init__(self, steps: list, step_s: float, lag: int, new_tokens: int) -> None:
-        self.steps, self.step_s, self.lag, self.new_tokens = steps, step_s, lag, new_tokens
+
+class Params(SimpleNamespace):
+    def clone(self):
+        return Params(**vars(self))
+
+
+class StandInEngine:
+    """``LLMEngine``'s add_request / has_unfinished_requests / step: a request waits for the next
+    step, is prefilled over ``chunks`` steps (internal ids ``<id>-<random>``, as vLLM 0.24
+    assigns), each step takes ``step_s``, and its first token is handed out ``lag`` steps after
+    its last prefill step."""
+
+    def __init__(self, steps: list, step_s: float, lag: int, chunks: int, new_tokens: int) -> None:
+        self.steps, self.step_s, self.lag, self.chunks, self.new_tokens = steps, step_s, lag, chunks, new_tokens
         self.waiting: list[str] = []
         self.age: dict[str, int] = {}
+        self.kinds: set = set()
 
     def add_request(self, rid, prompt, params):
+        self.kinds.add(params.output_kind)
         self.waiting.append(f"{rid}-1a2b3c4d")
         return self.waiting[-1]
 
@@ -44,17 +62,18 @@ class StandInEngine:
         return bool(self.waiting or self.age)
 
     def step(self):
-        rec = {"t0": time.perf_counter(), "new_ids": self.waiting, "reqs": len(self.age) + len(self.waiting),
-               "prefill_reqs": len(self.waiting), "tokens": 0, "draft_tokens": 0}
-        self.steps.append(rec)
         for r in self.waiting:
             self.age[r] = 0
         self.waiting = []
+        prefilling = [r for r, a in self.age.items() if a < self.chunks]
+        rec = {"t0": time.perf_counter(), "prefill_ids": prefilling, "reqs": len(self.age),
+               "prefill_reqs": len(prefilling), "tokens": 0, "draft_tokens": 0}
+        self.steps.append(rec)
         time.sleep(self.step_s)
         rec["t1"] = time.perf_counter()
         outs = []
         for r in list(self.age):
-            emitted = max(0, self.age[r] - self.lag + 1)
+            emitted = max(0, self.age[r] - (self.chunks - 1) - self.lag + 1)
             self.age[r] += 1
             done = emitted >= self.new_tokens
             if done:
@@ -64,16 +83,19 @@ class StandInEngine:
         return outs
 
 
-@pytest.mark.parametrize("lag", [0, 2])
-def test_paced_ttft_parts_add_up_and_show_the_lag(vp, lag):
-    step_s = 0.004
-    llm = SimpleNamespace(llm_engine=StandInEngine(vp.STEPS, step_s, lag, new_tokens=3))
-    res = vp.run_paced(llm, [[1, 2, 3]] * 8, None, rate=100.0)
-    assert res["requests_timed"] == 8 and res["rate"] == 100.0
-    parts = res["wait_mean_ms"] + res["prefill_step_mean_ms"] + res["after_step_mean_ms"]
+@pytest.mark.parametrize("lag, chunks", [(0, 1), (2, 1), (0, 3)])
+def test_paced_ttft_parts_add_up_count_chunks_and_show_the_lag(vp, fake_vllm, lag, chunks):
+    step_s = 0.02
+    engine = StandInEngine(vp.STEPS, step_s, lag, chunks, new_tokens=3)
+    sp = Params(output_kind=fake_vllm.FINAL_ONLY)  # as LLM.generate leaves a shared SamplingParams
+    res = vp.run_paced(SimpleNamespace(llm_engine=engine), [[1, 2, 3]] * 6, sp, rate=50.0)
+    assert engine.kinds == {fake_vllm.CUMULATIVE} and sp.output_kind == fake_vllm.FINAL_ONLY
+    assert res["requests_timed"] == 6 and res["rate"] == 50.0
+    parts = res["wait_mean_ms"] + res["prefill_mean_ms"] + res["after_prefill_mean_ms"]
     assert res["ttft_mean_ms"] == pytest.approx(parts, rel=1e-9)
-    assert res["wait_mean_ms"] >= 0 and res["prefill_step_mean_ms"] >= step_s * 1e3 * 0.9
-    if lag == 0:  # the token leaves with its prefill step
-        assert res["after_step_mean_ms"] < step_s * 1e3
+    assert res["prefill_chunks_mean"] == chunks
+    assert res["wait_mean_ms"] >= 0 and res["prefill_mean_ms"] >= chunks * step_s * 1e3 * 0.9
+    if lag == 0:  # the token leaves with its last prefill step
+        assert res["after_prefill_mean_ms"] < step_s * 1e3
     else:  # two more steps before the first token
-        assert res["after_step_mean_ms"] >= lag * step_s * 1e3 * 0.9
+        assert res["after_prefill_mean_ms"] >= lag * step_s * 1e3 * 0.9

@@ -200,7 +200,6 @@ class VllmOptions:
             take rejection sampling. The V1 runner has no counter-keyed target sampler to couple
             with: there ``"coupled"`` withholds the drafts of seeded sampled requests
             (:func:`vegas.vllm_plugin.coupling.withhold_drafts`), reproducible at plain speed.
-            Opt-in until its GPU tests pass.
 
     Raises:
         VegasConfigError: a field is outside its allowed values.

@@ -4,14 +4,17 @@ its undisturbed run except at bf16 near-ties.
 
 The number of prompts that diverge is reported, not asserted. Until 2026-12-03 the test also
 required Vegas to diverge on at most plain vLLM's count plus two; on the H200 (session 17,
-``benchmarks/results/h200_2026-12-03_s17_tests21/t21_faults.log``) plain diverged on 3 of 16
+``benchmarks/results/h200_2026-12-03_s17_tests21/t21_faults.log.gz``) plain diverged on 3 of 16
 prompts under preemption, collect2 on 8 and Quest on 6, every first difference at a top-2 gap of
-0.0 to 0.125 nats (one bf16 step of the logprob), several at sites where plain or the other
-method also flips (prompts 12, 13, 14, 15). A Vegas run passes a near-tie under more batch shapes
-than plain (verification of gamma + 1 rows, re-verification after recompute), so it flips more
-of them; the count says how often ties flip, not whether the output is wrong. A wrong token
-(stale KV after a recompute, a draft written into a cached block) shows as a first difference at
-a gap above :data:`BF16_TIE`, which the assertion below catches.
+0.0 to 0.125 nats (one bf16 step of the logprob) in both runs, several at sites where plain or the
+other method also flips (prompts 13, 14, 15). Our reading, not measured: a Vegas run crosses a
+near-tie under more batch shapes than plain (verification of gamma + 1 rows, re-verification after
+a recompute), so more of them flip; the count then says how often ties flip, not whether a token is
+wrong. A wrong token (stale KV after a recompute, a draft written into a cached block) is most likely
+to show as a first difference at a top-2 gap above :data:`BF16_TIE` in the undisturbed run or in
+the disturbed one, which the assertions below catch; a small error that only flips near-ties, or
+one after a prompt's first difference, passes (only the first difference of each prompt is
+checked).
 
 For each method (plain vLLM, Vegas collect2, Vegas Quest), three engines run the same prompts:
 
@@ -240,5 +243,9 @@ def test_vegas_divergences_are_near_ties(results, method, scenario):
         assert gap <= BF16_TIE, (
             f"{method}/{scenario}: prompt {i} differs from its undisturbed run at token {j} with top-2 gap "
             f"{gap:.3f} > {BF16_TIE} (disturbed run's gap {gap_run}): not a bf16 near-tie"
+        )
+        assert gap_run is not None and gap_run <= BF16_TIE, (
+            f"{method}/{scenario}: prompt {i} differs at token {j}; the disturbed run's top-2 gap there is "
+            f"{gap_run} > {BF16_TIE} (undisturbed {gap:.3f}): its logits are not at a near-tie"
         )
     print(f"{method}/{scenario}: Vegas diverged on {len(vegas)} of {NUM_PROMPTS} prompts, plain vLLM on {len(plain)}")
