@@ -134,10 +134,30 @@ def summarize(steps: list[dict], t_start: float, t_end: float) -> dict:
     return out
 
 
-def run_workload(llm, name: str, prompts, sp, method: str) -> dict:
-
+def reset_vegas(llm, method: str) -> None:
+    """A Vegas engine's counters start again (``vegas_configure``), so a workload's stats are its own."""
     if method.startswith("vegas"):
         llm.collective_rpc("vegas_configure", args=(None, True))
+
+
+def report(llm, method: str, name: str, res: dict) -> dict:
+    """Adds a Vegas engine's stats to a workload's result ``res`` and prints it; returns ``res``."""
+    if method.startswith("vegas"):
+        st = llm.collective_rpc("vegas_stats")[0]
+        res["vegas"] = {k: st.get(k) for k in ("runner", "acceptance_length", "proposals", "skipped", "prefill_skips",
+                                               "draft_ms", "verify_fwd_ms", "select_ms", "propose_wall_ms", "full_cuda_graphs")}
+    line = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in res.items() if not isinstance(v, dict)}
+    print(f"[{method} {name}] {json.dumps(line)}", flush=True)
+    for kind in ("decode", "mixed", "prefill"):
+        if kind in res:
+            print(f"    {kind}: " + json.dumps({k: round(v, 2) for k, v in res[kind].items()}), flush=True)
+    if "vegas" in res:
+        print("    vegas: " + json.dumps(res["vegas"]), flush=True)
+    return res
+
+
+def run_workload(llm, name: str, prompts, sp, method: str) -> dict:
+    reset_vegas(llm, method)
     STEPS.clear()
     t0 = time.perf_counter()
     outs = generate(llm, prompts, sp)
@@ -154,18 +174,7 @@ def run_workload(llm, name: str, prompts, sp, method: str) -> dict:
         ttft.sort()
         res["ttft_mean_ms"] = statistics.mean(ttft)
         res["ttft_p99_ms"] = ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))]
-    if method.startswith("vegas"):
-        st = llm.collective_rpc("vegas_stats")[0]
-        res["vegas"] = {k: st.get(k) for k in ("runner", "acceptance_length", "proposals", "skipped", "prefill_skips",
-                                               "draft_ms", "verify_fwd_ms", "select_ms", "propose_wall_ms", "full_cuda_graphs")}
-    line = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in res.items() if not isinstance(v, dict)}
-    print(f"[{method} {name}] {json.dumps(line)}", flush=True)
-    for kind in ("decode", "mixed", "prefill"):
-        if kind in res:
-            print(f"    {kind}: " + json.dumps({k: round(v, 2) for k, v in res[kind].items()}), flush=True)
-    if "vegas" in res:
-        print("    vegas: " + json.dumps(res["vegas"]), flush=True)
-    return res
+    return report(llm, method, name, res)
 
 
 def run_paced(llm, prompts, sp, rate: float, seed: int = 0) -> dict:
@@ -320,14 +329,8 @@ def main() -> int:
             elif wl == "open":
                 rows[wl] = run_workload(llm, wl, cached, sp, method)
             elif wl == "paced":
-                if method.startswith("vegas"):
-                    llm.collective_rpc("vegas_configure", args=(None, True))
-                rows[wl] = res = run_paced(llm, paced, sp, args.paced_rate)
-                line = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in res.items() if not isinstance(v, dict)}
-                print(f"[{method} paced] {json.dumps(line)}", flush=True)
-                for kind in ("decode", "mixed", "prefill"):
-                    if kind in res:
-                        print(f"    {kind}: " + json.dumps({k: round(v, 2) for k, v in res[kind].items()}), flush=True)
+                reset_vegas(llm, method)
+                rows[wl] = report(llm, method, wl, run_paced(llm, paced, sp, args.paced_rate))
             elif wl == "serve":
                 # fresh prompts each time (no prefix-cache hits), cut to --serve-len tokens
                 for rep in range(2):
