@@ -17,6 +17,9 @@ on one engine per method (SmolLM2 7,680-token held-out code prompts unless told 
   the wait before its first prefill step starts (queue + the step in flight), its prefill steps
   (every chunk; host time, and their GPU time) and the time from the last of them until the
   engine hands out the first token (async scheduling's lag, a draft phase that ends later).
+  ``--paced-repeats`` repeats it on the same engine, each repeat with its own prompts (no
+  prefix-cache hits) and its own arrival times (Poisson seed = repeat number), so that two
+  methods' repeats of one number see the same prompts arriving at the same times.
 
 For each (method, workload) it prints: output tok/s, TTFT mean/p99 (serve), steps by kind
 (decode-only, mixed, prefill-only) with mean host ms, mean GPU ms and the idle gap between steps,
@@ -208,7 +211,7 @@ def run_paced(llm, prompts, sp, rate: float, seed: int = 0) -> dict:
     while done < len(prompts):
         now = time.perf_counter() - start
         while nxt < len(prompts) and offsets[nxt] <= now:
-            rid = f"paced{nxt}"
+            rid = f"paced{seed}r{nxt}"  # unique across repeats on one engine
             eng.add_request(rid, {"prompt_token_ids": prompts[nxt]}, sp)
             arrived[rid] = start + offsets[nxt]
             nxt += 1
@@ -284,6 +287,8 @@ def main() -> int:
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--paced-requests", type=int, default=48)
     ap.add_argument("--paced-rate", type=float, default=4.0, help="requests/s of the paced workload")
+    ap.add_argument("--paced-repeats", type=int, default=1,
+                    help="paced runs on each engine, each with its own prompts and arrival seed")
     ap.add_argument("--workloads", default="serve,closed,open", help="serve, closed, open, paced (comma-separated)")
     ap.add_argument("--torch-profile", action="store_true")
     ap.add_argument("--torch-profile-workload", default="serve", choices=["serve", "open", "closed"],
@@ -305,7 +310,9 @@ def main() -> int:
     workloads = args.workloads.split(",")
     if n_open == 0 and set(workloads) != {"paced"}:
         ap.error("--open-factor 0 (no prefix-cached prompts) is for --workloads paced alone")
-    n_paced = args.paced_requests if "paced" in workloads else 0
+    if args.paced_repeats < 1:
+        ap.error(f"--paced-repeats must be >= 1, got {args.paced_repeats}")
+    n_paced = args.paced_requests * args.paced_repeats if "paced" in workloads else 0
     prompts = vb.load_prompts(args.model, n_open + args.serve_requests * 2 + n_paced, args.ctx)
     cached, fresh = prompts[:n_open], prompts[n_open:n_open + args.serve_requests * 2]
     paced = [p[: args.serve_len] for p in prompts[n_open + args.serve_requests * 2:]]
@@ -329,8 +336,11 @@ def main() -> int:
             elif wl == "open":
                 rows[wl] = run_workload(llm, wl, cached, sp, method)
             elif wl == "paced":
-                reset_vegas(llm, method)
-                rows[wl] = report(llm, method, wl, run_paced(llm, paced, sp, args.paced_rate))
+                for rep in range(args.paced_repeats):
+                    reset_vegas(llm, method)
+                    batch = paced[rep * args.paced_requests:(rep + 1) * args.paced_requests]
+                    name = wl if args.paced_repeats == 1 else f"paced#{rep}"
+                    rows[name] = report(llm, method, name, run_paced(llm, batch, sp, args.paced_rate, seed=rep))
             elif wl == "serve":
                 # fresh prompts each time (no prefix-cache hits), cut to --serve-len tokens
                 for rep in range(2):
