@@ -5,9 +5,6 @@
 #   bash scripts/device_serving.sh serve     # vllm bench serve against vegas serve (scripts/serve_bench.py)
 #   bash scripts/device_serving.sh greedy    # greedy Vegas (V2 runner) against plain vLLM (tests/gpu/test_vllm_v2.py)
 #   bash scripts/device_serving.sh offline   # vegas bench --backend vllm: plain vs collect2, closed and open batches
-#   bash scripts/device_serving.sh serve-start          # the serve run detached (outlives the device call)
-#   bash scripts/device_serving.sh serve-wait [SECONDS]  # wait for it (default 540 s); when done, $OUT/serve.tgz,
-#                                                        # else what is done so far, $OUT/serve_partial.tgz
 #   bash scripts/device_serving.sh bg-start "JOB1" ["JOB2" ...]  # any of these subcommands (with arguments, and
 #                                            # VAR=value prefixes) one after another, detached: outlives the call
 #   bash scripts/device_serving.sh bg-wait [SECONDS]   # wait for them (default 540 s); each call brings back what
@@ -22,7 +19,8 @@
 #                                            # the .device/cute parts unpacked after the vLLM bundle
 # A serve run with servers started one after another takes ~2 min per server start plus the runs; with
 # --kv-cache-gib (fixed KV pools) the servers start side by side. Longer than one 10-minute device call:
-# serve-start + serve-wait in calls made back to back.
+# bg-start "SERVE_S=1500 SERVE_ARGS='...' serve", then bg-wait in calls made back to back (each brings
+# back serve/raw/ so far: scripts/serve_bench.py --report on it makes the table).
 # GREEDY_K selects tests of the greedy run (pytest -k), e.g. GREEDY_K="not sampling".
 # PROFILE_METHODS (default "plain vegas"; also vegas-v1, vegas-v2), PROFILE_ARGS, SERVE_ARGS adjust the runs; logs and JSON land in $OUT.
 set -u
@@ -56,26 +54,6 @@ case ${1:-} in
     timeout ${SERVE_S:-560} python3 scripts/serve_bench.py --model "$MODEL" --out "$OUT/serve" \
       ${SERVE_ARGS:---methods plain,collect2 --rates 16,inf --repeats 3 --max-model-len 8192 --kv-cache-gib 16} 2>&1 \
       | tee "$OUT/serve_run.log" | tail -40  # the whole log stays (server starts, each run's rc)
-    ;;
-  serve-start)  # detached: a new session survives the device call; results under /tmp/vegas_serve
-    rm -rf /tmp/vegas_serve; mkdir -p /tmp/vegas_serve  # a warm machine may hold an earlier run's files
-    # its own time limit (SERVE_S, default 1500 s): the 560 s of a foreground run would cut it short
-    (OUT=/tmp/vegas_serve SERVE_S=${SERVE_S:-1500} setsid nohup bash "$SELF" serve > /tmp/vegas_serve/serve_bg.log 2>&1 < /dev/null &)
-    echo "serve run started in the background: /tmp/vegas_serve/serve_bg.log"
-    ;;
-  serve-wait)
-    end=$(( $(date +%s) + ${2:-540} ))
-    while [ ! -f /tmp/vegas_serve/serve/table.md ] && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
-    echo "runs done: $(ls /tmp/vegas_serve/serve/raw 2>/dev/null | wc -l)"
-    grep -E "ready after|failed|timed out|time budget" /tmp/vegas_serve/serve_run.log 2>/dev/null | tail -8
-    if [ -f /tmp/vegas_serve/serve/table.md ]; then
-      sleep 2; tail -20 /tmp/vegas_serve/serve_bg.log
-      tar -C /tmp/vegas_serve -czf "$OUT/serve.tgz" serve serve_bg.log serve_run.log && echo "results: \$OUT/serve.tgz"
-    else  # what is done so far comes back with every call: a machine taken away loses only the rest
-      tar -C /tmp/vegas_serve -czf "$OUT/serve_partial.tgz" serve serve_bg.log serve_run.log 2>/dev/null \
-        && echo "partial results: \$OUT/serve_partial.tgz (scripts/serve_bench.py --report on its serve/)"
-      echo "still running; call serve-wait again"
-    fi
     ;;
   bg-start)  # e.g. bg-start "tests21 faults" "PROFILE_ARGS='--workloads paced' profile": results under /tmp/vegas_bg
     shift
@@ -179,5 +157,5 @@ case ${1:-} in
     timeout ${GREEDY_S:-300} python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_vllm_v2.py \
       ${GREEDY_K:+-k "$GREEDY_K"} 2>&1 | tail -15
     ;;
-  *) echo "usage: device_serving.sh profile|serve|serve-start|serve-wait [SECONDS]|greedy|offline|cute|cute-tests [NAMES]|tests21 [NAMES]|bg-start JOB...|bg-wait [SECONDS]" >&2; exit 2 ;;
+  *) echo "usage: device_serving.sh profile|serve|greedy|offline|cute|cute-tests [NAMES]|tests21 [NAMES]|bg-start JOB...|bg-wait [SECONDS]" >&2; exit 2 ;;
 esac
