@@ -291,8 +291,10 @@ def main() -> int:
                     help="paced runs on each engine, each with its own prompts and arrival seed")
     ap.add_argument("--workloads", default="serve,closed,open", help="serve, closed, open, paced (comma-separated)")
     ap.add_argument("--torch-profile", action="store_true")
-    ap.add_argument("--torch-profile-workload", default="serve", choices=["serve", "open", "closed"],
-                    help="the workload --torch-profile runs under torch.profiler (serve: fresh prompts)")
+    ap.add_argument("--torch-profile-workload", default="serve", choices=["serve", "open", "closed", "paced"],
+                    help="the workload --torch-profile runs under torch.profiler (serve, paced: fresh prompts)")
+    ap.add_argument("--no-trace", action="store_true",
+                    help="with --torch-profile: the kernel tables only, no chrome trace (~80 MB; e.g. in a queued device job)")
     ap.add_argument("--prefill-skip-tokens", type=int, default=2048,
                     help="vllm.prefill_skip_tokens of the method vegas-skip (the other Vegas methods: 0)")
     ap.add_argument("--out", default="profile-out")
@@ -313,6 +315,8 @@ def main() -> int:
     if args.paced_repeats < 1:
         ap.error(f"--paced-repeats must be >= 1, got {args.paced_repeats}")
     n_paced = args.paced_requests * args.paced_repeats if "paced" in workloads else 0
+    if args.torch_profile and args.torch_profile_workload == "paced":
+        n_paced += args.paced_requests  # the profiled run's own fresh prompts, after the repeats'
     prompts = vb.load_prompts(args.model, n_open + args.serve_requests * 2 + n_paced, args.ctx)
     cached, fresh = prompts[:n_open], prompts[n_open:n_open + args.serve_requests * 2]
     paced = [p[: args.serve_len] for p in prompts[n_open + args.serve_requests * 2:]]
@@ -350,21 +354,31 @@ def main() -> int:
             from torch.profiler import ProfilerActivity, profile
 
             wl = args.torch_profile_workload
-            if wl == "serve":
-                batch = [p[: args.serve_len - 7] for p in fresh[: args.serve_requests]]  # not cached: new lengths
+            if wl == "paced":  # its own fresh prompts (the last --paced-requests loaded), arriving as before
+                def work(llm):
+                    reset_vegas(llm, method)
+                    rows["paced_profiled"] = report(llm, method, "paced (profiled)", run_paced(
+                        llm, paced[-args.paced_requests:], sp, args.paced_rate, seed=99))
             else:
-                batch = cached if wl == "open" else cached[: args.batch]
+                if wl == "serve":
+                    batch = [p[: args.serve_len - 7] for p in fresh[: args.serve_requests]]  # not cached: new lengths
+                else:
+                    batch = cached if wl == "open" else cached[: args.batch]
+
+                def work(llm):
+                    generate(llm, batch, sp)
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
-                generate(llm, batch, sp)
+                work(llm)
             ka = prof.key_averages()
             text = ka.table(sort_by="self_cuda_time_total", row_limit=45)
             text += "\n" + ka.table(sort_by="cpu_time_total", row_limit=60)
             # where the host waits for the device (syncs inside a step serialize async scheduling)
             stacks = prof.key_averages(group_by_stack_n=8)
             text += "\n" + stacks.table(sort_by="self_cpu_time_total", row_limit=40)
-            trace = out / f"trace_{method}_{wl}.json"
-            prof.export_chrome_trace(str(trace))
-            subprocess.run(["gzip", "-f", str(trace)], check=False)
+            if not args.no_trace:
+                trace = out / f"trace_{method}_{wl}.json"
+                prof.export_chrome_trace(str(trace))
+                subprocess.run(["gzip", "-f", str(trace)], check=False)
             (out / f"kernels_{method}.txt").write_text(text)
             print(ka.table(sort_by="self_cuda_time_total", row_limit=22), flush=True)
         (out / "profile.json").write_text(json.dumps(results, indent=1, default=str))
