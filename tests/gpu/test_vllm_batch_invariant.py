@@ -13,7 +13,8 @@ logits equal) at one position, so some verification row's logits differ from the
 in the last bit (where: ``scripts/invariance_probe.py``). The test therefore allows a first
 difference only at an exact tie (top-2 logprob gap 0.0: any one-bit difference decides it) and
 fails on any other; it names each first difference, and prints how many positions before it
-returned the same logprob bits in both runs.
+returned the same logprob bits in both runs and the float32 model's top-2 logit gap at each first
+difference (transformers, the same checkpoint in float32).
 
 Models: the embedded vegas-tiny-code (Qwen3) and, where ``SMOLLM2_HF`` (default ``/tmp/smollm2-hf``)
 holds the converted SmolLM2-135M checkpoint, SmolLM2 (Llama). One engine at a time (engine cores
@@ -95,6 +96,23 @@ def _run(model: str, selector: str | None):
     return out, stats
 
 
+def _float32_gap(model: str, ids: list[int]) -> float:
+    """Top-2 gap of the next-token logits after ``ids`` with the checkpoint in float32
+    (transformers, eager, CUDA): how close the tie is in the model's own arithmetic, apart from
+    bf16 rounding (issue 21). Loaded after the engines have shut down; freed after use."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).cuda().eval()
+    try:
+        with torch.inference_mode():
+            logits = hf(torch.tensor([ids], device="cuda")).logits[0, -1]
+        top = logits.topk(2).values
+        return float(top[0] - top[1])
+    finally:
+        del hf
+        torch.cuda.empty_cache()
+
+
 def _logprobs(output, k: int) -> dict:
     """Token -> logprob (float) of the returned top logprobs at generated position ``k``."""
     return {t: x.logprob for t, x in output.outputs[0].logprobs[k].items()}
@@ -120,8 +138,10 @@ def test_vegas_greedy_is_token_identical_to_plain_under_batch_invariance_up_to_e
             same_bits += _logprobs(p, k) == _logprobs(v, k)
         if a != b:
             top = sorted((x.logprob for x in p.outputs[0].logprobs[j].values()), reverse=True)
+            f32 = _float32_gap(model, _prompts(model)[i] + a[:j])
             (ties if top[0] == top[1] else diffs).append(
-                f"prompt {i}: first difference at token {j} (plain's top-2 logprob gap {top[0] - top[1]:.4f})")
+                f"prompt {i}: first difference at token {j} (plain's top-2 logprob gap {top[0] - top[1]:.4f}; "
+                f"float32 logits' top-2 gap {f32:.4f})")
     # printed as soon as known (run with -s): a run cut short by its time limit still says why
     print(f"vegas-invariant {selector} on {Path(model).name}: acceptance length "
           f"{stats['acceptance_length']:.2f}, logprobs bit-equal at {same_bits} of {shared} positions before any "
