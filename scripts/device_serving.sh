@@ -12,7 +12,7 @@
 #                                            # large files such as torch-profiler traces out of a queued job)
 #   bash scripts/device_serving.sh tests21 [NAMES]  # issue 21's GPU tests, one after another, each with its own
 #                                            # time limit (seeds seeds-invariant seeds-v2 plugin softcap serve invariant
-#                                            # invariant-smollm2 faults; default all)
+#                                            # invariant-smollm2 faults; default all; also probe: scripts/invariance_probe.py)
 #   bash scripts/device_serving.sh cute-tests [NAMES]  # issue 22: tests/gpu/test_cute_rowsum_cuda.py (kernel engine)
 #   bash scripts/device_serving.sh cute      # issue 22: the CuTe-DSL attention (+ score writer) against FA3 and
 #                                            # FA3 + the separate score pass (scripts/cute_decode_bench.py); needs
