@@ -143,7 +143,7 @@ case ${1:-} in
         # -s: each case's verdict is in the log as soon as it is known
         invariant) cmd="python3 -m pytest -s -q -rs -p no:cacheprovider tests/gpu/test_vllm_batch_invariant.py -k tiny"; lim=480 ;;
         invariant-smollm2) cmd="python3 -m pytest -s -q -rs -p no:cacheprovider tests/gpu/test_vllm_batch_invariant.py -k smollm2"; lim=480 ;;
-        # where a verification row's arithmetic differs from a decode step's (FA3 by query length, cuBLASLt by rows, decode vs prefill)
+        # where a verification row's arithmetic differs from a decode step's (FA3 by query length, matmul by rows, decode vs prefill)
         probe) cmd="python3 scripts/invariance_probe.py --model $MODEL --json $OUT/invariance_probe.json"; lim=300 ;;
         faults) cmd="python3 -m pytest -s -q -rs -p no:cacheprovider tests/gpu/test_vllm_serving_faults.py"; lim=560 ;;  # nine engines, ~45 s each (8 started in 360 s, 2026-12-03)
         *) echo "tests21: unknown test group $t (seeds seeds-invariant seeds-v2 plugin softcap serve invariant invariant-smollm2 probe faults)" >&2; exit 2 ;;

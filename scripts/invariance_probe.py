@@ -14,13 +14,17 @@ last bit. This script tests, bit for bit, each place the difference could come f
   query at row r = 0..γ of a (γ + 1)-row verification chunk ending anywhere from r to γ rows
   after it, and against a decode row in a batch with a long prefill chunk (a mixed step);
   per shape (query heads, KV heads, head_dim): SmolLM2, the embedded model, Qwen3-8B, head_dim 256.
-- ``linear``: ``torch.nn.functional.linear`` (cuBLASLt on Hopper with vLLM's batch-invariant
-  settings: no split-K workspace): a row computed in a batch of B rows against the same row in
-  B x (γ + 1) rows and in a mixed batch of 2,000 + B rows, for SmolLM2's projections and LM head.
+- ``linear``: the matmul vLLM's linear layers and LM head run under batch invariance
+  (``UnquantizedLinearMethod`` / ``UnquantizedEmbeddingMethod`` -> ``linear_batch_invariant``,
+  a persistent Triton kernel with fixed tiles): a row computed in a batch of B rows against the
+  same row in B x (γ + 1) rows and in a mixed batch of 2,000 + B rows, for SmolLM2's projections
+  and LM head; and, labelled as such, ``torch.nn.functional.linear`` (cuBLASLt without split-K
+  workspace: direct ``torch.mm`` calls, not the engine's layers).
 - ``engine`` (``--model``, optional): plain vLLM greedy decoding (``logprobs``) against the
-  prefill of the same prompt + output (``prompt_logprobs``): vLLM's own decode-vs-prefill
-  property on this bundle; where it holds, a query-length dependence in attention is ruled out
-  end to end.
+  prefill of the same prompt + output (``prompt_logprobs``, which bypasses the prefix cache):
+  vLLM's own decode-vs-prefill property on this bundle, from the second generated token on (the
+  first comes from the prompt's own prefill step); where it holds, a query-length dependence in
+  the forward is ruled out end to end.
 
 Prints one line per case ("identical" or the count of differing elements and the largest
 difference) and writes ``--json``::
@@ -101,6 +105,7 @@ def attention_cases(gamma: int, splits: tuple[int, ...]) -> list[dict]:
 def linear_cases(gamma: int) -> list[dict]:
     import torch
     import torch.nn.functional as F
+    from vllm.model_executor.layers.batch_invariant import linear_batch_invariant
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(1)
@@ -111,10 +116,12 @@ def linear_cases(gamma: int) -> list[dict]:
         w = torch.randn(n_out, n_in, device=dev, dtype=torch.bfloat16, generator=g) * 0.05
         for b in (1, 4, 32, 128):
             x = torch.randn(b * (gamma + 1) + 2000, n_in, device=dev, dtype=torch.bfloat16, generator=g)
-            ref = F.linear(x[:b], w)
-            for label, m in ((f"{b} rows in {b * (gamma + 1)}", b * (gamma + 1)),
-                             (f"{b} rows in {b * (gamma + 1) + 2000} (mixed)", b * (gamma + 1) + 2000)):
-                out.append({"part": "linear", "shape": name, "case": label, **compare(F.linear(x[:m], w)[:b], ref)})
+            for path, fn in (("engine matmul", linear_batch_invariant), ("cuBLASLt F.linear, not the engine's", F.linear)):
+                ref = fn(x[:b], w)
+                for label, m in ((f"{b} rows in {b * (gamma + 1)}", b * (gamma + 1)),
+                                 (f"{b} rows in {b * (gamma + 1) + 2000} (mixed)", b * (gamma + 1) + 2000)):
+                    out.append({"part": "linear", "shape": name, "case": f"{path}: {label}",
+                                **compare(fn(x[:m], w)[:b], ref)})
     return out
 
 
@@ -122,12 +129,14 @@ def engine_cases(model: str, new_tokens: int) -> list[dict]:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
+    from vegas.backends.vllm import vllm_engine_kwargs
     from vegas.prompts import cut_contexts, package_source
 
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"  # this process has initialised CUDA
     ids = AutoTokenizer.from_pretrained(model)(package_source(), add_special_tokens=False).input_ids
     prompts = cut_contexts(ids, 3000, 4)
-    llm = LLM(model=model, max_model_len=3200, gpu_memory_utilization=0.3, seed=0, max_num_seqs=8)
+    # the engine tests/gpu/test_vllm_batch_invariant.py builds for plain decoding
+    llm = LLM(**vllm_engine_kwargs(model, max_model_len=3200, gpu_memory_utilization=0.3, seed=0, max_num_seqs=8))
     dec = llm.generate([{"prompt_token_ids": p} for p in prompts],
                        SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, logprobs=1,
                                       detokenize=False), use_tqdm=False)
@@ -140,12 +149,14 @@ def engine_cases(model: str, new_tokens: int) -> list[dict]:
         toks = o.outputs[0].token_ids
         differ, worst = 0, 0.0
         for j, t in enumerate(toks):
+            if j == 0:  # sampled at the end of the prompt's own prefill: prefill against prefill
+                continue
             a = o.outputs[0].logprobs[j][t].logprob
             b = f.prompt_logprobs[len(p) + j][t].logprob
             differ += a != b
             worst = max(worst, abs(a - b))
         out.append({"part": "engine", "shape": os.path.basename(model), "case": f"prompt {i}: decode vs prefill",
-                    "differ": differ, "of": len(toks), "max_abs": worst})
+                    "differ": differ, "of": len(toks) - 1, "max_abs": worst})
     return out
 
 
@@ -159,6 +170,10 @@ def main() -> int:
     args = ap.parse_args()
     if args.gamma < 1:
         ap.error(f"--gamma must be >= 1, got {args.gamma}")
+    if not 2 <= args.new_tokens <= 199:
+        ap.error(f"--new-tokens must be in 2..199 (3,000-token prompts, max_model_len 3,200), got {args.new_tokens}")
+    if os.environ.get("VLLM_BATCH_INVARIANT") != "1":
+        ap.error(f"VLLM_BATCH_INVARIANT is {os.environ.get('VLLM_BATCH_INVARIANT')!r}: the probe needs 1 (unset it or set 1)")
     parts = args.parts.split(",")
     unknown = set(parts) - {"attention", "linear", "engine"}
     if unknown:
