@@ -294,7 +294,8 @@ def main() -> int:
     ap.add_argument("--torch-profile-workload", default="serve", choices=["serve", "open", "closed", "paced"],
                     help="the workload --torch-profile runs under torch.profiler (serve, paced: fresh prompts)")
     ap.add_argument("--no-trace", action="store_true",
-                    help="with --torch-profile: the kernel tables only, no chrome trace (~80 MB; e.g. in a queued device job)")
+                    help="with --torch-profile: keep no chrome trace (~80 MB; e.g. in a queued device job), only the "
+                         "kernel tables and its summary by engine step (scripts/trace_steps.py, steps_<method>_<workload>.txt)")
     ap.add_argument("--prefill-skip-tokens", type=int, default=2048,
                     help="vllm.prefill_skip_tokens of the method vegas-skip (the other Vegas methods: 0)")
     ap.add_argument("--out", default="profile-out")
@@ -381,9 +382,14 @@ def main() -> int:
             # where the host waits for the device (syncs inside a step serialize async scheduling)
             stacks = prof.key_averages(group_by_stack_n=8)
             text += "\n" + stacks.table(sort_by="self_cpu_time_total", row_limit=40)
-            if not args.no_trace:
-                trace = out / f"trace_{method}_{wl}.json"
-                prof.export_chrome_trace(str(trace))
+            trace = out / f"trace_{method}_{wl}.json"
+            prof.export_chrome_trace(str(trace))
+            if args.no_trace:  # summarised by engine step (long steps apart), then deleted
+                with open(out / f"steps_{method}_{wl}.txt", "w") as f:
+                    subprocess.run([sys.executable, str(Path(__file__).with_name("trace_steps.py")), str(trace),
+                                    "--long-ms", "20"], stdout=f, stderr=subprocess.STDOUT, check=False)
+                trace.unlink()
+            else:
                 subprocess.run(["gzip", "-f", str(trace)], check=False)
             (out / f"kernels_{method}.txt").write_text(text)
             print(ka.table(sort_by="self_cuda_time_total", row_limit=22), flush=True)
