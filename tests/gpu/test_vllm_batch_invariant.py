@@ -96,22 +96,26 @@ def _run(model: str, selector: str | None):
     return out, stats
 
 
-def _float32_gap(model: str, ids: list[int]) -> float:
-    """Top-2 gap of the next-token logits after ``ids`` with the checkpoint in float32
-    (transformers, eager, CUDA): how close the tie is in the model's own arithmetic, apart from
-    bf16 rounding (issue 21). Loaded after the engines have shut down; freed after use."""
+def _float32_gaps(model: str, contexts: list[list[int]]) -> list[float]:
+    """Top-2 gap of the next-token logits after each of ``contexts`` with the checkpoint in float32
+    (transformers, eager, CUDA; loaded once, after the engines have shut down, and freed): how close
+    each tie is in the model's own arithmetic, apart from bf16 rounding (issue 21)."""
+    if not contexts:
+        return []
     from transformers import AutoModelForCausalLM
 
     try:  # a diagnostic: a checkpoint transformers cannot load gives NaN, not a test error
         hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).cuda().eval()
     except Exception as e:
         print(f"float32 gap not measured: {e!r}", flush=True)
-        return float("nan")
+        return [float("nan")] * len(contexts)
     try:
+        gaps = []
         with torch.inference_mode():
-            logits = hf(torch.tensor([ids], device="cuda")).logits[0, -1]
-        top = logits.topk(2).values
-        return float(top[0] - top[1])
+            for ids in contexts:
+                top = hf(torch.tensor([ids], device="cuda")).logits[0, -1].topk(2).values
+                gaps.append(float(top[0] - top[1]))
+        return gaps
     finally:
         del hf
         torch.cuda.empty_cache()
@@ -131,7 +135,7 @@ def test_vegas_greedy_is_token_identical_to_plain_under_batch_invariance_up_to_e
     vegas, stats = _run(model, selector)
     print(f"vegas-invariant {selector} on {Path(model).name}: stats {stats}", flush=True)
     assert stats.get("acceptance_length", 0) > 1.0, stats  # it drafted
-    diffs, ties, same_bits, shared = [], [], 0, 0
+    firsts, same_bits, shared = [], 0, 0  # (prompt, first differing token, plain's top-2 logprob gap)
     for i, (p, v) in enumerate(zip(plain, vegas)):
         a, b = list(p.outputs[0].token_ids), list(v.outputs[0].token_ids)
         j = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
@@ -142,10 +146,14 @@ def test_vegas_greedy_is_token_identical_to_plain_under_batch_invariance_up_to_e
             same_bits += _logprobs(p, k) == _logprobs(v, k)
         if a != b:
             top = sorted((x.logprob for x in p.outputs[0].logprobs[j].values()), reverse=True)
-            f32 = _float32_gap(model, _prompts(model)[i] + a[:j])
-            (ties if top[0] == top[1] else diffs).append(
-                f"prompt {i}: first difference at token {j} (plain's top-2 logprob gap {top[0] - top[1]:.4f}; "
-                f"float32 logits' top-2 gap {f32:.4f})")
+            firsts.append((i, j, top[0] - top[1]))
+    prompts = _prompts(model)
+    f32 = _float32_gaps(model, [prompts[i] + list(plain[i].outputs[0].token_ids)[:j] for i, j, _ in firsts])
+    diffs, ties = [], []
+    for (i, j, gap), g32 in zip(firsts, f32):
+        (ties if gap == 0.0 else diffs).append(
+            f"prompt {i}: first difference at token {j} (plain's top-2 logprob gap {gap:.4f}; "
+            f"float32 logits' top-2 gap {g32:.4f})")
     # printed as soon as known (run with -s): a run cut short by its time limit still says why
     print(f"vegas-invariant {selector} on {Path(model).name}: acceptance length "
           f"{stats['acceptance_length']:.2f}, logprobs bit-equal at {same_bits} of {shared} positions before any "
