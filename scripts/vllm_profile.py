@@ -24,7 +24,9 @@ on one engine per method (SmolLM2 7,680-token held-out code prompts unless told 
 For each (method, workload) it prints: output tok/s, TTFT mean/p99 (serve), steps by kind
 (decode-only, mixed, prefill-only) with mean host ms, mean GPU ms and the idle gap between steps,
 wall / GPU per step, and Vegas' own counters (draft phase, selection, τ). With ``--torch-profile``
-the serve workload also runs under ``torch.profiler`` (kernel table in ``OUT/kernels_<method>.txt``).
+the serve workload (or ``--torch-profile-workload``) also runs under ``torch.profiler`` (kernel table in
+``OUT/kernels_<method>.txt``); each engine step's span is annotated ``vegas step: <kind>``, so that
+``scripts/trace_steps.py`` gives the host and GPU time of each kind of step by function and kernel.
 Everything goes to ``OUT/profile.json``::
 
     PYTHONPATH=/tmp/site:$PWD python scripts/vllm_profile.py --model /tmp/smollm2-hf \
@@ -63,6 +65,20 @@ class _CaptureLog(logging.Handler):
             CAPTURES.append(time.perf_counter())
 
 
+KIND = "vegas step: "  # annotation of a step's span (execute_model to sample_tokens) in a torch trace
+_OPEN: list = []  # the open step annotation, at most one
+
+
+def step_kind(prefill_reqs: int, reqs: int) -> str:
+    """``decode`` (no request in prefill), ``prefill`` (every request in prefill) or ``mixed``."""
+    return "decode" if prefill_reqs == 0 else ("prefill" if prefill_reqs == reqs else "mixed")
+
+
+def _close_annotation() -> None:
+    while _OPEN:
+        _OPEN.pop().__exit__(None, None, None)
+
+
 def instrument() -> None:
     """Wrap ``Worker.execute_model`` and ``Worker.sample_tokens`` (vLLM 0.24.0) with the timeline."""
     import torch
@@ -81,6 +97,10 @@ def instrument() -> None:
                "prefill_ids": [r for r, n in so.num_scheduled_tokens.items() if n > 1 + len(spec.get(r, ()))]}
         rec["e0"] = torch.cuda.Event(enable_timing=True)
         rec["e0"].record()
+        _close_annotation()  # a step whose execute_model returned its output (no sample_tokens call)
+        # the step's span in a torch-profiler trace, by kind (scripts/trace_steps.py groups by it)
+        _OPEN.append(torch.profiler.record_function(KIND + step_kind(n_prefill, rec["reqs"])))
+        _OPEN[-1].__enter__()
         STEPS.append(rec)
         out = execute(self, scheduler_output)
         rec["t_exec"] = time.perf_counter()
@@ -93,6 +113,7 @@ def instrument() -> None:
             rec["e1"] = torch.cuda.Event(enable_timing=True)
             rec["e1"].record()
             rec["t1"] = time.perf_counter()
+        _close_annotation()
         return out
 
     execute_model._timeline = True  # type: ignore[attr-defined]
@@ -117,7 +138,7 @@ def summarize(steps: list[dict], t_start: float, t_end: float) -> dict:
         s["gap_ms"] = (s["t0"] - prev_end) * 1e3 if prev_end is not None else 0.0
         prev_end = s["t1"]
         gpu_total += s["gpu_ms"]
-        kind = "decode" if s["prefill_reqs"] == 0 else ("prefill" if s["prefill_reqs"] == s["reqs"] else "mixed")
+        kind = step_kind(s["prefill_reqs"], s["reqs"])
         kinds.setdefault(kind, []).append(s)
     wall_ms = (t_end - t_start) * 1e3
     out = {"wall_ms": wall_ms, "gpu_ms": gpu_total, "steps": sum(len(v) for v in kinds.values()),
@@ -384,10 +405,10 @@ def main() -> int:
             text += "\n" + stacks.table(sort_by="self_cpu_time_total", row_limit=40)
             trace = out / f"trace_{method}_{wl}.json"
             prof.export_chrome_trace(str(trace))
-            if args.no_trace:  # summarised by engine step (long steps apart), then deleted
+            if args.no_trace:  # summarised by engine step kind (host and GPU), then deleted
                 with open(out / f"steps_{method}_{wl}.txt", "w") as f:
-                    subprocess.run([sys.executable, str(Path(__file__).with_name("trace_steps.py")), str(trace),
-                                    "--long-ms", "20"], stdout=f, stderr=subprocess.STDOUT, check=False)
+                    subprocess.run([sys.executable, str(Path(__file__).with_name("trace_steps.py")), str(trace), "--top", "90"],
+                                   stdout=f, stderr=subprocess.STDOUT, check=False)
                 trace.unlink()
             else:
                 subprocess.run(["gzip", "-f", str(trace)], check=False)
