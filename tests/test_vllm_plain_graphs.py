@@ -209,8 +209,14 @@ def engine(max_num_seqs=8, capture_sizes=(1, 2, 4, 8, 16, 24, 32), max_size=32, 
     )
 
 
-def state(frozen=True) -> SelectionState:
-    return SelectionState(gamma=4, enabled=True, frozen=frozen)
+def state(frozen=True, in_draft=False) -> SelectionState:
+    return SelectionState(gamma=4, enabled=True, frozen=frozen, select_in_draft=in_draft)
+
+
+#: (select_in_draft, vllm.fallback) of engines whose q-len-1 graphs do not select: captured
+#: skipped, replayed for skipped steps only
+SKIPPED_ONLY = pytest.mark.parametrize("in_draft, fallback", [(False, False), (True, True), (False, True)],
+                                       ids=["separate", "in_draft_fallback", "separate_fallback"])
 
 
 def manager(cls, config, mode=CUDAGraphMode.FULL_AND_PIECEWISE, gamma=4):
@@ -310,10 +316,12 @@ def test_with_plain_steps_q1_full_graphs_are_captured_and_vllms_stay(vllm):
     assert all(d in m.graphs for d in want)
 
 
-def test_dispatch_replays_q1_graphs_only_for_skipped_steps(vllm):
+@SKIPPED_ONLY
+def test_dispatch_replays_q1_graphs_only_for_skipped_steps(vllm, in_draft, fallback):
     config = engine()
-    st = state()
-    graphs = plain_step_graphs(st, config, scheduled_switch=True)
+    st = state(in_draft=in_draft)
+    graphs = plain_step_graphs(st, config, scheduled_switch=True, fallback=fallback)
+    assert not graphs.selects
     reference = manager(CudaGraphManager, engine())
     m = manager(vllm.model, config)
     st.scheduled_skip = True
@@ -337,18 +345,14 @@ def test_dispatch_replays_q1_graphs_only_for_skipped_steps(vllm):
         st.scheduled_skip = decision
         desc = m.dispatch(3, 3, 1, 0)
         assert desc == reference.dispatch(3, 3, 1, 0) and desc.cg_mode == CUDAGraphMode.PIECEWISE
-    assert graphs.steps == 4
+    assert graphs.steps == 4 and graphs.select_steps == 0
 
 
-def test_capture_runs_the_q1_forwards_with_the_selection_skipped(vllm):
-    """Each captured forward runs the attention override's selection hook (SelectionState.on_layer):
-    vLLM's γ + 1 graphs and piecewise graphs select, the q-len-1 graphs (warm-up and captured
-    forward alike) do not; the capture leaves no decision behind."""
-    config = engine()
-    st = state()
+def capture_selecting(m, st) -> tuple[list, list]:
+    """vLLM's capture with forwards that run the attention override's selection hook
+    (``SelectionState.on_layer``) at their first layer; returns the descriptors of the forwards that
+    began a selection (``_begin_forward``) and every forward's ``(desc, warmup)``."""
     st.layers_ready, st.path = True, object()
-    graphs = plain_step_graphs(st, config, scheduled_switch=True)
-    m = manager(vllm.model, config)
     began, forwards = [], []
     st._begin_forward = lambda query, kv_cache, meta, fa3_heads=0: began.append(meta.desc)
 
@@ -364,12 +368,92 @@ def test_capture_runs_the_q1_forwards_with_the_selection_skipped(vllm):
         return forward_fn, None
 
     m.capture(create_forward_fn, "test")
+    return began, forwards
+
+
+@SKIPPED_ONLY
+def test_capture_runs_the_q1_forwards_with_the_selection_skipped(vllm, in_draft, fallback):
+    """Each captured forward runs the attention override's selection hook (SelectionState.on_layer):
+    vLLM's γ + 1 graphs and piecewise graphs select, the q-len-1 graphs (warm-up and captured
+    forward alike) do not; the capture leaves no decision behind."""
+    config = engine()
+    st = state(in_draft=in_draft)
+    graphs = plain_step_graphs(st, config, scheduled_switch=True, fallback=fallback)
+    m = manager(vllm.model, config)
+    began, forwards = capture_selecting(m, st)
     plain = set(graphs.descs)
     for desc in plain:  # warm-up and capture pass, both skipped
         assert [w for d, w in forwards if d == desc] == [True, False] and desc not in began
     others = {d for d, _ in forwards} - plain
     assert others and all(d in began for d in others)
     assert st.scheduled_skip is None and st.skipped is False and not st.take_skip()
+
+
+@pytest.mark.parametrize("in_draft, fallback, selects", [
+    (True, False, True),  # the selection deferred to the draft phase, the prefill skip alone
+    (True, True, False),  # the measured fallback: its plain steps must cost what plain vLLM's cost
+    (False, False, False),  # the selection inside the verification: a score pass in every plain step
+    (False, True, False),
+])
+def test_q1_graphs_select_only_under_select_in_draft_without_the_fallback(vllm, in_draft, fallback, selects):
+    graphs = plain_step_graphs(state(in_draft=in_draft), engine(), scheduled_switch=True, fallback=fallback)
+    assert graphs.selects is selects
+
+
+def test_selecting_q1_graphs_replay_every_q1_batch(vllm):
+    """With select_in_draft and no fallback every uniform query-length-1 batch that fits replays a
+    q-len-1 graph, whatever the scheduler decided; ``steps`` counts the skipped ones,
+    ``select_steps`` the others; mixed and γ + 1 batches keep vLLM's dispatch."""
+    config = engine()
+    st = state(in_draft=True)
+    graphs = plain_step_graphs(st, config, scheduled_switch=True, fallback=False)
+    reference = manager(CudaGraphManager, engine())
+    m = manager(vllm.model, config)
+    st.scheduled_skip = False
+    assert m.dispatch(3, 3, 1, 0).cg_mode == CUDAGraphMode.NONE  # nothing captured yet: eager, as vLLM
+    capture(m)
+    capture(reference)
+    five, eight = graphs.descs
+    assert graphs.steps == graphs.select_steps == 0
+    for decision, steps, select_steps in [(True, 1, 0), (False, 1, 1), (None, 1, 2)]:
+        st.scheduled_skip = decision
+        assert m.dispatch(3, 3, 1, 0) == five
+        assert (graphs.steps, graphs.select_steps) == (steps, select_steps)
+    st.scheduled_skip = False  # the first drafting step after a skipped one
+    assert m.dispatch(1, 1, 1, 0) == five and m.dispatch(6, 6, 1, 0) == eight and m.dispatch(8, 8, 1, 0) == eight
+    assert (graphs.steps, graphs.select_steps) == (1, 5)
+    for decision in (True, False, None):
+        st.scheduled_skip = decision
+        for args in [(9, 9, 1, 0), (2, 10, 5, 0), (3, 7, None, 0)]:  # too many requests, γ + 1, mixed
+            assert m.dispatch(*args) == reference.dispatch(*args)
+        assert m.dispatch(2, 10, 5, 0).cg_mode == CUDAGraphMode.FULL and m.dispatch(2, 10, 5, 0).uniform_token_count == 5
+    assert (graphs.steps, graphs.select_steps) == (1, 5)
+
+
+def test_capture_runs_selecting_q1_forwards_with_the_selection(vllm):
+    """With select_in_draft and no fallback the q-len-1 forwards (warm-up and captured) select as
+    vLLM's γ + 1 ones do; the capture leaves no decision behind."""
+    config = engine()
+    st = state(in_draft=True)
+    graphs = plain_step_graphs(st, config, scheduled_switch=True, fallback=False)
+    m = manager(vllm.model, config)
+    began, forwards = capture_selecting(m, st)
+    for desc in graphs.descs:
+        assert [w for d, w in forwards if d == desc] == [True, False] and began.count(desc) == 2
+    assert {d for d, _ in forwards} <= set(began)  # every forward selected
+    assert st.scheduled_skip is None and st.skipped is False and not st.take_skip()
+
+
+def test_capture_log_says_the_q1_graphs_select(vllm, monkeypatch, caplog):
+    monkeypatch.setattr(logging.getLogger("vegas.vllm"), "propagate", True)
+    config = engine(max_num_seqs=8)
+    graphs = plain_step_graphs(state(in_draft=True), config, scheduled_switch=True)  # noqa: F841
+    m = manager(vllm.model, config)
+    with caplog.at_level(logging.INFO, logger="vegas.vllm"):
+        capture(m)
+    lines = [r.getMessage() for r in caplog.records if "plain steps" in r.getMessage()]
+    assert lines == ["vegas: full CUDA graphs for plain steps (query length 1) up to 8 requests "
+                     "(2 graphs, with the selection: select_in_draft)"]
 
 
 def test_skipping_restores_the_decision(vllm):

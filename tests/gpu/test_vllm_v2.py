@@ -55,11 +55,16 @@ def test_vllm_v2_prefill_skip_keeps_greedy_equal(plain_v2, monkeypatch):
     """vllm.prefill_skip_tokens: forwards with a prefill chunk neither select nor draft; the
     output stays plain greedy's and the other steps still draft. Under async scheduling (the
     default) the scheduler decides (step_switch): the steps it gives no draft slots are the
-    ones that skip."""
+    ones that skip. Under select_in_draft without the measured fallback the step after a
+    skipped prefill step (one token per request, selecting) replays a full CUDA graph of query
+    length 1 captured with the selection (vegas.vllm_plugin.plain_graphs), not vLLM's piecewise
+    graphs (``q1_select_graph_steps``)."""
     prompts, sp, plain = plain_v2
-    vegas, stats = _vegas_v2(monkeypatch, "collect2", prompts, sp, prefill_skip_tokens=16)
+    vegas, stats = _vegas_v2(monkeypatch, "collect2", prompts, sp, prefill_skip_tokens=16, select_in_draft=True)
     assert stats["prefill_skips"] >= 1 and stats["proposals"] > 0 and stats["acceptance_length"] > 1.0, stats
     assert stats["scheduled_skips"] >= 1, stats  # the scheduler's switch was in force
+    assert stats["score_path"] == "in_draft" and stats["full_cuda_graphs"], stats
+    assert stats["q1_select_graph_steps"] >= 1 and not stats["graph_failed"], stats
     _assert_equal_up_to_ties(plain, vegas)
 
 
@@ -112,6 +117,7 @@ def test_vllm_v2_fallback_probes_plain_steps_and_keeps_greedy_equal(plain_v2, mo
     assert made and made[-1].fallback.probes >= 1, stats
     assert stats["scheduled_skips"] >= 1 and stats["proposals"] > 0 and stats["acceptance_length"] > 1.0, stats
     assert stats["full_cuda_graphs"] and 1 <= stats["plain_full_graph_steps"] <= stats["scheduled_skips"], stats
+    assert stats["q1_select_graph_steps"] == 0, stats  # with the fallback those graphs never select
     _assert_equal_up_to_ties(plain, vegas)
 
 

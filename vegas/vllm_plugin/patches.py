@@ -161,9 +161,10 @@ PATCHES: tuple[Patch, ...] = (
           "add FULL graphs of query length 1 for the plain steps of an engine with the step switch: vLLM captures "
           "its FULL decode graphs for query length γ + 1 only (patch_plain_step_graphs)"),
     Patch(f"{_GRAPHS}.dispatch", ("self", "num_reqs", "num_tokens", "uniform_token_count", "num_active_loras"),
-          "replay those graphs only for a step the scheduler marked skipped (patch_plain_step_graphs)"),
+          "replay those graphs for a step the scheduler marked skipped, or for any query-length-1 batch when they "
+          "select (select_in_draft without the measured fallback) (patch_plain_step_graphs)"),
     Patch(f"{_GRAPHS}.capture", ("self", "create_forward_fn", "progress_bar_desc"),
-          "capture those graphs with the selection skipped (patch_plain_step_graphs)"),
+          "capture those graphs with the selection skipped, unless they select (patch_plain_step_graphs)"),
 )
 
 _BY_TARGET = {p.target: p for p in PATCHES}
@@ -485,9 +486,11 @@ def patch_plain_step_graphs() -> None:
       runner's ``ModelCudaGraphManager``) also captures FULL graphs of query length 1
       (:meth:`~vegas.vllm_plugin.plain_graphs.PlainStepGraphs.add_descs`);
     - ``CudaGraphManager.dispatch``: a uniform query-length-1 batch whose forward the scheduler
-      marked skipped goes to one of them; every other batch to vLLM's dispatch;
+      marked skipped goes to one of them, and so does every other uniform query-length-1 batch
+      when they select (:attr:`~vegas.vllm_plugin.plain_graphs.PlainStepGraphs.selects`:
+      ``select_in_draft`` without the measured fallback); every other batch to vLLM's dispatch;
     - ``CudaGraphManager.capture``: their forwards (warm-up and captured) run with the selection
-      skipped, then one log line says what was captured.
+      skipped (when they select: as vLLM's own, with it), then one log line says what was captured.
 
     Installed by the V2 speculator when its engine can take plain steps
     (:func:`~vegas.vllm_plugin.plain_graphs.plain_step_graphs`); every other manager passes through.

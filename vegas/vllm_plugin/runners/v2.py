@@ -104,8 +104,10 @@ class VegasSpeculator(DraftModelSpeculator):
         self.drafts_next = self.gamma  # drafts the current step makes (its num_spec_tokens_to_schedule)
         #: full CUDA graphs of query length 1 for the plain steps (:mod:`~vegas.vllm_plugin.plain_graphs`),
         #: when this engine takes plain steps and verifies in full graphs; registered before vLLM
-        #: builds its CUDA-graph manager (``initialize_kv_cache``)
-        self.plain_graphs = plain_step_graphs(self.state, vllm_config, self.scheduled_switch)
+        #: builds its CUDA-graph manager (``initialize_kv_cache``); with the selection under
+        #: select_in_draft (set by use_path above) without the measured fallback
+        self.plain_graphs = plain_step_graphs(self.state, vllm_config, self.scheduled_switch,
+                                              fallback=bool(options.fallback))
         if self.scheduled_switch:
             from .. import patches
 
@@ -262,7 +264,7 @@ class VegasSpeculator(DraftModelSpeculator):
         self.counters.zero_()
         self.proposals = self.skipped = self.prefill_skips = self.scheduled_skips = 0
         if self.plain_graphs is not None:
-            self.plain_graphs.steps = 0
+            self.plain_graphs.steps = self.plain_graphs.select_steps = 0
         torch.cuda.synchronize(self.device)
         self.select_ms = self.draft_ms = 0.0
         self.draft_events.clear()
@@ -274,7 +276,9 @@ class VegasSpeculator(DraftModelSpeculator):
         them for a prefill chunk of at least ``prefill_skip_tokens`` tokens; ``scheduled_skips``: steps
         whose next step the scheduler gave no draft slots, :mod:`~vegas.vllm_plugin.step_switch`;
         ``plain_full_graph_steps``: of those, forwards that replayed a full CUDA graph of query
-        length 1, :mod:`~vegas.vllm_plugin.plain_graphs`), iterations (verified
+        length 1, :mod:`~vegas.vllm_plugin.plain_graphs`), ``q1_select_graph_steps`` (forwards
+        that selected and replayed such a graph: one token per request after a skipped step,
+        select_in_draft without the measured fallback only), iterations (verified
         steps of rows with drafts), emitted (accepted + bonus tokens of those),
         ``acceptance_length`` = emitted / iterations, ``select_ms`` (GPU time of the
         selection inside verification), ``draft_ms`` (GPU time of the draft phases, CUDA
@@ -293,6 +297,9 @@ class VegasSpeculator(DraftModelSpeculator):
             # of those, the forwards of one token per request (after another such step) that replayed a
             # full CUDA graph of query length 1 (plain_graphs), not vLLM's piecewise graphs
             "plain_full_graph_steps": self.plain_graphs.steps if self.plain_graphs is not None else 0,
+            # forwards that selected and replayed such a graph (the step after a skipped one; only when those
+            # graphs select: select_in_draft without the measured fallback), not vLLM's piecewise graphs
+            "q1_select_graph_steps": self.plain_graphs.select_steps if self.plain_graphs is not None else 0,
             "iterations": iterations,
             "emitted": emitted,
             "acceptance_length": emitted / iterations if iterations else 0.0,
