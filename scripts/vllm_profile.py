@@ -99,7 +99,10 @@ def instrument() -> None:
         rec["e0"].record()
         _close_annotation()  # a step whose execute_model returned its output (no sample_tokens call)
         # the step's span in a torch-profiler trace, by kind (scripts/trace_steps.py groups by it)
-        _OPEN.append(torch.profiler.record_function(KIND + step_kind(n_prefill, rec["reqs"])))
+        kind = step_kind(n_prefill, rec["reqs"])
+        if kind == "decode" and not rec["draft_tokens"]:
+            kind = "decode q1"  # one token a request: plain's decode step, or Vegas' step after a skipped one
+        _OPEN.append(torch.profiler.record_function(KIND + kind))
         _OPEN[-1].__enter__()
         STEPS.append(rec)
         out = execute(self, scheduler_output)
@@ -407,8 +410,8 @@ def main() -> int:
             prof.export_chrome_trace(str(trace))
             if args.no_trace:  # summarised by engine step kind (host and GPU), then deleted
                 with open(out / f"steps_{method}_{wl}.txt", "w") as f:
-                    subprocess.run([sys.executable, str(Path(__file__).with_name("trace_steps.py")), str(trace), "--top", "90"],
-                                   stdout=f, stderr=subprocess.STDOUT, check=False)
+                    summary = [sys.executable, str(Path(__file__).with_name("trace_steps.py")), str(trace), "--top", "90"]
+                    subprocess.run(summary, stdout=f, stderr=subprocess.STDOUT, check=False)
                 trace.unlink()
             else:
                 subprocess.run(["gzip", "-f", str(trace)], check=False)

@@ -122,8 +122,9 @@ def test_timeline_annotates_each_step_with_its_kind(ts, tmp_path, monkeypatch):
     vp = load_script("vllm_profile")
     vp.instrument()
 
-    def so(tokens: dict[str, int]):
-        return SimpleNamespace(num_scheduled_tokens=tokens, scheduled_spec_decode_tokens={},
+    def so(tokens: dict[str, int], drafts: int = 0):
+        spec = {r: [7] * drafts for r in tokens}
+        return SimpleNamespace(num_scheduled_tokens=tokens, scheduled_spec_decode_tokens=spec,
                                total_num_scheduled_tokens=sum(tokens.values()))
 
     w = Worker()
@@ -132,7 +133,9 @@ def test_timeline_annotates_each_step_with_its_kind(ts, tmp_path, monkeypatch):
         w.sample_tokens(None)
         torch.arange(5)  # between two steps: in no step's span
         w.execute_model(so({"a": 1, "b": 300}))  # mixed, no sample_tokens
-        w.execute_model(so({"a": 1, "b": 1}))  # decode
+        w.execute_model(so({"a": 1, "b": 1}))  # decode, one token a request
+        w.sample_tokens(None)
+        w.execute_model(so({"a": 3, "b": 3}, drafts=2))  # decode, verifying 2 drafts a request
         w.sample_tokens(None)
     trace = tmp_path / "t.json"
     prof.export_chrome_trace(str(trace))
@@ -140,7 +143,8 @@ def test_timeline_annotates_each_step_with_its_kind(ts, tmp_path, monkeypatch):
     events = ts.load(str(trace))
     groups, annotated = ts.step_groups(events, 20.0)
     assert annotated
-    assert {label: len(ws) for label, ws in groups} == {"decode steps": 1, "mixed steps": 1, "prefill steps": 1}
+    assert {label: len(ws) for label, ws in groups} == {"decode q1 steps": 1, "decode steps": 1, "mixed steps": 1,
+                                                          "prefill steps": 1}
     spans = sorted(w for _, ws in groups for w in ws)
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # disjoint, in order
     between = [e["ts"] for e in events if e["name"] == "aten::arange"]
