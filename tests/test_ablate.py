@@ -243,6 +243,11 @@ def test_tiny_run_writes_schema_plots_tables_and_resumes(counted, tmp_path, clic
     more = run_ablate(_tiny(tmp_path, source, budgets=[0.1, 0.2], studies=["budget"]), Console(file=io.StringIO()),
                       pipe=pipe)
     assert more["measured"] == 2 and more["reused"] == 2  # a grid extended: only the new points
+    # --device left out on this CPU machine: the same device, so the points are reused (it was refused)
+    if not torch.cuda.is_available():
+        auto = run_ablate(_tiny(tmp_path, source, device=None, studies=["budget"]), Console(file=io.StringIO()),
+                          pipe=pipe)
+        assert auto["measured"] == 0 and auto["reused"] == 2
     with pytest.raises(VegasConfigError, match=r"other settings \(new_tokens: 4 -> 5\).*--fresh"):
         run_ablate(_tiny(tmp_path, source, new_tokens=5), Console(file=io.StringIO()), pipe=pipe)
 

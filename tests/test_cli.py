@@ -181,6 +181,29 @@ def test_generate_refuses_an_at_sign_without_a_path(tmp_path, monkeypatch):
         assert result.exit_code == 2 and f"PROMPT {prompt!r} needs a path after '@'" in result.output, result.output
 
 
+@pytest.mark.parametrize("command, runner", [("tune", "vegas.tune.run_tune"), ("ablate", "vegas.ablate.run_ablate")])
+def test_tune_and_ablate_check_the_out_directory_before_the_run(command, runner, tmp_path, monkeypatch):
+    """An --out that cannot be made or written fails in one line before any point is measured
+    (it used to raise a traceback after the first point), and nothing is left behind."""
+    module, name = runner.rsplit(".", 1)
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("the run started before --out was checked")
+
+    monkeypatch.setattr(__import__(module, fromlist=[name]), name, no_run)
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    for out, reason in ((Path("/proc/vegas-out"), "No such file or directory"),  # nobody can make it
+                        (a_file / "sub", "Not a directory")):
+        result = CliRunner().invoke(main, [command, "--out", str(out)])
+        assert result.exit_code == 2, result.output
+        assert f"Error: --out {str(out)!r} cannot be written: {reason}" in result.output, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+    fresh = tmp_path / "new" / "dir"  # a writable place is not refused, and not made by the check
+    result = CliRunner().invoke(main, [command, "--out", str(fresh)])
+    assert "the run started" in repr(result.exception) and not (tmp_path / "new").exists()
+
+
 def test_bench_checks_sampling_options_and_json_path_before_the_run(tmp_path, monkeypatch):
     import vegas.bench
 
@@ -224,8 +247,9 @@ def test_bench_repeats_interleave_and_failing_plugin_selectors_are_skipped(tmp_p
         ])
         assert result.exit_code == 0, result.output
         data = json.loads(out.read_text())
-        assert set(data["skipped"]) == {"initraise", "selectraise"}
+        assert set(data["skipped"]) == {"initraise", "selectraise", "selectnone"}
         assert "failed to build" in data["skipped"]["initraise"] and "select boom" in data["skipped"]["selectraise"]
+        assert "select() returned NoneType" in data["skipped"]["selectnone"]
         assert "collect2" in data["selectors"] and "initraise" not in data["selectors"]
         assert len(data["plain"]["tokens_per_second_runs"]) == 2
         assert all(len(r["tokens_per_second_runs"]) == 2 for r in data["selectors"].values())

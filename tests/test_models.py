@@ -221,7 +221,8 @@ def test_cli_rope_scaling_is_checked():
     result = CliRunner().invoke(main, ["generate", "x", "--rope-scaling", "{yarn"])
     assert result.exit_code == 2 and "--rope-scaling" in result.output and "JSON object" in result.output
     result = CliRunner().invoke(main, ["generate", "x", "--rope-scaling", '{"rope_type": "ntk", "factor": 2}'])
-    assert result.exit_code == 2 and "must be one of yarn" in result.output
+    assert result.exit_code == 2 and "Invalid value for '--rope-scaling'" in result.output
+    assert "must be one of yarn" in result.output
 
 
 # -- chat ---------------------------------------------------------------------------------------

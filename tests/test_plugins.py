@@ -90,14 +90,18 @@ def test_plugin_returning_no_dict_or_no_classes_is_skipped(registered, caplog):
 
 
 def test_failing_selectors_and_backends_name_themselves_and_their_plugin(pipe, code_prompts, registered):
-    """A selector that raises when built or when selecting, and a backend factory that raises,
-    give a VegasPluginError naming the selector/backend and the plugin (the CLI prints it)."""
+    """A selector that raises when built or when selecting, one whose select() returns no
+    Selection, and a backend factory that raises, give a VegasPluginError naming the
+    selector/backend and the plugin (the CLI prints it)."""
     registered(FailingSelectorsPlugin(), "failing")
     registered(FactoryRaisingBackendPlugin(), "boomplugin")
     with pytest.raises(VegasPluginError, match="selector 'initraise' \\(plugin 'failing'\\) failed to build: RuntimeError: init boom"):
         pipe.generate([code_prompts[0][:100]], max_new_tokens=4, selector="initraise")
     with pytest.raises(VegasPluginError, match="selector 'selectraise' \\(plugin 'failing'\\) raised in select\\(\\): RuntimeError: select boom"):
         pipe.generate([code_prompts[0][:100]], max_new_tokens=4, selector="selectraise")
+    with pytest.raises(VegasPluginError, match="selector 'selectnone' \\(plugin 'failing'\\) select\\(\\) returned NoneType; "
+                                               "it must return a vegas.interfaces.Selection"):
+        pipe.generate([code_prompts[0][:100]], max_new_tokens=4, selector="selectnone")
     with pytest.raises(VegasPluginError, match="backend 'boombackend' \\(plugin 'boomplugin'\\) failed to load"):
         Pipeline(selector=None, backend="boombackend")
     assert pipe.generate([code_prompts[0][:100]], max_new_tokens=4, selector="collect2")[0].token_ids

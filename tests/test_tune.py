@@ -82,10 +82,13 @@ def test_plain_decoding_is_recommended_where_no_selector_is_clearly_faster():
     rec = recommend(points, opts)
     assert rec["recommended"] == "none" and rec["best"]["selector"] == "collect2"
     text = "\n".join(describe(rec))
-    assert "plain decoding is as fast or faster on this machine" in text and "0.72× plain" in text
+    assert "plain decoding is faster on this machine" in text and "0.72× plain" in text
+    assert "is slower than plain decoding" in text and "spread" not in text
     assert "recommended: plain decoding (selector 'none')" in text and "VegasConfig(" not in text
     rec = recommend(points[:2] + [_spread(_point(2, 0.05, 2.5, 102.0), 2.0)], opts)
     assert rec["recommended"] == "none"  # 2 % faster, within the spread of 3 tok/s
+    text = "\n".join(describe(rec))
+    assert "plain decoding is as fast or faster on this machine" in text and "by more than the spread" in text
     rec = recommend(points[:2] + [_spread(_point(2, 0.05, 2.5, 104.0), 2.0)], opts)
     assert rec["recommended"] == "collect2"
     rec = recommend(points[:1], opts)  # cut short before plain decoding was measured: no verdict either way
@@ -100,8 +103,14 @@ def test_bench_verdict_says_when_plain_decoding_is_faster():
     plain = {"tokens_per_second": 100.0, "tokens_per_second_runs": [98.0, 100.0, 103.0], "tokens_per_second_spread": 5.0}
     slow = {"tokens_per_second": 72.0, "speedup": 0.72, "tokens_per_second_spread": 1.0}
     fast = {"tokens_per_second": 110.0, "speedup": 1.1, "tokens_per_second_spread": 1.0}
-    text = verdict({"plain": plain, "selectors": {"collect2": slow}})
-    assert text.startswith("plain decoding is as fast or faster on this machine") and "0.72× plain" in text
+    assert verdict({"plain": plain, "selectors": {"collect2": slow}}) == (
+        "recommended: plain decoding (--selector none): every selector ran slower than plain decoding on this "
+        "machine (the fastest, collect2, at 0.72× plain)")
+    single = plain | {"tokens_per_second_runs": [100.0], "tokens_per_second_spread": 0.0}
+    assert "every selector ran slower" in verdict({"plain": single, "selectors": {"collect2": slow}})
+    tie = slow | {"tokens_per_second": 101.0, "speedup": 1.01}
+    text = verdict({"plain": plain, "selectors": {"collect2": tie}})
+    assert text.startswith("plain decoding is as fast or faster on this machine") and "1.01× plain" in text
     assert text.endswith("recommended: plain decoding (--selector none)")
     assert verdict({"plain": plain, "selectors": {"collect2": slow, "quest": fast}}).startswith(
         "recommended: quest, 1.10× plain decoding (medians of 3 runs)")

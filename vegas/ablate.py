@@ -55,7 +55,7 @@ from .progress import LoggedProgress, plain_printer
 from .prompts import cut_contexts, heldout_path, package_source, read_text_source, retrieval_prompts, source_label
 from .sampling import SamplingParams
 from .strategies import OracleSelector
-from .tune_points import PointStore, round_sparsity
+from .tune_points import PointStore, round_sparsity, settings_device
 
 __all__ = ["AblateOptions", "run_ablate", "plan", "spread", "rope_for", "STUDIES", "VARIANTS", "QUICK"]
 
@@ -338,7 +338,8 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
     if source is None:
         console.print("[yellow]prompts: installed click source; the held-out set (benchmarks/data/"
                       "heldout_code_dev.jsonl.xz) is not here: run from a checkout or pass --prompts[/yellow]")
-    settings = {**{k: getattr(opts, k) for k in MEASUREMENT_SETTINGS}, "prompts": source or "package:click"}
+    settings = {**{k: getattr(opts, k) for k in MEASUREMENT_SETTINGS}, "prompts": source or "package:click",
+                "device": settings_device(opts.device)}
     store = PointStore(out / POINTS_FILE, settings, opts.fresh, "vegas ablate")
     skipped = SelectorSkips(opts.selectors is None, plain_printer(console, "yellow"))  # "all": one that raises is left out
     selectors = opts.selectors or selector_names() + [ORACLE]

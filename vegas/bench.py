@@ -213,13 +213,17 @@ def clearly_faster(a: dict, b: dict) -> bool:
 def verdict(results: dict) -> str:
     """One line: the method to use on this machine. A selector only when it is
     :func:`clearly_faster` than plain decoding over repeated runs, else plain decoding
-    (``--selector none``); from single runs (no spread) always plain decoding."""
+    (``--selector none``); from single runs (no spread) always plain decoding. The line says
+    why: every selector slower, single runs, or not faster beyond the spread."""
     plain, rows = results["plain"], results["selectors"]
     if not rows:
         return "plain decoding only: no selector was measured"
     best = max(rows, key=lambda name: rows[name]["tokens_per_second"])
     row = rows[best]
     runs = len(plain["tokens_per_second_runs"])
+    if row["speedup"] < 1.0:  # slower even in its best run: no spread could change that
+        return (f"recommended: plain decoding (--selector none): every selector ran slower than plain decoding on "
+                f"this machine (the fastest, {best}, at {row['speedup']:.2f}× plain)")
     if runs < 2:  # no spread: a lucky run would decide
         return (f"recommended: plain decoding (--selector none): single runs cannot tell a selector from noise "
                 f"(the fastest, {best}, ran at {row['speedup']:.2f}× plain); --repeats 3 measures the spread")

@@ -286,6 +286,23 @@ def _check_writable(path: Path, flag: str = "--json") -> None:
         path.unlink()
 
 
+def _check_writable_dir(path: Path, flag: str = "--out") -> None:
+    """Fail before the run, not after its first point, when directory ``path`` cannot be made or
+    written: a scratch directory is made and removed in ``path``, or in its nearest existing
+    parent when ``path`` does not exist yet (nothing is left behind)."""
+    import tempfile
+
+    where = path
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        if not where.is_dir():
+            raise NotADirectoryError(20, "Not a directory")
+        Path(tempfile.mkdtemp(prefix=".vegas-check-", dir=where)).rmdir()
+    except OSError as exc:
+        raise VegasConfigError(f"{flag} {str(path)!r} cannot be written: {exc.strerror}") from None
+
+
 @main.command()
 @_config_options
 @click.argument("prompt")
@@ -393,6 +410,7 @@ def tune(selectors, **kwargs) -> None:
     from .tune import TuneOptions, describe, run_tune
 
     try:
+        _check_writable_dir(Path(kwargs["out"]))
         every = selectors.strip() == "all"  # a plugin selector that raises is skipped, as in vegas bench
         if every:
             from .plugins import selector_names
@@ -455,6 +473,7 @@ def ablate(studies, selectors, quick, **kwargs) -> None:
 
     given = {k: v for k, v in kwargs.items() if v is not None}
     try:
+        _check_writable_dir(Path(kwargs["out"]))
         names = None if selectors.strip() == "all" else [s.strip() for s in selectors.split(",") if s.strip()]
         opts = AblateOptions(studies=[s.strip() for s in studies.split(",") if s.strip()], selectors=names,
                              **({**QUICK, **given} if quick else given))

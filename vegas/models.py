@@ -412,7 +412,7 @@ def rope_scaled_config(model: str, rope_scaling: dict, *, trust_remote_code: boo
     if rope_type not in ROPE_TYPES:
         raise VegasConfigError(
             f"rope_scaling['rope_type'] must be one of {', '.join(ROPE_TYPES)} (frequencies fixed at load "
-            f"time), got {rope_type!r}; e.g. {example}"
+            f"time), got {rope_type!r}; e.g. {example}", field="rope_scaling"
         )
     unknown = sorted(str(k) for k in params if k != "rope_type" and k not in ROPE_KEYS[rope_type])
     if unknown:
@@ -432,7 +432,7 @@ def rope_scaled_config(model: str, rope_scaling: dict, *, trust_remote_code: boo
     if not isinstance(base, dict) or "rope_theta" not in base:
         raise VegasConfigError(
             f"rope_scaling given, but model {model!r} ({config.model_type}) has no single set of RoPE "
-            "parameters to scale; leave rope_scaling unset"
+            "parameters to scale; leave rope_scaling unset", field="rope_scaling"
         )
     native = int(config.max_position_embeddings)
     params["rope_type"] = rope_type

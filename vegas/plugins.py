@@ -33,6 +33,7 @@ import pluggy
 
 from . import hookspecs
 from .config import VegasConfig, VegasConfigError, VegasPluginError
+from .interfaces import Selection
 from .interfaces import Backend, Selector
 
 log = logging.getLogger(__name__)
@@ -181,15 +182,28 @@ def owner(kind: str, name: str) -> str:
     return _owners.get((kind, name), "?")
 
 
+#: selector methods whose result must be a :class:`~vegas.interfaces.Selection`
+_RETURNS_SELECTION = ("select", "select_for_query")
+
+
 def run_selector(selector, method: str, *args):
     """``selector.<method>(*args)``; an exception other than :class:`VegasConfigError` becomes a
-    :class:`VegasPluginError` naming the selector and its plugin.
+    :class:`VegasPluginError` naming the selector and its plugin, and so does a ``select`` or
+    ``select_for_query`` that returns anything but a :class:`~vegas.interfaces.Selection` (a
+    None there would silently mean "attend to everything").
 
     Raises:
-        VegasPluginError: the selector raised.
+        VegasPluginError: the selector raised, or returned the wrong type.
     """
-    with blame("selectors", getattr(selector, "name", type(selector).__name__), f"raised in {method}()"):
-        return getattr(selector, method)(*args)
+    name = getattr(selector, "name", type(selector).__name__)
+    with blame("selectors", name, f"raised in {method}()"):
+        result = getattr(selector, method)(*args)
+    if method in _RETURNS_SELECTION and not isinstance(result, Selection):
+        raise VegasPluginError(
+            f"selector {name!r} (plugin {owner('selectors', name)!r}) {method}() returned "
+            f"{type(result).__name__}; it must return a vegas.interfaces.Selection"
+        )
+    return result
 
 
 def plugin_failure(kind: str, name: str, what: str, exc: BaseException) -> VegasPluginError:

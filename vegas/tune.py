@@ -59,7 +59,7 @@ from .pipeline import Pipeline
 from .plugins import PLAIN, SelectorSkips, selector_names
 from .progress import LoggedProgress, plain_printer
 from .prompts import cut_contexts, package_source, read_text_source
-from .tune_points import PointStore, points_of, round_sparsity
+from .tune_points import PointStore, points_of, round_sparsity, settings_device
 from .sampling import SamplingParams
 
 __all__ = ["TuneOptions", "run_tune", "knee", "best_by_throughput", "vllm_settings", "QUICK", "FULL"]
@@ -240,7 +240,7 @@ def run_tune(opts: TuneOptions, console: Console | None = None, pipe: Pipeline |
     out = Path(opts.out)
     if out.exists() and not out.is_dir():
         raise VegasConfigError(f"out (--out) {str(out)!r} exists and is not a directory")
-    settings = {k: getattr(opts, k) for k in MEASUREMENT_SETTINGS}
+    settings = {**{k: getattr(opts, k) for k in MEASUREMENT_SETTINGS}, "device": settings_device(opts.device)}
     store = PointStore(out / POINTS_FILE, settings, opts.fresh, "vegas tune")
     if pipe is None:
         pipe = Pipeline(opts.model, selector=None, backend=opts.backend, dtype=opts.dtype, device=opts.device,
@@ -462,9 +462,11 @@ def describe(recommendation: dict) -> list[str]:
         lines = [f"no recommendation yet: plain decoding is not measured, so the best point so far, {point}, has "
                  "nothing to be compared with"]
     elif recommendation["recommended"] == PLAIN:
+        slower = best["speedup"] is not None and best["speedup"] < 1.0
         lines = [
-            f"plain decoding is as fast or faster on this machine: the best point, {point}, is not faster than plain "
-            "decoding by more than the spread of their runs",
+            f"plain decoding is faster on this machine: the best point, {point}, is slower than plain decoding" if slower
+            else f"plain decoding is as fast or faster on this machine: the best point, {point}, is not faster than "
+            "plain decoding by more than the spread of their runs",
             f"recommended: plain decoding (selector {PLAIN!r}): Pipeline(selector={PLAIN!r}), vegas generate ... "
             f"--selector {PLAIN}, vegas serve MODEL --selector {PLAIN}",
         ]

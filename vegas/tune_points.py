@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .config import VegasConfigError
 
-__all__ = ["PointStore", "points_of", "round_sparsity"]
+__all__ = ["PointStore", "points_of", "round_sparsity", "settings_device"]
 
 FORMAT_VERSION = 1
 
@@ -82,3 +82,14 @@ class PointStore:
         tmp.write_text(json.dumps({"version": FORMAT_VERSION, "settings": self.settings, "points": self.points},
                                   indent=2))
         os.replace(tmp, self.path)
+
+
+def settings_device(device: str | None) -> str:
+    """The device a run measures on, as its stored settings name it: ``device``, or for None (the
+    default) the one the HF backend then picks (``"cuda"`` when available, else ``"cpu"``), so that
+    a rerun that leaves ``--device`` out resumes points measured with it given, and the reverse."""
+    if device is not None:
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"

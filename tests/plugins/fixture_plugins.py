@@ -62,6 +62,15 @@ class SelectRaisingSelector(SlidingWindowSelector):
         raise RuntimeError("select boom")
 
 
+class SelectNoneSelector(SlidingWindowSelector):
+    """select() returns None: without a check the drafts would silently attend to everything."""
+
+    name = "selectnone"
+
+    def select(self, inputs):
+        return None
+
+
 class FactoryRaisingBackendPlugin:
     @vegas.hookimpl
     def vegas_backends(self):
@@ -74,7 +83,8 @@ class FactoryRaisingBackendPlugin:
 class FailingSelectorsPlugin:
     @vegas.hookimpl
     def vegas_selectors(self):
-        return {"initraise": InitRaisingSelector, "selectraise": SelectRaisingSelector}
+        return {"initraise": InitRaisingSelector, "selectraise": SelectRaisingSelector,
+                "selectnone": SelectNoneSelector}
 
 
 class BadNamePlugin:
