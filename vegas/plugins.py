@@ -33,8 +33,7 @@ import pluggy
 
 from . import hookspecs
 from .config import VegasConfig, VegasConfigError, VegasPluginError
-from .interfaces import Selection
-from .interfaces import Backend, Selector
+from .interfaces import Backend, Selection, Selector
 
 log = logging.getLogger(__name__)
 
