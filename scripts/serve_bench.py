@@ -37,6 +37,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -58,6 +59,7 @@ COLUMNS = (
     ("p99_ttft_ms", "TTFT p99 ms", "{:.1f}"),
     ("mean_tpot_ms", "TPOT mean ms", "{:.2f}"),
     ("p99_tpot_ms", "TPOT p99 ms", "{:.2f}"),
+    ("mean_e2el_ms", "E2E mean ms", "{:.0f}"),
     ("output_throughput", "out tok/s", "{:.1f}"),
     ("request_throughput", "req/s", "{:.2f}"),
     ("spec_decode_acceptance_length", "τ", "{:.2f}"),
@@ -138,13 +140,20 @@ VARIANTS = {
     "-separate": lambda args: {"select_in_draft": False},
     "-fallback": lambda args: {"fallback": True},
 }
+#: a last suffix ``-g<N>`` runs the method with γ = N instead of ``--gamma`` (``collect2-skip-g2``)
+GAMMA_SUFFIX = re.compile(r"-g([1-9][0-9]*)$")
 
 
 def split_variant(method: str) -> tuple[str, list[str]]:
     """``(selector, suffixes)`` of a method name: the :data:`VARIANTS` suffixes it ends with, in
     the order written (``collect2-skip-fallback`` -> ``("collect2", ["-skip", "-fallback"])``;
-    none: ``[]``)."""
+    none: ``[]``), and a last :data:`GAMMA_SUFFIX` (``collect2-skip-g2`` -> ``("collect2",
+    ["-skip", "-g2"])``)."""
     suffixes = []
+    gamma = GAMMA_SUFFIX.search(method)
+    if gamma:
+        suffixes.append(gamma.group(0))
+        method = method[:gamma.start()]
     while True:
         suffix = next((s for s in VARIANTS if method.endswith(s)), None)
         if suffix is None:
@@ -159,8 +168,15 @@ def method_config(method: str, args) -> tuple[str, dict]:
     selector, suffixes = split_variant(method)
     config = args.config_values
     for suffix in suffixes:
-        config = {**config, "vllm": {**config.get("vllm", {}), **VARIANTS[suffix](args)}}
+        if suffix in VARIANTS:
+            config = {**config, "vllm": {**config.get("vllm", {}), **VARIANTS[suffix](args)}}
     return selector, config
+
+
+def method_gamma(method: str, args) -> int:
+    """γ of a method: its :data:`GAMMA_SUFFIX`'s, else ``--gamma``."""
+    gamma = GAMMA_SUFFIX.search(method)
+    return int(gamma.group(1)) if gamma else args.gamma
 
 
 def method_args(method: str, args) -> tuple[list[str], list[str]]:
@@ -172,7 +188,7 @@ def method_args(method: str, args) -> tuple[list[str], list[str]]:
                 "prompt_lookup_min": 2}
         return ["--selector", "none"], ["--speculative-config", json.dumps(spec)]
     selector, config = method_config(method, args)
-    opts = ["--selector", selector, "-g", str(args.gamma), "--sparsity-ratio", str(args.sparsity_ratio)]
+    opts = ["--selector", selector, "-g", str(method_gamma(method, args)), "--sparsity-ratio", str(args.sparsity_ratio)]
     if config:
         opts += ["--config", json.dumps(config)]
     return opts, []
@@ -362,7 +378,7 @@ def load_results(result_dir: Path) -> list[dict]:
     plain = {r["rate"]: r for r in rows if r["method"] == "plain"}
     for r in rows:
         for key, ratio in (("output_throughput", "x_plain"), ("mean_ttft_ms", "ttft_x_plain"),
-                           ("mean_tpot_ms", "tpot_x_plain")):
+                           ("mean_tpot_ms", "tpot_x_plain"), ("mean_e2el_ms", "e2el_x_plain")):
             base = (plain.get(r["rate"]) or {}).get(key)
             r[ratio] = r[key] / base if base and r[key] is not None else None
     order = {m: i for i, m in enumerate(METHODS)}
@@ -372,14 +388,14 @@ def load_results(result_dir: Path) -> list[dict]:
 def render_table(rows: list[dict]) -> str:
     """A Markdown table of the rows."""
     head = ["method", "rate", "repeats"] + [h for _, h, _ in COLUMNS] + ["out tok/s min-max", "x plain",
-                                                                          "TTFT x plain", "TPOT x plain"]
+                                                                          "TTFT x plain", "TPOT x plain", "E2E x plain"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["method"], r["rate"], str(r.get("repeats", 1))]
         cells += ["-" if r[k] is None else f.format(r[k]) for k, _, f in COLUMNS]
         lo, hi = r.get("throughput_min"), r.get("throughput_max")
         cells.append("-" if lo is None else f"{lo:.0f}-{hi:.0f}")
-        for ratio in ("x_plain", "ttft_x_plain", "tpot_x_plain"):
+        for ratio in ("x_plain", "ttft_x_plain", "tpot_x_plain", "e2el_x_plain"):
             cells.append("-" if r.get(ratio) is None else f"{r[ratio]:.2f}x")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -631,7 +647,8 @@ def parse_args(argv=None):
                         "<selector>-skip: that selector with --prefill-skip-tokens; <selector>-overlap: with "
                         "vllm.score_overlap; <selector>-indraft: with vllm.select_in_draft (the default); "
                         "<selector>-separate: without it (the score pass after the verification); <selector>-fallback: with "
-                        "vllm.fallback; suffixes combine (collect2-skip-fallback).")
+                        "vllm.fallback; suffixes combine (collect2-skip-fallback); a last -g<N> sets that method's γ "
+                        "(collect2-skip-g2).")
     p.add_argument("--rates", default="1,2,4,8,16,inf", type=rate_list,
                    help="Request rates (requests/s, > 0; inf sends all at once: saturation).")
     p.add_argument("--num-prompts", type=int, default=64, help="Requests per rate.")
@@ -722,7 +739,8 @@ def raise_if_bad_args(args) -> None:
     bad = [m for m in args.methods if m not in allowed and split_variant(m)[0] not in allowed[2:]]
     if bad or not args.methods:
         raise VegasConfigError(f"--methods: unknown {', '.join(bad) or '(none given)'}; allowed: "
-                               f"{', '.join(allowed)}, and <selector> with one or more suffixes: {', '.join(VARIANTS)}")
+                               f"{', '.join(allowed)}, and <selector> with one or more suffixes: {', '.join(VARIANTS)}, "
+                               f"then -g<N> (γ = N)")
     for flag, value, least in (("--num-prompts", args.num_prompts, 1),
                                ("--num-prompts-inf", args.num_prompts_inf if args.num_prompts_inf is not None else 1, 1),
                                ("--repeats", args.repeats, 1), ("--first-repeat", args.first_repeat, 0),

@@ -23,7 +23,7 @@ def sb():
 def _fake_result(method, rate, tpot, throughput, tau=None):
     r = {"method": method, "request_rate": rate, "completed": 8, "failed": 0, "mean_ttft_ms": 120.0,
          "p99_ttft_ms": 300.0, "mean_tpot_ms": tpot, "p99_tpot_ms": tpot * 1.5, "output_throughput": throughput,
-         "request_throughput": 1.0, "input_lens": [6000] * 8}
+         "request_throughput": 1.0, "input_lens": [6000] * 8, "mean_e2el_ms": 1e6 / throughput}
     if tau is not None:
         r["spec_decode_acceptance_length"] = tau
     return r
@@ -159,11 +159,11 @@ def test_results_table_and_plots(sb, tmp_path):
     table = sb.report(tmp_path)
     lines = table.splitlines()
     assert lines[0].startswith("| method | rate | repeats | done | failed | TTFT mean ms")
-    assert lines[0].endswith("| out tok/s min-max | x plain | TTFT x plain | TPOT x plain |")
+    assert lines[0].endswith("| out tok/s min-max | x plain | TTFT x plain | TPOT x plain | E2E x plain |")
     assert [line.split(" | ")[0] for line in lines[2:]] == ["| plain"] * 3 + ["| collect2"] * 3 + ["| ngram"] * 3
     assert [line.split(" | ")[1] for line in lines[2:5]] == ["1", "4", "inf"]  # rates in order, inf last
     assert "| 3.10 |" in lines[5] and "| - | 450-600 | 1.00x |" in lines[2]  # τ where the server reports it
-    assert lines[5].endswith("| 675-900 | 1.50x | 1.00x | 1.00x |")  # spread of the repeats, ratios to plain
+    assert lines[5].endswith("| 675-900 | 1.50x | 1.00x | 1.00x | 0.67x |")  # spread of the repeats, ratios to plain
     rows = json.loads((tmp_path / "summary.json").read_text())
     assert rows[4]["method"] == "collect2" and rows[4]["output_throughput"] == 1500.0 and rows[4]["repeats"] == 3
     for name in ("throughput_vs_rate.png", "tpot_vs_rate.png"):
@@ -357,6 +357,16 @@ def test_variant_methods_set_their_vllm_option(sb, tmp_path, capsys):
     assert opts[opts.index("--selector") + 1] == "collect2"
     assert json.loads(opts[opts.index("--config") + 1]) == {"vllm": {"prefill_skip_tokens": 2048, "fallback": True}}
     assert sb.split_variant("quest") == ("quest", [])
+    opts, _ = sb.method_args("collect2-skip-g2", args)  # a last -g<N>: that method's γ
+    assert opts[opts.index("-g") + 1] == "2" and opts[opts.index("--selector") + 1] == "collect2"
+    assert json.loads(opts[opts.index("--config") + 1]) == {"vllm": {"prefill_skip_tokens": 2048}}
+    opts, _ = sb.method_args("collect2", args)
+    assert opts[opts.index("-g") + 1] == "4"
+    assert sb.split_variant("sliding_window-g6") == ("sliding_window", ["-g6"])
+    for bad in ("collect2-g0", "collect2-g2-skip"):  # γ >= 1, and -g<N> comes last
+        with pytest.raises(SystemExit):
+            sb.parse_args(["--model", model, "--methods", bad])
+        assert f"unknown {bad}" in capsys.readouterr().err
     assert sb.compile_family("collect2-overlap") == "vegas"
     with pytest.raises(SystemExit):
         sb.parse_args(["--model", model, "--methods", "plain,collect2-turbo"])
