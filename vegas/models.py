@@ -375,6 +375,13 @@ def _write_checkpoint(path: Path, out: Path) -> None:
     model.generation_config = generation
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    # every file readable as the umask allows (save_pretrained may write 0600 temp files): the
+    # cache entry is shared across environments and users
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in Path(out).iterdir():
+        if f.is_file():
+            f.chmod(0o666 & ~umask)
 
 
 def rope_scaled_config(model: str, rope_scaling: dict, *, trust_remote_code: bool = False):
