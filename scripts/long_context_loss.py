@@ -18,7 +18,7 @@ Usage::
         --rope-scaling '{"rope_type": "yarn", "factor": 4}' --docs 1
 
 Documents come from ``--data`` (JSON lines with a ``text`` field, xz or plain; default
-``../shared/data/heldout_code_dev.jsonl.xz`` next to the repository when present) or, without
+``benchmarks/data/heldout_code_dev.jsonl.xz`` in the checkout) or, without
 it, from the installed source of click, jinja2 and docutils (one document each); the
 ``--docs`` longest documents are used (a document shorter than L does not count at L).
 """
@@ -40,7 +40,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from vegas.models import resolve_model, rope_scaled_config
 from vegas.prompts import package_source
 
-DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "heldout_code_dev.jsonl.xz"
+DEFAULT_DATA = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "heldout_code_dev.jsonl.xz"  # in the checkout
 
 
 def documents(data: Path | None) -> list[tuple[str, str]]:
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(row), file=sys.stderr, flush=True)
         del model
     print(f"\nmodel {args.model}; nats/token; tail = last {args.tail} positions\n")
-    print("| RoPE | " + " | ".join(f"{n // 1024}K all / tail" for n in lengths) + " |")
+    print("| RoPE | " + " | ".join((f"{n // 1024}K" if n >= 1024 else str(n)) + " all / tail" for n in lengths) + " |")
     print("|---|" + "---|" * len(lengths))
     for label in settings:
         cells = []
