@@ -330,6 +330,19 @@ def test_a_copy_of_a_gguf_elsewhere_finds_the_same_conversion(tmp_path):
 
 
 @needs_smollm2
+def test_converted_checkpoint_files_are_readable_as_the_umask_allows(smollm2_dir):
+    """The cache entry is shared across environments: the weights save_pretrained writes are not
+    left owner-only (they were 0600 while the other files were 0644)."""
+    from pathlib import Path
+
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {f.name: f.stat().st_mode & 0o777 for f in Path(smollm2_dir).iterdir() if f.is_file()}
+    assert "model.safetensors" in modes
+    assert set(modes.values()) == {0o666 & ~umask}, modes
+
+
+@needs_smollm2
 def test_smollm2_round_trip_matches_the_gguf_model(smollm2_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
