@@ -130,11 +130,14 @@ def rate_label(rate) -> str:
 
 
 #: a method ``<selector>-skip`` runs that Vegas selector with ``vllm.prefill_skip_tokens``
-#: = ``--prefill-skip-tokens`` (no selection or drafting in forwards carrying a prefill chunk)
+#: = ``--prefill-skip-tokens`` (no selection or drafting in forwards carrying a prefill chunk;
+#: the default since 2026-12-03 is 2,048 on the V2 runner), ``<selector>-noskip`` with 0 (drafting
+#: after every forward, the default before)
 SKIP_SUFFIX = "-skip"
 #: method suffix -> the ``VegasConfig.vllm`` fields it sets (``<selector><suffix>``, merged into --config)
 VARIANTS = {
     SKIP_SUFFIX: lambda args: {"prefill_skip_tokens": args.prefill_skip_tokens},
+    "-noskip": lambda args: {"prefill_skip_tokens": 0},
     "-overlap": lambda args: {"score_overlap": True},
     "-indraft": lambda args: {"select_in_draft": True},
     "-separate": lambda args: {"select_in_draft": False},
@@ -644,7 +647,8 @@ def parse_args(argv=None):
                    help="Model name (smollm2-135m), .gguf file, model directory or hub id.")
     p.add_argument("--methods", default=",".join(METHODS), type=lambda s: [m for m in s.split(",") if m],
                    help="plain, ngram, or Vegas selector names (collect2, sliding_window, ...); "
-                        "<selector>-skip: that selector with --prefill-skip-tokens; <selector>-overlap: with "
+                        "<selector>-skip: that selector with --prefill-skip-tokens; <selector>-noskip: with "
+                        "vllm.prefill_skip_tokens 0 (drafting after every forward); <selector>-overlap: with "
                         "vllm.score_overlap; <selector>-indraft: with vllm.select_in_draft (the default); "
                         "<selector>-separate: without it (the score pass after the verification); <selector>-fallback: with "
                         "vllm.fallback; suffixes combine (collect2-skip-fallback); a last -g<N> sets that method's γ "

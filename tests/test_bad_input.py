@@ -222,3 +222,13 @@ def test_a_local_directory_that_does_not_load_is_named_as_one(tmp_path, config):
     with pytest.raises(VegasConfigError, match=r"model directory .* does not load as a transformers causal LM") as err:
         Pipeline(model=str(tmp_path), selector=None)
     assert "neither" not in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("selector", ["collect2", "quest"])
+def test_gamma_above_the_tokens_left_drafts_only_what_can_be_emitted(pipe, selector):
+    """γ = 1,000 with 4 new tokens drafts at most 3 + 2 + 1 tokens (each iteration at most the
+    tokens left less the bonus token, at least one), not 1,000 an iteration; output as plain."""
+    out = Pipeline(selector=selector, num_draft_tokens=1000).generate(["def f(x):"], max_new_tokens=4)[0]
+    ref = pipe.generate(["def f(x):"], max_new_tokens=4, selector=None)[0]
+    assert out.token_ids == ref.token_ids
+    assert 1 <= out.stats.num_drafted <= 6

@@ -132,7 +132,8 @@ def test_forced_fallback_every_other_iteration_is_plain_greedy(pipe, code_prompt
     for b in range(len(code_prompts)):
         assert tokens[b] == plain_greedy[b][:NEW_TOKENS]
         assert stats[b].plain_steps > 0
-        assert stats[b].num_drafted == GAMMA * (stats[b].iterations - stats[b].plain_steps)
+        drafting = stats[b].iterations - stats[b].plain_steps  # γ each; at most γ last ones capped at the tokens left
+        assert GAMMA * (drafting - GAMMA) < stats[b].num_drafted <= GAMMA * drafting
     assert policy.plain_steps == max(s.plain_steps for s in stats)
 
 

@@ -10,6 +10,7 @@ from vegas.strategies import Collect2Selector
 
 from .plugins.fixture_plugins import (
     BadNamePlugin,
+    BadSelectionPlugin,
     FactoryRaisingBackendPlugin,
     FailingSelectorsPlugin,
     GoodPlugin,
@@ -105,6 +106,23 @@ def test_failing_selectors_and_backends_name_themselves_and_their_plugin(pipe, c
     with pytest.raises(VegasPluginError, match="backend 'boombackend' \\(plugin 'boomplugin'\\) failed to load"):
         Pipeline(selector=None, backend="boombackend")
     assert pipe.generate([code_prompts[0][:100]], max_new_tokens=4, selector="collect2")[0].token_ids
+
+
+def test_plugin_selections_outside_the_context_name_the_selector_and_plugin(pipe, code_prompts, registered):
+    """Indices past the context, negative ones, or a Selection of the wrong shape from a plugin
+    selector: a VegasPluginError naming it and its plugin, not an indexing error in the model."""
+    registered(BadSelectionPlugin(), "badsel")
+    prompt = [code_prompts[0][:200]]
+    with pytest.raises(VegasPluginError, match=r"selector 'outofrange' \(plugin 'badsel'\) select\(\) returned a "
+                                               r"Selection whose indices span \[\d+, \d+\]: real entries \(mask "
+                                               r"True\) must be in \[0, \d+\)"):
+        pipe.generate(prompt, max_new_tokens=4, selector="outofrange")
+    with pytest.raises(VegasPluginError, match=r"selector 'wrongshape' \(plugin 'badsel'\) select\(\) returned a "
+                                               r"Selection whose indices \(1, \d+\) and mask \(1, \d+\) are not both"):
+        pipe.generate(prompt, max_new_tokens=4, selector="wrongshape")
+    with pytest.raises(VegasPluginError, match=r"selector 'queryoutofrange' \(plugin 'badsel'\) select_for_query\(\) "
+                                               r"returned a Selection whose indices span \[-\d+, -?\d+\]"):
+        pipe.generate(prompt, max_new_tokens=4, selector="queryoutofrange")
 
 
 def test_plugin_cannot_shadow_a_builtin(registered):

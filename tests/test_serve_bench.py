@@ -360,6 +360,9 @@ def test_variant_methods_set_their_vllm_option(sb, tmp_path, capsys):
     opts, _ = sb.method_args("collect2-skip-g2", args)  # a last -g<N>: that method's γ
     assert opts[opts.index("-g") + 1] == "2" and opts[opts.index("--selector") + 1] == "collect2"
     assert json.loads(opts[opts.index("--config") + 1]) == {"vllm": {"prefill_skip_tokens": 2048}}
+    opts, _ = sb.method_args("collect2-noskip", args)  # the default before 2026-12-03: drafting after every forward
+    assert opts[opts.index("--selector") + 1] == "collect2"
+    assert json.loads(opts[opts.index("--config") + 1]) == {"vllm": {"prefill_skip_tokens": 0}}
     opts, _ = sb.method_args("collect2", args)
     assert opts[opts.index("-g") + 1] == "4"
     assert sb.split_variant("sliding_window-g6") == ("sliding_window", ["-g6"])

@@ -455,6 +455,21 @@ def test_a_vegas_scheduler_switches_on_v2_with_async_scheduling_only():
     assert patches.scheduler_switch(cfg(False, 2048), use_v2_model_runner=True) is None  # no placeholders
     assert patches.scheduler_switch(cfg(True, 0), use_v2_model_runner=True) is None  # nothing to decide
     assert patches.scheduler_switch(cfg(True, 0, fallback=True), use_v2_model_runner=True).fallback is not None
+    # unset (None): 2,048 where the scheduler decides (the default since 2026-12-03), nothing elsewhere
+    assert patches.scheduler_switch(cfg(True, None), use_v2_model_runner=True).prefill_skip_tokens == 2048
+    assert patches.scheduler_switch(cfg(False, None), use_v2_model_runner=True) is None
+
+
+def test_prefill_skip_default_applies_only_where_the_scheduler_decides():
+    from vegas.config import VegasConfig, VegasConfigError
+    from vegas.vllm_plugin.step_switch import prefill_skip_tokens
+
+    assert VegasConfig().vllm.prefill_skip_tokens is None
+    assert prefill_skip_tokens(None, scheduler_decides=True) == 2048
+    assert prefill_skip_tokens(None, scheduler_decides=False) == 0  # V1, synchronous: not measured, off
+    assert prefill_skip_tokens(0, scheduler_decides=True) == 0 and prefill_skip_tokens(512, False) == 512
+    with pytest.raises(VegasConfigError, match="vllm.prefill_skip_tokens"):
+        VegasConfig(vllm={"prefill_skip_tokens": -1})
 
 
 def test_a_real_v2_step_hands_its_schedule_and_runner_to_the_speculator_first(monkeypatch, tmp_path):

@@ -135,7 +135,11 @@ class VllmOptions:
             scheduler decides (:mod:`vegas.vllm_plugin.step_switch`) and reserves no draft slots
             for the next step, so that step costs a plain step too; elsewhere the forward
             decides and the next step still verifies γ + 1 tokens per request. Integer >= 0
-            (tokens); 0 drafts after every forward.
+            (tokens); 0 drafts after every forward; None (default): 2,048 where the scheduler
+            decides (V2 runner, asynchronous scheduling: ``vegas serve`` and ``LLM`` on Llama,
+            Mistral, Qwen3), 0 elsewhere. Measured on the H200 (SmolLM2-135M, `vllm bench
+            serve`, 2026-12-03, ``benchmarks/results/h200_2026-12-03_s21_serve_skip/``): TTFT
+            1.05x / 0.95x / 0.87x plain at request rates 4 / 16 / inf with 2,048.
         fallback: measured fallback to plain steps on the V2 runner with asynchronous
             scheduling (:class:`vegas.vllm_plugin.step_switch.MeasuredFallback`): the scheduler
             compares the output tokens per second of drafting and of plain steps on the
@@ -209,7 +213,7 @@ class VllmOptions:
     verify_cuda_graphs: Literal["full", "piecewise"] = "full"
     draft_cuda_graphs: bool = True
     draft_graph_max_rows: int = DEFAULT_DRAFT_GRAPH_MAX_ROWS
-    prefill_skip_tokens: int = 0
+    prefill_skip_tokens: int | None = None
     fallback: bool = False
     score_overlap: bool = False
     select_in_draft: bool | None = None
@@ -222,7 +226,8 @@ class VllmOptions:
         if not isinstance(self.draft_cuda_graphs, bool):
             raise VegasConfigError.bad("vllm.draft_cuda_graphs", f"must be true or false, got {self.draft_cuda_graphs!r}")
         _raise_if_not_int("vllm.draft_graph_max_rows", self.draft_graph_max_rows, 1)
-        _raise_if_not_int("vllm.prefill_skip_tokens", self.prefill_skip_tokens, 0)
+        if self.prefill_skip_tokens is not None:
+            _raise_if_not_int("vllm.prefill_skip_tokens", self.prefill_skip_tokens, 0)
         if not isinstance(self.fallback, bool):
             raise VegasConfigError.bad("vllm.fallback", f"must be true or false, got {self.fallback!r}")
         if not isinstance(self.score_overlap, bool):

@@ -66,6 +66,10 @@ class _Outputs:
     def finished(self) -> bool:
         return all(self.done)
 
+    def tokens_left(self) -> int:
+        """The most tokens any unfinished sequence may still emit (``max_new_tokens`` less its own)."""
+        return max(self.max_new_tokens - len(self.tokens[b]) for b in self.active if not self.done[b])
+
     def retire(self, verifier: Verifier, selector: Selector | None) -> None:
         """Drop finished sequences from the batch (when the verifier can)."""
         keep = [row for row, b in enumerate(self.active) if not self.done[b]]
@@ -131,8 +135,10 @@ def speculative_decode(
             policy.observe_plain()
             out.retire(verifier, selector)
             continue
-        # 1. Draft γ tokens with sparse attention.
-        draft_tokens, draft_probs = drafter.draft(num_draft_tokens, sample)  # [B, γ], [B, γ, V]
+        # 1. Draft γ tokens with sparse attention (at most what the batch may still emit less
+        #    the bonus token, at least one).
+        gamma = max(1, min(num_draft_tokens, out.tokens_left() - 1))
+        draft_tokens, draft_probs = drafter.draft(gamma, sample)  # [B, γ], [B, γ, V]
         # 2. Verify [x_last, d_1..d_γ] with full attention (scores collected on the way).
         target_logits = verifier.verify(draft_tokens)  # [B, γ + 1, V]
         # 3. Accept the longest valid prefix, plus a correction or bonus token.
@@ -145,12 +151,12 @@ def speculative_decode(
             )
         # 4. Roll back rejected slots; select the next drafting phase's KV entries.
         verifier.commit(num_accepted, next_tokens)
-        selector.observe(num_accepted, num_draft_tokens)
+        selector.observe(num_accepted, gamma)
         drafts, accepted, nexts = draft_tokens.tolist(), num_accepted.tolist(), next_tokens.tolist()
         budgets = _kv_budgets(verifier, len(accepted))
         attended = [None] * len(accepted) if drafter.kv_attended is None else drafter.kv_attended.tolist()
         for row, n in enumerate(accepted):
-            out.emit(row, drafts[row][:n] + [nexts[row]], num_draft_tokens, n, kv_budget=budgets[row],
+            out.emit(row, drafts[row][:n] + [nexts[row]], gamma, n, kv_budget=budgets[row],
                      kv_attended=attended[row])
         policy.observe_draft(1 + sum(accepted) / len(accepted))
         out.retire(verifier, selector)

@@ -27,7 +27,8 @@ class RequestStats:
         plain_steps: the iterations of Vegas decoding that took a plain step instead of
             drafting, because the batch's acceptance made drafting a loss
             (:mod:`vegas.draft_policy`; probes count as drafting iterations).
-        num_drafted: draft tokens proposed (γ per iteration).
+        num_drafted: draft tokens proposed (γ per drafting iteration; fewer in the last ones,
+            where the batch may emit fewer than γ + 1 tokens).
         num_accepted: draft tokens accepted.
         decode_seconds: wall time of the batch's decode phase, after prefill (seconds).
         prefill_seconds: wall time of the batch's prefill (seconds).

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pluggy
+import torch
 
 from . import hookspecs
 from .config import VegasConfig, VegasConfigError, VegasPluginError
@@ -185,24 +186,63 @@ def owner(kind: str, name: str) -> str:
 _RETURNS_SELECTION = ("select", "select_for_query")
 
 
-def run_selector(selector, method: str, *args):
+def run_selector(selector, method: str, *args, num_slots: int | None = None):
     """``selector.<method>(*args)``; an exception other than :class:`VegasConfigError` becomes a
     :class:`VegasPluginError` naming the selector and its plugin, and so does a ``select`` or
     ``select_for_query`` that returns anything but a :class:`~vegas.interfaces.Selection` (a
-    None there would silently mean "attend to everything").
+    None there would silently mean "attend to everything"), and, for a selector that is not
+    built in, a selection whose shapes do not match or whose real entries (``mask`` True) name
+    slots outside ``[0, num_slots)`` (``num_slots``: for ``select`` the width of the input's
+    ``valid``; for ``select_for_query`` the caller's committed slots, unchecked when None).
+    Such indices would otherwise end in an indexing error inside the model.
 
     Raises:
-        VegasPluginError: the selector raised, or returned the wrong type.
+        VegasPluginError: the selector raised, or returned the wrong type, shape or indices.
     """
     name = getattr(selector, "name", type(selector).__name__)
     with blame("selectors", name, f"raised in {method}()"):
         result = getattr(selector, method)(*args)
-    if method in _RETURNS_SELECTION and not isinstance(result, Selection):
-        raise VegasPluginError(
-            f"selector {name!r} (plugin {owner('selectors', name)!r}) {method}() returned "
-            f"{type(result).__name__}; it must return a vegas.interfaces.Selection"
-        )
+    if method in _RETURNS_SELECTION:
+        if not isinstance(result, Selection):
+            raise VegasPluginError(
+                f"selector {name!r} (plugin {owner('selectors', name)!r}) {method}() returned "
+                f"{type(result).__name__}; it must return a vegas.interfaces.Selection"
+            )
+        if owner("selectors", name) != BUILTIN_SELECTORS_PLUGIN:
+            if method == "select":
+                batch_size, num_slots = args[0].valid.shape
+            else:
+                batch_size = args[2].indices.shape[0]
+            _check_selection(result, name, method, batch_size, num_slots)
     return result
+
+
+#: the plugin that registers the built-in selectors (tested here; their selections are not re-checked)
+BUILTIN_SELECTORS_PLUGIN = "vegas.strategies"
+
+
+def _check_selection(selection: Selection, name: str, method: str, batch_size: int, num_slots: int | None) -> None:
+    """Raise :class:`VegasPluginError` unless ``selection`` is ``(batch_size, groups, k)`` int64
+    indices and a bool mask of the same shape whose real entries lie in ``[0, num_slots)``."""
+    indices, mask = selection.indices, selection.mask
+
+    def fail(problem: str):
+        raise VegasPluginError(f"selector {name!r} (plugin {owner('selectors', name)!r}) {method}() returned a "
+                               f"Selection whose {problem}")
+
+    if not (isinstance(indices, torch.Tensor) and isinstance(mask, torch.Tensor)):
+        fail("indices and mask are not both torch tensors")
+    if indices.dim() != 3 or indices.shape != mask.shape or indices.shape[0] != batch_size:
+        fail(f"indices {tuple(indices.shape)} and mask {tuple(mask.shape)} are not both (batch_size={batch_size}, "
+             "groups, k)")
+    if indices.dtype != torch.int64 or mask.dtype != torch.bool:
+        fail(f"dtypes are {indices.dtype} / {mask.dtype}; they must be torch.int64 indices and a torch.bool mask")
+    real = indices[mask]
+    if real.numel():
+        low, high = int(real.min()), int(real.max())
+        if low < 0 or (num_slots is not None and high >= num_slots):
+            allowed = "at least 0" if num_slots is None else f"in [0, {num_slots}) (the context's cache slots)"
+            fail(f"indices span [{low}, {high}]: real entries (mask True) must be {allowed}")
 
 
 def plugin_failure(kind: str, name: str, what: str, exc: BaseException) -> VegasPluginError:

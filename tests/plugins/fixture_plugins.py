@@ -1,6 +1,7 @@
 """Fixture plugins registered explicitly by the tests (autoload is off)."""
 
 import vegas
+from vegas.interfaces import Selection
 from vegas.strategies.sliding_window import SlidingWindowSelector
 
 
@@ -69,6 +70,43 @@ class SelectNoneSelector(SlidingWindowSelector):
 
     def select(self, inputs):
         return None
+
+
+class OutOfRangeSelector(SlidingWindowSelector):
+    """select() names slots past the context: without a check, an indexing error in the model."""
+
+    name = "outofrange"
+
+    def select(self, inputs):
+        sel = super().select(inputs)
+        return Selection(indices=sel.indices + inputs.valid.shape[1], mask=sel.mask)
+
+
+class WrongShapeSelector(SlidingWindowSelector):
+    """select() drops the groups dimension."""
+
+    name = "wrongshape"
+
+    def select(self, inputs):
+        sel = super().select(inputs)
+        return Selection(indices=sel.indices[:, 0], mask=sel.mask[:, 0])
+
+
+class QueryOutOfRangeSelector(SlidingWindowSelector):
+    """A query-aware selector whose select_for_query() names negative slots."""
+
+    name = "queryoutofrange"
+    query_aware = True
+
+    def select_for_query(self, layer_idx, query, selection):
+        return Selection(indices=selection.indices - 10**6, mask=selection.mask)
+
+
+class BadSelectionPlugin:
+    @vegas.hookimpl
+    def vegas_selectors(self):
+        return {"outofrange": OutOfRangeSelector, "wrongshape": WrongShapeSelector,
+                "queryoutofrange": QueryOutOfRangeSelector}
 
 
 class FactoryRaisingBackendPlugin:

@@ -196,7 +196,7 @@ def _draft_attention(module, query, key, value, scaling, ctx: AttentionContext, 
         return _masked_attention(query, key, value, scaling, ctx, window, softcap)
     if ctx.selector is not None and ctx.selector.query_aware:
         start = ctx._tick()
-        sel = run_selector(ctx.selector, "select_for_query", layer, query, sel)
+        sel = run_selector(ctx.selector, "select_for_query", layer, query, sel, num_slots=n)
         ctx.selection_seconds += ctx._tick() - start
     k = torch.cat([_gather_slots(key, sel), key[:, :, n:]], dim=2)
     v = torch.cat([_gather_slots(value, sel), value[:, :, n:]], dim=2)

@@ -359,13 +359,13 @@ def scheduler_switch(vllm_config, use_v2_model_runner: bool):
     scheduler decides which steps draft: asynchronous scheduling on the V2 runner, whose
     speculator reads the decision; else None (the V1 proposer decides in its worker, as before)."""
     from .settings import read_settings
-    from .step_switch import StepSwitch
+    from .step_switch import StepSwitch, prefill_skip_tokens
 
     if not (use_v2_model_runner and vllm_config.scheduler_config.async_scheduling):
         return None
     options = read_settings(vllm_config)[1].vllm
     gamma = int(vllm_config.speculative_config.num_speculative_tokens)
-    return StepSwitch.of(gamma, int(options.prefill_skip_tokens), bool(options.fallback))
+    return StepSwitch.of(gamma, prefill_skip_tokens(options.prefill_skip_tokens, True), bool(options.fallback))
 
 
 def patch_scheduler_switch() -> None:

@@ -27,9 +27,24 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-__all__ = ["MeasuredFallback", "StepSwitch", "drafts_next_step", "prompt_tokens"]
+__all__ = ["DEFAULT_PREFILL_SKIP_TOKENS", "MeasuredFallback", "StepSwitch", "drafts_next_step", "prompt_tokens",
+           "prefill_skip_tokens"]
 
 logger = logging.getLogger("vegas.vllm")
+
+
+#: ``vllm.prefill_skip_tokens`` in force where it is None and the scheduler decides (tokens)
+DEFAULT_PREFILL_SKIP_TOKENS = 2048
+
+
+def prefill_skip_tokens(setting: int | None, scheduler_decides: bool) -> int:
+    """``VegasConfig.vllm.prefill_skip_tokens`` in force: the setting, or where it is None
+    :data:`DEFAULT_PREFILL_SKIP_TOKENS` when the scheduler decides which steps draft (V2 runner,
+    asynchronous scheduling: a skipped step is then a plain step, measured faster to the first
+    token) and 0 elsewhere (there the next step still verifies γ + 1 tokens a request; not measured)."""
+    if setting is not None:
+        return int(setting)
+    return DEFAULT_PREFILL_SKIP_TOKENS if scheduler_decides else 0
 
 
 def prompt_tokens(num_scheduled_tokens: Mapping[str, int], spec_decode_tokens: Mapping[str, Sequence]) -> int:

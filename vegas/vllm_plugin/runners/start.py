@@ -17,6 +17,7 @@ from ...interfaces import Selector
 from .. import patches
 from ..selection.state import SelectionState
 from ..settings import build_selector, path_class, read_settings, settings_json
+from ..step_switch import prefill_skip_tokens
 
 __all__ = ["reserve_selection_buffers", "start_drafter", "use_path"]
 
@@ -101,7 +102,8 @@ def use_path(state: SelectionState, selector: Selector, settings: str, gamma: in
 
     state.use(path_class(selector)(selector, gamma, device), settings)
     options = selector.config.vllm
-    state.prefill_skip_tokens = options.prefill_skip_tokens
+    # where the scheduler decides (V2, async) it sets state.scheduled_skip each step instead
+    state.prefill_skip_tokens = prefill_skip_tokens(options.prefill_skip_tokens, scheduler_decides=False)
     applies = isinstance(state.path, ScoreTopKFastPath) and state.all_reduce is None
     state.select_in_draft = applies and select_in_draft(options, runner)
     if options.select_in_draft and not applies:

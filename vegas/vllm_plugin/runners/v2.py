@@ -36,7 +36,7 @@ from ..drafting.engine import DraftBuffers, DraftEngine, attention_layers, draft
 from ..plain_graphs import plain_step_graphs
 from ..selection.state import SelectionState
 from ..stats import take_finished, timing_event
-from ..step_switch import StepSwitch
+from ..step_switch import StepSwitch, prefill_skip_tokens
 from .start import reserve_selection_buffers, start_drafter, use_path
 from .v2_helpers import (
     acceptance_counts,
@@ -99,8 +99,9 @@ class VegasSpeculator(DraftModelSpeculator):
         #: the scheduler decides which steps draft (:mod:`~vegas.vllm_plugin.step_switch`): async
         #: scheduling with ``prefill_skip_tokens`` or ``fallback`` set (as
         #: :func:`~vegas.vllm_plugin.patches.scheduler_switch`); then :meth:`on_schedule` reads each step's decision
-        self.scheduled_switch = bool(vllm_config.scheduler_config.async_scheduling) and StepSwitch.wanted(
-            options.prefill_skip_tokens, options.fallback)
+        async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
+        self.scheduled_switch = async_scheduling and StepSwitch.wanted(
+            prefill_skip_tokens(options.prefill_skip_tokens, async_scheduling), options.fallback)
         self.drafts_next = self.gamma  # drafts the current step makes (its num_spec_tokens_to_schedule)
         #: full CUDA graphs of query length 1 for the plain steps (:mod:`~vegas.vllm_plugin.plain_graphs`),
         #: when this engine takes plain steps and verifies in full graphs; registered before vLLM
