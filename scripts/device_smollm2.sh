@@ -3,8 +3,8 @@
 # unpacked (scripts/make_smollm2_parts.sh): converts /tmp/smollm2/*.gguf into an HF checkpoint
 # /tmp/smollm2-hf (bfloat16 safetensors, config, tokenizer.json) that vLLM and transformers load, once per
 # machine (an existing complete checkpoint is kept). Needs torch, transformers and the `gguf` package (in
-# the vLLM bundle, /tmp/site). About a minute on a CPU.
-# The inline step stands in for vegas.models (GGUF -> cached HF checkpoint) until that module lands.
+# the vLLM bundle, /tmp/site). About a minute on a CPU, ~30 s on the device machine.
+# The inline step does what vegas.models does (GGUF -> HF checkpoint) with only the device machine's packages.
 set -euo pipefail
 SRC=${SMOLLM2_GGUF_DIR:-/tmp/smollm2}
 DST=${SMOLLM2_HF:-/tmp/smollm2-hf}

