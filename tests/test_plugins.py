@@ -123,6 +123,9 @@ def test_plugin_selections_outside_the_context_name_the_selector_and_plugin(pipe
     with pytest.raises(VegasPluginError, match=r"selector 'wronggroups' \(plugin 'badsel'\) select\(\) returned a "
                                                r"Selection whose groups dimension is \d+; it must be one of \[1"):
         pipe.generate(prompt, max_new_tokens=4, selector="wronggroups")
+    with pytest.raises(VegasPluginError, match=r"selector 'overbudget' \(plugin 'badsel'\) select\(\) returned a "
+                                               r"Selection with \d+ entries for sequence 0, over its KV budget of \d+"):
+        Pipeline(selector="overbudget", kv_budget=32, min_kv_budget=0).generate(prompt, max_new_tokens=4)
     with pytest.raises(VegasPluginError, match=r"selector 'queryoutofrange' \(plugin 'badsel'\) select_for_query\(\) "
                                                r"returned a Selection whose indices span \[-\d+, -?\d+\]"):
         pipe.generate(prompt, max_new_tokens=4, selector="queryoutofrange")

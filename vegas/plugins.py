@@ -216,6 +216,8 @@ def run_selector(selector, method: str, *args, num_slots: int | None = None):
             else:
                 batch_size, groups = args[2].indices.shape[0], {1, args[2].indices.shape[1]}
             _check_selection(result, name, method, batch_size, num_slots, groups)
+            if method == "select":
+                _check_within_budget(result, name, inputs)
     return result
 
 
@@ -250,6 +252,23 @@ def _check_selection(selection: Selection, name: str, method: str, batch_size: i
         if low < 0 or (num_slots is not None and high >= num_slots):
             allowed = "at least 0" if num_slots is None else f"in [0, {num_slots}) (the context's cache slots)"
             fail(f"indices span [{low}, {high}]: real entries (mask True) must be {allowed}")
+
+
+def _check_within_budget(selection: Selection, name: str, inputs) -> None:
+    """Raise :class:`VegasPluginError` unless every (sequence, group) of ``selection`` has at
+    most ``inputs.budget`` real entries, each on a committed slot (``inputs.valid``)."""
+    counts = selection.mask.sum(dim=2)  # [B, G]
+    over = counts > inputs.budget[:, None]
+    where = f"selector {name!r} (plugin {owner('selectors', name)!r}) select() returned a Selection"
+    if bool(over.any()):
+        row = int(over.any(dim=1).nonzero()[0])
+        raise VegasPluginError(f"{where} with {int(counts[row].max())} entries for sequence {row}, over its KV "
+                               f"budget of {int(inputs.budget[row])} (SelectionInput.budget)")
+    rows = torch.arange(selection.indices.shape[0], device=selection.indices.device)[:, None, None]
+    on_valid = inputs.valid[rows, selection.indices.clamp(0, inputs.valid.shape[1] - 1)]
+    if bool((selection.mask & ~on_valid).any()):
+        raise VegasPluginError(f"{where} naming slots that are not committed (SelectionInput.valid False: "
+                               "padding or rolled-back slots)")
 
 
 def plugin_failure(kind: str, name: str, what: str, exc: BaseException) -> VegasPluginError:

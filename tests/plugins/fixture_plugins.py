@@ -1,5 +1,7 @@
 """Fixture plugins registered explicitly by the tests (autoload is off)."""
 
+import torch
+
 import vegas
 from vegas.interfaces import Selection
 from vegas.strategies.sliding_window import SlidingWindowSelector
@@ -104,6 +106,16 @@ class WrongGroupsSelector(SlidingWindowSelector):
                          mask=sel.mask[:, :1].expand(-1, groups, -1).contiguous())
 
 
+class OverBudgetSelector(SlidingWindowSelector):
+    """select() returns every committed slot, whatever the KV budget."""
+
+    name = "overbudget"
+
+    def select(self, inputs):
+        slots = torch.arange(inputs.valid.shape[1])[None, None, :].expand(inputs.valid.shape[0], 1, -1)
+        return Selection(indices=slots.contiguous(), mask=inputs.valid[:, None, :].clone())
+
+
 class QueryOutOfRangeSelector(SlidingWindowSelector):
     """A query-aware selector whose select_for_query() names negative slots."""
 
@@ -118,6 +130,7 @@ class BadSelectionPlugin:
     @vegas.hookimpl
     def vegas_selectors(self):
         return {"outofrange": OutOfRangeSelector, "wrongshape": WrongShapeSelector, "wronggroups": WrongGroupsSelector,
+                "overbudget": OverBudgetSelector,
                 "queryoutofrange": QueryOutOfRangeSelector}
 
 
