@@ -32,6 +32,19 @@ def run(pipe, prompts, selector, **config):
     )
 
 
+def _skip_if_forced_kernels_lack_bf16(pipe, prompts) -> None:
+    """.ci/run re-runs this module with ``ATEN_CPU_CAPABILITY=avx2``; on a CPU with AVX512-BF16
+    torch's bf16 matmul then stops in ``pack_vnni2`` ("only supported when avx512 is supported"):
+    that forced combination cannot run bf16 at all, so the bf16 test is skipped there (the
+    default-kernel run of the same test covers this CPU)."""
+    try:
+        pipe.backend.generate(prompts[:1], max_new_tokens=1, sampling=GREEDY, selector=None, config=VegasConfig())
+    except RuntimeError as exc:
+        if "ATEN_CPU_CAPABILITY" in os.environ and "only supported when avx512" in str(exc):
+            pytest.skip(f"bf16 under ATEN_CPU_CAPABILITY={os.environ['ATEN_CPU_CAPABILITY']} on this CPU: {exc}")
+        raise
+
+
 @pytest.fixture(scope="module")
 def reference(pipe, code_prompts):
     return [o.token_ids for o in run(pipe, code_prompts, None)]
@@ -56,19 +69,6 @@ def test_chunked_prefill_of_a_padded_batch_equals_single_prompts(pipe, code_prom
 
 
 @pytest.mark.parametrize("gamma", [1, 4])
-def _skip_if_forced_kernels_lack_bf16(pipe, prompts) -> None:
-    """.ci/run re-runs this module with ``ATEN_CPU_CAPABILITY=avx2``; on a CPU with AVX512-BF16
-    torch's bf16 matmul then stops in ``pack_vnni2`` ("only supported when avx512 is supported"):
-    that forced combination cannot run bf16 at all, so the bf16 test is skipped there (the
-    default-kernel run of the same test covers this CPU)."""
-    try:
-        pipe.backend.generate(prompts[:1], max_new_tokens=1, sampling=GREEDY, selector=None, config=VegasConfig())
-    except RuntimeError as exc:
-        if "ATEN_CPU_CAPABILITY" in os.environ and "only supported when avx512" in str(exc):
-            pytest.skip(f"bf16 under ATEN_CPU_CAPABILITY={os.environ['ATEN_CPU_CAPABILITY']} on this CPU: {exc}")
-        raise
-
-
 @pytest.mark.parametrize("selector", SELECTORS)
 def test_greedy_equals_plain_greedy(pipe, code_prompts, reference, selector, gamma):
     outputs = run(pipe, code_prompts, selector, num_draft_tokens=gamma, **SMALL)

@@ -657,7 +657,7 @@ class TestGenericPath(TestSelectors):
         st.path.selector.select = lambda inputs: Selection(
             indices=torch.zeros(2, 2, 6, dtype=torch.long), mask=torch.ones(2, 2, 6, dtype=torch.bool)
         )
-        with pytest.raises(VegasPluginError, match=r"groups=1, k\) indices"):
+        with pytest.raises(VegasPluginError, match=r"groups dimension is 2; it must be one of \[1\]"):
             _forward(st, [40, 30])
 
     def test_query_aware_selector_without_fast_path_is_refused(self):
