@@ -256,6 +256,10 @@ def test_bench_repeats_interleave_and_failing_plugin_selectors_are_skipped(tmp_p
         assert "skipped (plugin error)" in result.output
         result = CliRunner().invoke(main, ["bench", "--context", "128", "--selectors", "initraise"])
         assert result.exit_code == 2 and "selector 'initraise' (plugin 'failing') failed to build" in result.output
+        assert "Usage:" not in result.output  # a plugin's failure is not a usage error: one line, no banner
+        result = CliRunner().invoke(main, ["generate", "def f(x):", "--selector", "selectraise", "--max-new-tokens", "4"])
+        assert result.exit_code == 2 and "Usage:" not in result.output, result.output
+        assert result.output.strip().splitlines()[-1].startswith("Error: selector 'selectraise' (plugin 'failing')")
     finally:
         plugins.unregister("failing")
 

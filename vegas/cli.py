@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from .config import VegasConfig, VegasConfigError, parse_json_object
+from .config import VegasConfig, VegasConfigError, VegasPluginError, parse_json_object
 
 ROPE_EXAMPLE = '{"rope_type": "yarn", "factor": 4}'
 
@@ -65,7 +65,10 @@ def _config_options(fn, options=None):
 
 def _click_error(exc: VegasConfigError) -> click.ClickException:
     """``exc`` as click's usage error (exit code 2), naming the flag of the field at fault
-    (``selector`` is ``--selectors`` on bench and tune) where the command has one."""
+    (``selector`` is ``--selectors`` on bench and tune) where the command has one; a plugin's
+    failure (:class:`VegasPluginError`) as one ``Error:`` line without the usage banner."""
+    if isinstance(exc, VegasPluginError):  # not a usage error: no usage banner, still exit status 2
+        return OneLineError(str(exc))
     ctx = click.get_current_context()
     for param in ctx.command.params:
         if exc.field is not None and param.name in (exc.field, exc.field + "s"):
