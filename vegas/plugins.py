@@ -193,7 +193,8 @@ def run_selector(selector, method: str, *args, num_slots: int | None = None):
     None there would silently mean "attend to everything"), and, for a selector that is not
     built in, a selection whose shapes do not match or whose real entries (``mask`` True) name
     slots outside ``[0, num_slots)`` (``num_slots``: for ``select`` the width of the input's
-    ``valid``; for ``select_for_query`` the caller's committed slots, unchecked when None).
+    ``valid``; for ``select_for_query`` the caller's committed slots, unchecked when None), and
+    a ``select`` over its KV budget or naming uncommitted slots (:func:`_check_selection`).
     Such indices would otherwise end in an indexing error inside the model.
 
     Raises:
@@ -209,15 +210,8 @@ def run_selector(selector, method: str, *args, num_slots: int | None = None):
                 f"{type(result).__name__}; it must return a vegas.interfaces.Selection"
             )
         if owner("selectors", name) != BUILTIN_SELECTORS_PLUGIN:
-            if method == "select":
-                inputs = args[0]
-                batch_size, num_slots = inputs.valid.shape
-                groups = {1} | {t.shape[1] for t in (inputs.scores, inputs.keys) if t is not None}
-            else:
-                batch_size, groups = args[2].indices.shape[0], {1, args[2].indices.shape[1]}
-            _check_selection(result, name, method, batch_size, num_slots, groups)
-            if method == "select":
-                _check_within_budget(result, name, inputs)
+            where = f"selector {name!r} (plugin {owner('selectors', name)!r}) {method}() returned a Selection"
+            _check_selection(result, where, method, args, num_slots)
     return result
 
 
@@ -225,50 +219,50 @@ def run_selector(selector, method: str, *args, num_slots: int | None = None):
 BUILTIN_SELECTORS_PLUGIN = "vegas.strategies"
 
 
-def _check_selection(selection: Selection, name: str, method: str, batch_size: int, num_slots: int | None,
-                     groups: set[int]) -> None:
-    """Raise :class:`VegasPluginError` unless ``selection`` is ``(batch_size, groups, k)`` int64
-    indices and a bool mask of the same shape, ``groups`` one of the allowed (1, or the layer's
-    KV heads as the input's scores or keys carry them), whose real entries lie in ``[0, num_slots)``."""
+def _check_selection(selection: Selection, where: str, method: str, args: tuple, num_slots: int | None) -> None:
+    """Raise :class:`VegasPluginError` (``where`` + the problem) unless ``selection`` is
+    ``(batch_size, groups, k)`` int64 indices and a bool mask of the same shape, ``groups`` 1 or
+    the layer's KV heads (as the input's scores or keys, or the selection refined, carry them), whose
+    real entries lie in ``[0, num_slots)``; for ``select`` also at most ``inputs.budget`` real
+    entries per (sequence, group), each on a committed slot (``inputs.valid``)."""
+    inputs = args[0] if method == "select" else None
+    if inputs is not None:
+        batch_size, num_slots = inputs.valid.shape
+        groups = {1} | {t.shape[1] for t in (inputs.scores, inputs.keys) if t is not None}
+    else:  # select_for_query(layer_idx, query, selection)
+        batch_size, groups = args[2].indices.shape[0], {1, args[2].indices.shape[1]}
     indices, mask = selection.indices, selection.mask
 
     def fail(problem: str):
-        raise VegasPluginError(f"selector {name!r} (plugin {owner('selectors', name)!r}) {method}() returned a "
-                               f"Selection whose {problem}")
+        raise VegasPluginError(f"{where} {problem}")
 
     if not (isinstance(indices, torch.Tensor) and isinstance(mask, torch.Tensor)):
-        fail("indices and mask are not both torch tensors")
+        fail("whose indices and mask are not both torch tensors")
     if indices.dim() != 3 or indices.shape != mask.shape or indices.shape[0] != batch_size:
-        fail(f"indices {tuple(indices.shape)} and mask {tuple(mask.shape)} are not both (batch_size={batch_size}, "
-             "groups, k)")
+        fail(f"whose indices {tuple(indices.shape)} and mask {tuple(mask.shape)} are not both "
+             f"(batch_size={batch_size}, groups, k)")
     if indices.shape[1] not in groups:
-        fail(f"groups dimension is {indices.shape[1]}; it must be one of {sorted(groups)} (1: shared by the "
+        fail(f"whose groups dimension is {indices.shape[1]}; it must be one of {sorted(groups)} (1: shared by the "
              "layer's heads, else one set per KV head)")
     if indices.dtype != torch.int64 or mask.dtype != torch.bool:
-        fail(f"dtypes are {indices.dtype} / {mask.dtype}; they must be torch.int64 indices and a torch.bool mask")
+        fail(f"whose dtypes are {indices.dtype} / {mask.dtype}; they must be torch.int64 indices and a torch.bool mask")
     real = indices[mask]
     if real.numel():
         low, high = int(real.min()), int(real.max())
         if low < 0 or (num_slots is not None and high >= num_slots):
             allowed = "at least 0" if num_slots is None else f"in [0, {num_slots}) (the context's cache slots)"
-            fail(f"indices span [{low}, {high}]: real entries (mask True) must be {allowed}")
-
-
-def _check_within_budget(selection: Selection, name: str, inputs) -> None:
-    """Raise :class:`VegasPluginError` unless every (sequence, group) of ``selection`` has at
-    most ``inputs.budget`` real entries, each on a committed slot (``inputs.valid``)."""
-    counts = selection.mask.sum(dim=2)  # [B, G]
+            fail(f"whose indices span [{low}, {high}]: real entries (mask True) must be {allowed}")
+    if inputs is None:
+        return
+    counts = mask.sum(dim=2)  # [B, G]
     over = counts > inputs.budget[:, None]
-    where = f"selector {name!r} (plugin {owner('selectors', name)!r}) select() returned a Selection"
     if bool(over.any()):
         row = int(over.any(dim=1).nonzero()[0])
-        raise VegasPluginError(f"{where} with {int(counts[row].max())} entries for sequence {row}, over its KV "
-                               f"budget of {int(inputs.budget[row])} (SelectionInput.budget)")
-    rows = torch.arange(selection.indices.shape[0], device=selection.indices.device)[:, None, None]
-    on_valid = inputs.valid[rows, selection.indices.clamp(0, inputs.valid.shape[1] - 1)]
-    if bool((selection.mask & ~on_valid).any()):
-        raise VegasPluginError(f"{where} naming slots that are not committed (SelectionInput.valid False: "
-                               "padding or rolled-back slots)")
+        fail(f"with {int(counts[row].max())} entries for sequence {row}, over its KV budget of "
+             f"{int(inputs.budget[row])} (SelectionInput.budget)")
+    rows = torch.arange(batch_size, device=indices.device)[:, None, None]
+    if bool((mask & ~inputs.valid[rows, indices.clamp(0, num_slots - 1)]).any()):
+        fail("naming slots that are not committed (SelectionInput.valid False: padding or rolled-back slots)")
 
 
 def plugin_failure(kind: str, name: str, what: str, exc: BaseException) -> VegasPluginError:

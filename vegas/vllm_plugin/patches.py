@@ -365,7 +365,7 @@ def scheduler_switch(vllm_config, use_v2_model_runner: bool):
         return None
     options = read_settings(vllm_config)[1].vllm
     gamma = int(vllm_config.speculative_config.num_speculative_tokens)
-    return StepSwitch.of(gamma, prefill_skip_tokens(options.prefill_skip_tokens, True), bool(options.fallback))
+    return StepSwitch.of(gamma, prefill_skip_tokens(options.prefill_skip_tokens, scheduler_decides=True), bool(options.fallback))
 
 
 def patch_scheduler_switch() -> None:

@@ -101,7 +101,7 @@ class VegasSpeculator(DraftModelSpeculator):
         #: :func:`~vegas.vllm_plugin.patches.scheduler_switch`); then :meth:`on_schedule` reads each step's decision
         async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
         self.scheduled_switch = async_scheduling and StepSwitch.wanted(
-            prefill_skip_tokens(options.prefill_skip_tokens, async_scheduling), options.fallback)
+            prefill_skip_tokens(options.prefill_skip_tokens, scheduler_decides=async_scheduling), options.fallback)
         self.drafts_next = self.gamma  # drafts the current step makes (its num_spec_tokens_to_schedule)
         #: full CUDA graphs of query length 1 for the plain steps (:mod:`~vegas.vllm_plugin.plain_graphs`),
         #: when this engine takes plain steps and verifies in full graphs; registered before vLLM
