@@ -1,5 +1,6 @@
 """Serving benchmark: vLLM's own ``vllm bench serve`` against an OpenAI-compatible server per
-method (plain vLLM, Vegas collect2, Vegas sliding_window, vLLM's ngram), over request rates up
+method (plain vLLM, plain vLLM without the Vegas plugin loaded, Vegas collect2, Vegas
+sliding_window, vLLM's ngram; :data:`NON_VEGAS`), over request rates up
 to saturation, with long prompts (4.8K-7.2K tokens: vLLM's random dataset, or held-out code through
 vLLM's custom dataset). Prints a table (TTFT, TPOT, output tokens/s per method and rate) and
 plots ``throughput_vs_rate.png`` and ``tpot_vs_rate.png``.
@@ -49,7 +50,15 @@ from vegas.config import VegasConfigError  # noqa: E402
 from vegas.models import resolve_model  # noqa: E402
 from vegas.serve import ServerError, ServerProcess, free_port, log_tail, read_config, vllm_command  # noqa: E402
 
-METHODS = ("plain", "collect2", "sliding_window", "ngram")
+METHODS = ("plain", "vllm", "collect2", "sliding_window", "ngram")
+#: methods that run vLLM without Vegas: ``plain`` through ``vegas serve --selector none`` (Vegas'
+#: ``vllm.general_plugins`` entry point loaded, its patches installed and inactive), ``vllm`` the same
+#: server with no general plugin loaded (:data:`NO_PLUGINS_ENV`: vLLM as if vegas were not
+#: installed), ``ngram`` vLLM's n-gram speculator
+NON_VEGAS = ("plain", "vllm", "ngram")
+#: the environment of the ``vllm`` method: vLLM loads no ``vllm.general_plugins`` entry point
+#: when ``VLLM_PLUGINS`` is set to an empty string (vllm/envs.py)
+NO_PLUGINS_ENV = {"VLLM_PLUGINS": ""}
 NAME = "bench-model"  # --served-model-name
 #: table columns: (result key, header, format)
 COLUMNS = (
@@ -184,7 +193,7 @@ def method_gamma(method: str, args) -> int:
 
 def method_args(method: str, args) -> tuple[list[str], list[str]]:
     """``(vegas serve options, extra vllm serve arguments)`` of a method."""
-    if method == "plain":
+    if method in ("plain", "vllm"):
         return ["--selector", "none"], []
     if method == "ngram":
         spec = {"method": "ngram", "num_speculative_tokens": args.gamma, "prompt_lookup_max": 4,
@@ -195,6 +204,11 @@ def method_args(method: str, args) -> tuple[list[str], list[str]]:
     if config:
         opts += ["--config", json.dumps(config)]
     return opts, []
+
+
+def method_env(method: str, env: dict) -> dict:
+    """The environment of a method's server: ``env``, with :data:`NO_PLUGINS_ENV` for ``vllm``."""
+    return {**env, **NO_PLUGINS_ENV} if method == "vllm" else env
 
 
 def server_argv(method: str, args, port: int, gpu_memory_utilization: float | None = None) -> list[str]:
@@ -215,7 +229,9 @@ def compile_family(method: str) -> str:
     """Methods of one family share vLLM's ``torch.compile`` cache entry (every Vegas selector:
     :func:`vegas.vllm_plugin.patches.patch_compile_hash`); the first of a family compiles and
     writes it, so two of a family never start at once."""
-    return method if method in ("plain", "ngram") else "vegas"
+    if method == "vllm":
+        return "plain"  # the same model and settings as plain: whether their cache entries differ is vLLM's
+    return method if method in NON_VEGAS else "vegas"
 
 
 def start_waves(methods: list[str], concurrent: bool) -> list[list[str]]:
@@ -567,7 +583,8 @@ def run(args) -> None:
                 for method in wave:
                     port = free_port()
                     server = ServerProcess(method, server_argv(method, args, port, util),
-                                           out / "logs" / f"{method}.log", port, env=env, cwd=ROOT)
+                                           out / "logs" / f"{method}.log", port, env=method_env(method, env),
+                                           cwd=ROOT)
                     print(f"[{method}] {' '.join(server.argv)}", flush=True)
                     starting[method] = (server, port)
                 t0 = time.monotonic()
@@ -646,7 +663,8 @@ def parse_args(argv=None):
     p.add_argument("--model", default=str(ROOT / "vegas" / "model"),
                    help="Model name (smollm2-135m), .gguf file, model directory or hub id.")
     p.add_argument("--methods", default=",".join(METHODS), type=lambda s: [m for m in s.split(",") if m],
-                   help="plain, ngram, or Vegas selector names (collect2, sliding_window, ...); "
+                   help="plain, vllm (plain with no vllm.general_plugins loaded: vLLM as without vegas), ngram, "
+                        "or Vegas selector names (collect2, sliding_window, ...); "
                         "<selector>-skip: that selector with --prefill-skip-tokens; <selector>-noskip: with "
                         "vllm.prefill_skip_tokens 0 (drafting after every forward); <selector>-overlap: with "
                         "vllm.score_overlap; <selector>-indraft: with vllm.select_in_draft (the default); "
@@ -739,8 +757,8 @@ def raise_if_bad_args(args) -> None:
     """
     from vegas.plugins import selector_names
 
-    allowed = ["plain", "ngram"] + [n for n in selector_names() if n != "none"]
-    bad = [m for m in args.methods if m not in allowed and split_variant(m)[0] not in allowed[2:]]
+    allowed = list(NON_VEGAS) + [n for n in selector_names() if n != "none"]
+    bad = [m for m in args.methods if m not in allowed and split_variant(m)[0] not in allowed[len(NON_VEGAS):]]
     if bad or not args.methods:
         raise VegasConfigError(f"--methods: unknown {', '.join(bad) or '(none given)'}; allowed: "
                                f"{', '.join(allowed)}, and <selector> with one or more suffixes: {', '.join(VARIANTS)}, "
@@ -784,7 +802,7 @@ def raise_if_bad_args(args) -> None:
     from vegas.plugins import create_selector
     from vegas.vllm_plugin.settings import raise_if_unsupported
 
-    for method in [m for m in args.methods if m not in ("plain", "ngram")]:  # what its server would refuse, now
+    for method in [m for m in args.methods if m not in NON_VEGAS]:  # what its server would refuse, now
         selector, values = method_config(method, args)
         config = VegasConfig(**{**values, "num_draft_tokens": args.gamma})
         try:

@@ -206,6 +206,25 @@ def test_a_missing_entry_point_is_said(monkeypatch):
     assert plan.env == {}
 
 
+def test_vllm_plugins_that_leave_vegas_out_are_said(monkeypatch):
+    """vLLM loads only the general plugins VLLM_PLUGINS names (an empty string: none): set
+    without vegas, the entry point is installed but not run, and the plan says so."""
+    from importlib.metadata import entry_points
+
+    if not any(ep.value.replace(" ", "") == vegas_serve.PLUGIN_ENTRY_POINT
+               for ep in entry_points(group="vllm.general_plugins")):
+        pytest.skip("vegas is not pip-installed here (its entry point is absent)")
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    assert vegas_serve.plugin_entry_point_installed()
+    monkeypatch.setenv("VLLM_PLUGINS", "other,vegas")
+    assert vegas_serve.plugin_entry_point_installed()
+    for value in ("", "other"):
+        monkeypatch.setenv("VLLM_PLUGINS", value)
+        assert not vegas_serve.plugin_entry_point_installed()
+        assert any("VLLM_PLUGINS" in note for note in vegas_serve.plan_serve(MODEL).notes)
+    assert not any("VLLM_PLUGINS" in note for note in vegas_serve.plan_serve(MODEL, selector="none").notes)
+
+
 # -- models resolved as everywhere in vegas (issue 21) -------------------------------------------
 @pytest.fixture
 def fake_named_model(tmp_path, monkeypatch):

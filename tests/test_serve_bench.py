@@ -74,6 +74,11 @@ def test_commands_per_method(sb, tmp_path):
     assert args.rates == [2.0, math.inf]
     plain = sb.server_argv("plain", args, 9000)
     assert plain[3:7] == ["serve", m, "--selector", "none"] and "--speculative-config" not in plain
+    # vllm: plain's command, with no vllm.general_plugins loaded (Vegas' patches not installed)
+    assert sb.server_argv("vllm", args, 9000) == plain
+    assert sb.method_env("vllm", {"A": "1"}) == {"A": "1", "VLLM_PLUGINS": ""}
+    assert sb.method_env("plain", {"A": "1"}) == {"A": "1"} == sb.method_env("collect2", {"A": "1"})
+    assert sb.compile_family("vllm") == sb.compile_family("plain")  # never started at once
     ngram = sb.server_argv("ngram", args, 9000)
     spec = json.loads(ngram[ngram.index("--speculative-config") + 1])
     assert spec["method"] == "ngram" and spec["num_speculative_tokens"] == 3
@@ -228,7 +233,7 @@ def test_skip_methods_and_shared_gpu(sb, tmp_path):
 
 def test_bad_arguments_fail_before_any_server(sb, tmp_path, capsys):
     model = _model(tmp_path, 8192)
-    for argv, text in ((["--methods", "bogus"], "--methods: unknown bogus; allowed: plain, ngram"),
+    for argv, text in ((["--methods", "bogus"], "--methods: unknown bogus; allowed: plain, vllm, ngram"),
                        (["--rates", "0,abc"], "must be comma-separated request rates > 0 or inf"),
                        (["--repeats", "0"], "--repeats must be an integer >= 1"),
                        (["--num-prompts", "0"], "--num-prompts must be an integer >= 1"),

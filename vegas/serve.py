@@ -124,11 +124,17 @@ def raise_if_vllm_missing() -> None:
 
 
 def plugin_entry_point_installed() -> bool:
-    """Whether a ``vllm.general_plugins`` entry point names :data:`PLUGIN_ENTRY_POINT` (vLLM runs it
-    in every process: the API server's config check keeps async scheduling on)."""
+    """Whether vLLM will run :data:`PLUGIN_ENTRY_POINT` in every process (there the API server's
+    config check keeps async scheduling on): a ``vllm.general_plugins`` entry point names it, and
+    ``VLLM_PLUGINS``, when set, names that entry point (vLLM loads only the plugins it lists; an
+    empty string: none)."""
+    import os
     from importlib.metadata import entry_points
 
-    return any(ep.value.replace(" ", "") == PLUGIN_ENTRY_POINT for ep in entry_points(group="vllm.general_plugins"))
+    allowed = os.environ.get("VLLM_PLUGINS")
+    return any(ep.value.replace(" ", "") == PLUGIN_ENTRY_POINT
+               and (allowed is None or ep.name in allowed.split(","))
+               for ep in entry_points(group="vllm.general_plugins"))
 
 
 def read_config(raw: str) -> tuple[dict[str, Any], VegasConfig]:
@@ -315,9 +321,10 @@ def plan_serve(
                      "at once instead)")
     if not plain and not plugin_entry_point_installed():
         notes.append(
-            f"no vllm.general_plugins entry point {PLUGIN_ENTRY_POINT} in this environment (vegas not "
-            "pip-installed): vLLM's API-server process turns async scheduling off; install vegas "
-            "(pip install -e .) for the full speed"
+            f"no vllm.general_plugins entry point {PLUGIN_ENTRY_POINT} that vLLM will load here (vegas not "
+            "pip-installed, or VLLM_PLUGINS set without naming it): vLLM's API-server process turns async "
+            "scheduling off; install vegas (pip install -e .) and leave VLLM_PLUGINS unset, or add vegas "
+            "to it, for the full speed"
         )
     return ServePlan(argv=argv, env={}, settings=settings, model=model, port=port, notes=notes)
 
