@@ -17,8 +17,9 @@
 #   bash scripts/device_serving.sh cute      # issue 22: the CuTe-DSL attention (+ score writer) against FA3 and
 #                                            # FA3 + the separate score pass (scripts/cute_decode_bench.py); needs
 #                                            # the .device/cute parts unpacked after the vLLM bundle
-# A serve run with servers started one after another takes ~2 min per server start plus the runs; with
-# --kv-cache-gib (fixed KV pools) the servers start side by side. Longer than one 10-minute device call:
+# A serve run starts its servers one after another (~2 min each; --start-together with --kv-cache-gib starts
+# them side by side, faster, but plain measured 0.77x as fast that way on 2026-12-04: not for figures), then
+# the runs. Longer than one 10-minute device call:
 # bg-start "SERVE_S=1500 SERVE_ARGS='...' serve", then bg-wait in calls made back to back (each brings
 # back serve/raw/ so far: scripts/serve_bench.py --report on it makes the table).
 # GREEDY_K selects tests of the greedy run (pytest -k), e.g. GREEDY_K="not sampling".
@@ -52,7 +53,7 @@ case ${1:-} in
     ;;
   serve)
     timeout ${SERVE_S:-560} python3 scripts/serve_bench.py --model "$MODEL" --out "$OUT/serve" \
-      ${SERVE_ARGS:---methods plain,collect2 --rates 16,inf --repeats 3 --max-model-len 8192 --kv-cache-gib 16} 2>&1 \
+      ${SERVE_ARGS:---methods plain,collect2 --rates 16,inf --repeats 3 --max-model-len 8192} 2>&1 \
       | tee "$OUT/serve_run.log" | tail -40  # the whole log stays (server starts, each run's rc)
     ;;
   bg-start)  # e.g. bg-start "tests21 faults" "PROFILE_ARGS='--workloads paced' profile": results under /tmp/vegas_bg

@@ -271,10 +271,11 @@ def test_report_writes_to_out_and_refuses_files_that_are_not_results(sb, tmp_pat
         sb.report(tmp_path / "src")
 
 
-def test_fixed_kv_pools_start_servers_side_by_side_one_per_compile_family(sb, tmp_path):
-    """With --kv-cache-gib every server gets that KV pool (vLLM's --kv-cache-memory-bytes) and the
-    servers start in waves: the first of each compile family together (Vegas selectors share one
-    torch.compile cache entry, so two of them never compile at once); without it, one by one."""
+def test_fixed_kv_pools_start_servers_side_by_side_one_per_compile_family(sb, tmp_path, capsys):
+    """With --kv-cache-gib every server gets that KV pool (vLLM's --kv-cache-memory-bytes); with
+    --start-together too the servers start in waves: the first of each compile family together
+    (Vegas selectors share one torch.compile cache entry, so two of them never compile at once);
+    otherwise, one by one. --start-together alone is refused."""
     methods = ["plain", "collect2", "ngram", "sliding_window", "quest"]
     assert sb.start_waves(methods, concurrent=False) == [[m] for m in methods]
     assert sb.start_waves(methods, concurrent=True) == [["plain", "collect2", "ngram"], ["sliding_window"], ["quest"]]
@@ -284,6 +285,11 @@ def test_fixed_kv_pools_start_servers_side_by_side_one_per_compile_family(sb, tm
     argv = sb.server_argv("collect2", args, 8000)
     assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(int(1.5 * 2**30))
     assert "--kv-cache-memory-bytes" not in sb.server_argv("plain", sb.parse_args(["--model", args.model]), 8000)
+    assert not args.start_together
+    assert sb.parse_args(["--model", args.model, "--kv-cache-gib", "1.5", "--start-together"]).start_together
+    with pytest.raises(SystemExit):
+        sb.parse_args(["--model", args.model, "--start-together"])
+    assert "--start-together needs --kv-cache-gib" in capsys.readouterr().err
 
 
 def test_bench_timeout_follows_the_rate(sb, tmp_path):
