@@ -1,6 +1,6 @@
 """Serving benchmark: vLLM's own ``vllm bench serve`` against an OpenAI-compatible server per
 method (plain vLLM, plain vLLM without the Vegas plugin loaded, Vegas collect2, Vegas
-sliding_window, vLLM's ngram; :data:`NON_VEGAS`), over request rates up
+sliding_window, vLLM's ngram), over request rates up
 to saturation, with long prompts (4.8K-7.2K tokens: vLLM's random dataset, or held-out code through
 vLLM's custom dataset). Prints a table (TTFT, TPOT, output tokens/s per method and rate) and
 plots ``throughput_vs_rate.png`` and ``tpot_vs_rate.png``.
@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 from vegas.config import VegasConfigError  # noqa: E402
 from vegas.models import resolve_model  # noqa: E402
-from vegas.serve import ServerError, ServerProcess, free_port, log_tail, read_config, vllm_command  # noqa: E402
+from vegas.serve import ServerError, ServerProcess, free_port, log_tail, plan_serve, read_config, vllm_command  # noqa: E402
 
 METHODS = ("plain", "vllm", "collect2", "sliding_window", "ngram")
 #: methods that run vLLM without Vegas: ``plain`` through ``vegas serve --selector none`` (Vegas'
@@ -734,6 +734,7 @@ def parse_args(argv=None):
             raise_if_bad_args(args)
             args.model = resolve_model(args.model)  # names and .gguf files -> a checkpoint directory
             args.max_model_len = max_model_len(args, model_context(args.model))
+            raise_if_a_server_would_refuse(args)
         except VegasConfigError as exc:
             p.error(str(exc))
     return args
@@ -761,6 +762,9 @@ def raise_if_bad_args(args) -> None:
     from vegas.plugins import selector_names
 
     allowed = list(NON_VEGAS) + [n for n in selector_names() if n != "none"]
+    zero_gamma = [m for m in args.methods if re.search(r"-g0[0-9]*$", m)]
+    if zero_gamma:
+        raise VegasConfigError(f"--methods {zero_gamma[0]}: the suffix -g<N> sets γ = N, an integer >= 1")
     bad = [m for m in args.methods if m not in allowed and split_variant(m)[0] not in allowed[len(NON_VEGAS):]]
     if bad or not args.methods:
         raise VegasConfigError(f"--methods: unknown {', '.join(bad) or '(none given)'}; allowed: "
@@ -775,8 +779,19 @@ def raise_if_bad_args(args) -> None:
         if value < least:
             raise VegasConfigError(f"{flag} must be an integer >= {least}, got {value}")
     for flag, value in (("--kv-cache-gib", args.kv_cache_gib), ("--bench-timeout", args.bench_timeout)):
-        if value is not None and not value > 0:
-            raise VegasConfigError(f"{flag} must be a number > 0, got {value}")
+        if value is not None and not 0 < value < math.inf:
+            raise VegasConfigError(f"{flag} must be a finite number > 0, got {value}")
+    for method in args.methods:  # two suffixes that set one field (collect2-skip-noskip) leave it to their order
+        fields = [field for suffix in split_variant(method)[1] if suffix in VARIANTS
+                  for field in VARIANTS[suffix](args)]
+        if len(set(fields)) != len(fields):
+            raise VegasConfigError(f"--methods {method}: two suffixes set the same setting "
+                                   f"({', '.join(sorted({f for f in fields if fields.count(f) > 1}))}); give one")
+    if len(set(args.rates)) != len(args.rates):
+        raise VegasConfigError(f"--rates names a rate twice: {','.join(rate_label(r) for r in args.rates)} "
+                               "(its runs would write the same result files)")
+    if args.start_together and args.one_server_at_a_time:
+        raise VegasConfigError("--start-together and --one-server-at-a-time contradict each other; give one")
     if not 0 < args.sparsity_ratio <= 1:
         raise VegasConfigError(f"--sparsity-ratio must be in (0, 1], got {args.sparsity_ratio}")
     if not 0 <= args.range_ratio < 1:
@@ -804,17 +819,28 @@ def raise_if_bad_args(args) -> None:
     args.config_values = read_config(args.config)[0] if args.config else {}
     if "selector" in args.config_values:
         raise VegasConfigError("--config must not name a selector: --methods names them")
-    from vegas.config import VegasConfig
-    from vegas.plugins import create_selector
-    from vegas.vllm_plugin.settings import raise_if_unsupported
 
-    for method in [m for m in args.methods if m not in NON_VEGAS]:  # what its server would refuse, now
-        selector, values = method_config(method, args)
-        config = VegasConfig(**{**values, "num_draft_tokens": args.gamma})
+
+def raise_if_a_server_would_refuse(args) -> None:
+    """What ``vegas serve`` would refuse in a method's server command (its Vegas settings, a Quest
+    page size other than vLLM's block size, a ``--serve-arg`` that sets what ``vegas serve`` sets),
+    checked now by :func:`vegas.serve.plan_serve` itself, before any server starts.
+
+    Raises:
+        VegasConfigError: naming the method and what its server would refuse.
+    """
+    for method in args.methods:
+        opts, _ = method_args(method, args)
+        flags = dict(zip(opts[::2], opts[1::2]))
+        argv = server_argv(method, args, port=8000)
         try:
-            raise_if_unsupported(create_selector(selector, config), config)
+            plan_serve(args.model, selector=flags["--selector"],
+                       num_draft_tokens=int(flags["-g"]) if "-g" in flags else None,
+                       sparsity_ratio=float(flags["--sparsity-ratio"]) if "--sparsity-ratio" in flags else None,
+                       config=flags.get("--config"), port=8000, host="127.0.0.1",
+                       extra_args=argv[argv.index("--") + 1:])
         except VegasConfigError as e:
-            raise VegasConfigError(f"--methods {method}: {e}") from None
+            raise VegasConfigError(f"--methods {method}: its server would refuse: {e}") from None
 
 
 def main(argv=None) -> None:

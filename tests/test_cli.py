@@ -148,6 +148,8 @@ def test_bench_names_bad_options(tmp_path):
         (["--check-tokens", "0"], "Invalid value for '--check-tokens'"),
         (["--context", "40000"], "Invalid value for '--context': must be in"),
         (["--selectors", ","], "Invalid value for '--selectors': must name at least one selector"),
+        (["--selectors", "collect2,collect2"], "Invalid value for '--selectors': names a selector twice"),
+        (["--selectors", "collect2,ngram"], "'ngram' is vLLM's n-gram proposer: it runs with --backend vllm only"),
         (["--json", str(tmp_path)], "must be a file path in an existing directory"),
     ]
     for args, match in cases:

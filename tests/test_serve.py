@@ -125,14 +125,19 @@ def test_other_additional_config_keys_are_merged():
     [
         ({"selector": "nope"}, r"selector must be one of .*collect2.*got 'nope'"),
         ({"sparsity_ratio": 2.0}, r"sparsity_ratio must be a number in \(0, 1\]"),
-        ({"num_draft_tokens": 0}, r"num_draft_tokens \(γ\) must be an integer >= 1"),
+        ({"num_draft_tokens": 0}, r"num_draft_tokens must be an integer >= 1 \(γ\)"),
         ({"config": '{"sparsity": 0.1}'}, r"--config: unknown field\(s\) sparsity; allowed: .*sparsity_ratio"),
         ({"config": "[1]"}, r"--config must be a JSON object"),
         ({"config": "missing.json"}, r"--config must be a JSON object or a JSON file"),
         ({"config": '{"granularity": "kv_head"}'}, r"per layer only"),
         ({"selector": "none", "config": "{}"}, r"cannot go with --selector none"),
         ({"extra_args": ["--speculative-config", "{}"]}, r"--speculative-config is set by vegas serve"),
+        # vLLM's parser reads underscores as dashes: the same options, refused alike
+        ({"extra_args": ["--speculative_config", "{}"]}, r"--speculative_config is set by vegas serve"),
+        ({"extra_args": ["--speculative_config={}"]}, r"--speculative_config=\{\} is set by vegas serve"),
         ({"extra_args": ["--additional-config", '{"vegas": {}}']}, r"must not hold 'vegas'"),
+        ({"extra_args": ["--additional_config", '{"vegas": {"selector": "quest"}}']}, r"must not hold 'vegas'"),
+        ({"config": '{"selector": "none"}'}, r"--config: selector 'none' is plain decoding; .*--selector none"),
         ({"port": 0}, r"--port must be an integer in 1..65535"),
     ],
 )

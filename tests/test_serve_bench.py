@@ -239,7 +239,18 @@ def test_bad_arguments_fail_before_any_server(sb, tmp_path, capsys):
                        (["--num-prompts", "0"], "--num-prompts must be an integer >= 1"),
                        (["--num-prompts-inf", "0"], "--num-prompts-inf must be an integer >= 1"),
                        (["--sparsity-ratio", "1.5"], "--sparsity-ratio must be in (0, 1]"),
-                       (["--kv-cache-gib", "0"], "--kv-cache-gib must be a number > 0"),
+                       (["--kv-cache-gib", "0"], "--kv-cache-gib must be a finite number > 0"),
+                       (["--kv-cache-gib", "inf"], "--kv-cache-gib must be a finite number > 0"),
+                       (["--rates", "1,inf,inf"], "--rates names a rate twice: 1,inf,inf"),
+                       (["--methods", "collect2-skip-noskip"], "two suffixes set the same setting (prefill_skip_tokens)"),
+                       (["--methods", "collect2-skip-skip"], "two suffixes set the same setting"),
+                       (["--methods", "collect2-g0"], "the suffix -g<N> sets γ = N, an integer >= 1"),
+                       (["--kv-cache-gib", "4", "--start-together", "--one-server-at-a-time"], "contradict each other"),
+                       # what vegas serve would refuse in a server's command, refused here before any start
+                       (["--serve-arg=--port=9000"], "--methods plain: its server would refuse: vllm serve argument "
+                                                      "--port after -- would contradict"),
+                       (["--methods", "collect2", "--serve-arg=--speculative-config={}"], "is set by vegas serve"),
+                       (["--methods", "quest", "--config", '{"page_size": 8}'], "page_size must be the engine's block_size"),
                        (["--range-ratio", "1.5"], "--range-ratio must be in [0, 1)"),
                        (["--max-num-seqs", "0"], "--max-num-seqs must be an integer >= 1"),
                        (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization must be in (0, 1]"),
@@ -250,7 +261,7 @@ def test_bad_arguments_fail_before_any_server(sb, tmp_path, capsys):
                        (["--config", "{bad"], "--config must be a JSON object"),
                        (["--config", '{"bogus": 1}'], "--config: unknown field(s) bogus"),
                        (["--config", '{"selector": "quest"}'], "--config must not name a selector"),
-                       (["--bench-timeout", "-1"], "--bench-timeout must be a number > 0"),
+                       (["--bench-timeout", "-1"], "--bench-timeout must be a finite number > 0"),
                        (["--methods", "collect2", "--prefill-floor"], "--prefill-floor runs on plain vLLM's server"),
                        (["--rates", "4", "--prefill-floor"], "add plain to --methods and inf to --rates")):
         with pytest.raises(SystemExit):
@@ -377,10 +388,11 @@ def test_variant_methods_set_their_vllm_option(sb, tmp_path, capsys):
     opts, _ = sb.method_args("collect2", args)
     assert opts[opts.index("-g") + 1] == "4"
     assert sb.split_variant("sliding_window-g6") == ("sliding_window", ["-g6"])
-    for bad in ("collect2-g0", "collect2-g2-skip"):  # γ >= 1, and -g<N> comes last
+    for bad, text in (("collect2-g0", "-g<N> sets γ = N, an integer >= 1"),  # γ >= 1
+                      ("collect2-g2-skip", "unknown collect2-g2-skip")):  # -g<N> comes last
         with pytest.raises(SystemExit):
             sb.parse_args(["--model", model, "--methods", bad])
-        assert f"unknown {bad}" in capsys.readouterr().err
+        assert text in capsys.readouterr().err
     assert sb.compile_family("collect2-overlap") == "vegas"
     with pytest.raises(SystemExit):
         sb.parse_args(["--model", model, "--methods", "plain,collect2-turbo"])

@@ -172,6 +172,11 @@ def bench(json_path, plot_path, selectors, **kwargs) -> None:
         names = None if selectors == "all" else [s.strip() for s in selectors.split(",") if s.strip()]
         if names == []:
             raise VegasConfigError.bad("selectors", "must name at least one selector, or 'all'")
+        if names and len(set(names)) != len(names):
+            raise VegasConfigError.bad("selectors", f"names a selector twice: {','.join(names)}")
+        if names and "ngram" in names and kwargs["backend"] != "vllm":
+            raise VegasConfigError.bad("selectors", "'ngram' is vLLM's n-gram proposer: it runs with --backend vllm "
+                                                    f"only, got --backend {kwargs['backend']}")
         for flag, path in (("--json", json_path), ("--plot", plot_path)):
             if path and (Path(path).is_dir() or not Path(path).resolve().parent.is_dir()):
                 raise VegasConfigError(f"{flag} {path!r} must be a file path in an existing directory")

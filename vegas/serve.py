@@ -169,21 +169,23 @@ def read_config(raw: str) -> tuple[dict[str, Any], VegasConfig]:
 
 
 def _option_values(args: list[str], names: tuple[str, ...]) -> list[tuple[int, int, str]]:
-    """``(start, end, value)`` of each ``--name value`` / ``--name=value`` in ``args``."""
+    """``(start, end, value)`` of each ``--name value`` / ``--name=value`` in ``args``; a long
+    option spelled with underscores (``--speculative_config``) counts as its dashed name, since
+    vLLM's argument parser reads it so."""
     found = []
     i = 0
     while i < len(args):
-        a = args[i]
-        for n in names:
-            if a == n:
-                if i + 1 >= len(args):
-                    raise VegasConfigError(f"vllm serve argument {n} needs a value")
+        flag, eq, value = args[i].partition("=")
+        if flag.startswith("--"):  # vLLM's parser reads --speculative_config as --speculative-config
+            flag = flag.replace("_", "-")
+        if flag in names:
+            if eq:
+                found.append((i, i + 1, value))
+            elif i + 1 >= len(args):
+                raise VegasConfigError(f"vllm serve argument {args[i]} needs a value")
+            else:
                 found.append((i, i + 2, args[i + 1]))
                 i += 1
-                break
-            if a.startswith(n + "="):
-                found.append((i, i + 1, a[len(n) + 1:]))
-                break
         i += 1
     return found
 
@@ -266,9 +268,12 @@ def plan_serve(
         given_fields = set(values)  # what --config named (values grows to every field below)
         from_config = selector is None and "selector" in values
         name = selector or values.get("selector") or "collect2"
+        if name == "none":  # only --config can name it here: --selector none is the plain branch above
+            raise VegasConfigError("--config: selector 'none' is plain decoding; for plain vLLM use "
+                                   "vegas serve --selector none (without --config)")
         gamma = cfg.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
         if not isinstance(gamma, int) or gamma < 1:
-            raise VegasConfigError.bad("num_draft_tokens", f"(γ) must be an integer >= 1, got {gamma!r}")
+            raise VegasConfigError.bad("num_draft_tokens", f"must be an integer >= 1 (γ), got {gamma!r}")
         values = cfg.to_dict()
         if sparsity_ratio is not None:
             values["sparsity_ratio"] = sparsity_ratio
