@@ -373,21 +373,39 @@ def write_code_prompts(path: Path, args, seed: int = 0, num_prompts: int | None 
     return path
 
 
+RATIOS = (("output_throughput", "x_plain"), ("mean_ttft_ms", "ttft_x_plain"),
+          ("mean_tpot_ms", "tpot_x_plain"), ("mean_e2el_ms", "e2el_x_plain"))
+
+
+def repeat_index(path: Path) -> int | None:
+    """The repeat of a result file named ``<method>_r<rate>_k<repeat>.json``, or None."""
+    _, sep, tail = path.stem.rpartition("_k")
+    return int(tail) if sep and tail.isdigit() else None
+
+
 def load_results(result_dir: Path) -> list[dict]:
     """One row per (method, rate): the median over its repeats (one vLLM result file each) of
     every :data:`COLUMNS` value (None where the files lack one), the repeats' min and max output
-    throughput, and ``x_plain``: the median output throughput over plain vLLM's at the same
-    rate. Sorted by method then rate."""
+    throughput, and the ratios to plain vLLM at the same rate (:data:`RATIOS`: ``x_plain`` for
+    output throughput, ``ttft_x_plain``, ``tpot_x_plain``, ``e2el_x_plain``).
+
+    A ratio is paired: the median over the repeats that both the method and plain ran (the same
+    repeat index ``_k<N>`` in the file name: the same prompts, on the same servers) of the method's
+    value over plain's, and ``<ratio>_repeats`` lists those per-repeat ratios in repeat order (the
+    spread). Where no repeat pairs up (files without ``_k<N>``), the ratio is that of the medians
+    and the list is empty (also for plain itself). Sorted by method then rate."""
     import statistics
 
-    runs: dict[tuple[str, str], list[dict]] = {}
-    for p in sorted(Path(result_dir).glob("*.json")):
+    runs: dict[tuple[str, str], dict] = {}
+    for n, p in enumerate(sorted(Path(result_dir).glob("*.json"))):
         r = json.loads(p.read_text())
         method = r.get("method") or p.stem.rsplit("_r", 1)[0]
-        runs.setdefault((method, rate_label(r.get("request_rate", "inf"))), []).append(r)
+        k = repeat_index(p)
+        runs.setdefault((method, rate_label(r.get("request_rate", "inf"))), {})[("k", k) if k is not None else ("n", n)] = r
     rows = []
-    for (method, rate), results in runs.items():
-        row = {"method": method, "rate": rate, "repeats": len(results)}
+    for (method, rate), by_repeat in runs.items():
+        results = list(by_repeat.values())
+        row = {"method": method, "rate": rate, "repeats": len(results), "_by_repeat": by_repeat}
         for key, _, _ in COLUMNS:
             vals = [float(r[key]) for r in results if isinstance(r.get(key), (int, float))]
             row[key] = statistics.median(vals) if vals else None
@@ -396,16 +414,29 @@ def load_results(result_dir: Path) -> list[dict]:
         rows.append(row)
     plain = {r["rate"]: r for r in rows if r["method"] == "plain"}
     for r in rows:
-        for key, ratio in (("output_throughput", "x_plain"), ("mean_ttft_ms", "ttft_x_plain"),
-                           ("mean_tpot_ms", "tpot_x_plain"), ("mean_e2el_ms", "e2el_x_plain")):
-            base = (plain.get(r["rate"]) or {}).get(key)
-            r[ratio] = r[key] / base if base and r[key] is not None else None
+        base_row = plain.get(r["rate"]) or {}
+        base_runs = base_row.get("_by_repeat", {})
+        for key, ratio in RATIOS:
+            paired = []
+            for rep in sorted(k for k in r["_by_repeat"] if k[0] == "k" and k in base_runs and r is not base_row):
+                mine, base = r["_by_repeat"][rep].get(key), base_runs[rep].get(key)
+                if isinstance(mine, (int, float)) and isinstance(base, (int, float)) and base:
+                    paired.append(float(mine) / float(base))
+            base = base_row.get(key)
+            if paired:
+                r[ratio] = statistics.median(paired)
+            else:
+                r[ratio] = r[key] / base if base and r[key] is not None else None
+            r[ratio + "_repeats"] = paired
+    for r in rows:
+        del r["_by_repeat"]
     order = {m: i for i, m in enumerate(METHODS)}
     return sorted(rows, key=lambda r: (order.get(r["method"], len(order)), r["method"], rate_value(r["rate"])))
 
 
 def render_table(rows: list[dict]) -> str:
-    """A Markdown table of the rows."""
+    """A Markdown table of the rows; each "x plain" cell is the paired median of
+    :func:`load_results`, each repeat's ratio in brackets where there are two or more."""
     head = ["method", "rate", "repeats"] + [h for _, h, _ in COLUMNS] + ["out tok/s min-max", "x plain",
                                                                           "TTFT x plain", "TPOT x plain", "E2E x plain"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -414,8 +445,10 @@ def render_table(rows: list[dict]) -> str:
         cells += ["-" if r[k] is None else f.format(r[k]) for k, _, f in COLUMNS]
         lo, hi = r.get("throughput_min"), r.get("throughput_max")
         cells.append("-" if lo is None else f"{lo:.0f}-{hi:.0f}")
-        for ratio in ("x_plain", "ttft_x_plain", "tpot_x_plain", "e2el_x_plain"):
-            cells.append("-" if r.get(ratio) is None else f"{r[ratio]:.2f}x")
+        for _, ratio in RATIOS:
+            each = r.get(ratio + "_repeats") or []
+            spread = f" ({', '.join(f'{x:.2f}' for x in each)})" if len(each) > 1 else ""
+            cells.append("-" if r.get(ratio) is None else f"{r[ratio]:.2f}x{spread}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -168,12 +168,37 @@ def test_results_table_and_plots(sb, tmp_path):
     assert [line.split(" | ")[0] for line in lines[2:]] == ["| plain"] * 3 + ["| collect2"] * 3 + ["| ngram"] * 3
     assert [line.split(" | ")[1] for line in lines[2:5]] == ["1", "4", "inf"]  # rates in order, inf last
     assert "| 3.10 |" in lines[5] and "| - | 450-600 | 1.00x |" in lines[2]  # τ where the server reports it
-    assert lines[5].endswith("| 675-900 | 1.50x | 1.00x | 1.00x | 0.67x |")  # spread of the repeats, ratios to plain
+    # spread of the repeats; ratios to plain within each repeat, each repeat's in brackets
+    assert lines[5].endswith("| 675-900 | 1.50x (1.50, 1.50, 1.50) | 1.00x (1.00, 1.00, 1.00) "
+                             "| 1.00x (1.00, 1.00, 1.00) | 0.67x (0.67, 0.67, 0.67) |")
     rows = json.loads((tmp_path / "summary.json").read_text())
     assert rows[4]["method"] == "collect2" and rows[4]["output_throughput"] == 1500.0 and rows[4]["repeats"] == 3
     for name in ("throughput_vs_rate.png", "tpot_vs_rate.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "table.md").read_text().strip() == table
+
+
+def test_ratios_to_plain_pair_repeats(sb, tmp_path):
+    """A ratio is the median of per-repeat ratios (same _k<N>: same prompts, same servers), not the
+    ratio of medians; a repeat that plain lacks is left out of it; files without _k<N> fall back to
+    the ratio of the medians."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for k, (p, c) in enumerate(((100.0, 150.0), (200.0, 200.0), (300.0, 330.0))):
+        (raw / f"plain_r4_k{k}.json").write_text(json.dumps(_fake_result("plain", 4.0, 10.0, p)))
+        (raw / f"collect2_r4_k{k}.json").write_text(json.dumps(_fake_result("collect2", 4.0, 10.0, c)))
+    (raw / "collect2_r4_k7.json").write_text(json.dumps(_fake_result("collect2", 4.0, 10.0, 10.0)))
+    rows = {r["method"]: r for r in sb.load_results(raw)}
+    c2 = rows["collect2"]
+    assert c2["repeats"] == 4 and c2["x_plain_repeats"] == pytest.approx([1.5, 1.0, 1.1])
+    assert c2["x_plain"] == pytest.approx(1.1)  # the ratio of medians would be 175 / 200
+    assert "| 1.10x (1.50, 1.00, 1.10) |" in sb.render_table(list(rows.values()))
+    unpaired = tmp_path / "unpaired"
+    unpaired.mkdir()
+    (unpaired / "a.json").write_text(json.dumps(_fake_result("plain", 4.0, 10.0, 200.0)))
+    (unpaired / "b.json").write_text(json.dumps(_fake_result("collect2", 4.0, 10.0, 300.0)))
+    c2 = {r["method"]: r for r in sb.load_results(unpaired)}["collect2"]
+    assert c2["x_plain"] == pytest.approx(1.5) and c2["x_plain_repeats"] == []
 
 
 def test_report_without_results_says_so(sb, tmp_path):
