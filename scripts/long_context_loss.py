@@ -84,7 +84,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    lengths = [int(x) for x in args.lengths.split(",")]
+    try:
+        lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    except ValueError:
+        parser.error(f"--lengths must be comma-separated integers, got {args.lengths!r}")
+    if args.tail < 1 or not lengths or min(lengths) <= args.tail:
+        parser.error(f"each of --lengths must exceed --tail ({args.tail}, >= 1): the tail figure is the mean over "
+                     f"the last --tail positions; got --lengths {args.lengths}")
     model_dir = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     docs = documents(Path(args.data) if args.data else None)

@@ -87,6 +87,12 @@ def test_bad_prompt_types_and_token_ids(pipe, prompts, match):
         pipe.generate(prompts, max_new_tokens=2)
 
 
+def test_gamma_larger_than_context_names_it():
+    with pytest.raises(VegasConfigError, match=r"num_draft_tokens \(γ\) must be at most 32765 for this model's context of 32768"):
+        Pipeline(num_draft_tokens=10**9, device="cpu")
+    assert Pipeline(num_draft_tokens=32765, device="cpu").config.num_draft_tokens == 32765
+
+
 def test_max_new_tokens_larger_than_context_names_it(pipe):
     with pytest.raises(VegasConfigError, match="max_new_tokens 1000000 leaves no room for a prompt"):
         pipe.generate(["x = 1"], max_new_tokens=10**6)

@@ -195,6 +195,9 @@ def test_repeats_time_each_point_several_times(counted, tmp_path):
     (["--sparsities", "0"], "--sparsities"),
     (["--sparsities", "x"], "comma-separated floats"),
     (["--gammas", "2,0"], "--gammas"),
+    (["--gammas", "2,4,2"], "'--gammas': names a value twice"),
+    (["--sparsities", "0.1,0.10000001"], "'--sparsities': names a value twice (to 4 significant digits)"),
+    (["--selectors", "collect2,collect2"], "'--selectors': names a value twice"),
     (["-g", "0"], "--num-draft-tokens"),
     (["--time-budget", "0"], "--time-budget"),
     (["--tolerance", "1"], "--tolerance"),
@@ -215,6 +218,14 @@ def test_failed_tune_leaves_no_out_directory(tmp_path):
         result = CliRunner().invoke(main, ["tune", "--quick", "--out", str(out), *args])
         assert result.exit_code == 2, (args, result.output)
         assert not (tmp_path / "parent").exists(), args
+
+
+def test_points_file_that_is_a_directory_is_refused_before_measuring(tmp_path):
+    (tmp_path / "out" / "points.json").mkdir(parents=True)
+    for cmd in (["tune", "--quick"], ["ablate", "--quick", "--contexts", "256", "--num-prompts", "1"]):
+        for fresh in ([], ["--fresh"]):
+            result = CliRunner().invoke(main, [*cmd, "--device", "cpu", "--out", str(tmp_path / "out"), *fresh])
+            assert result.exit_code == 2 and "points.json exists and is not a file" in result.output, result.output
 
 
 def test_logged_progress_prints_a_line_per_step_off_a_terminal():

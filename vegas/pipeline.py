@@ -91,7 +91,8 @@ class Pipeline:
     Raises:
         VegasConfigError: unknown selector, backend, model name or config field, a field
             outside its allowed values, a model path that does not exist or a GGUF that cannot
-            be converted, or bad ``rope_scaling``.
+            be converted, bad ``rope_scaling``, or ``num_draft_tokens`` too large for the model's
+            context.
 
     Example::
 
@@ -137,6 +138,12 @@ class Pipeline:
                 model, dtype=dtype, device=device, trust_remote_code=trust_remote_code, **scaled,
                 **(backend_options or {}),
             )
+        most = self.backend.max_context - 3  # a prompt token, a new token and γ + 1 verification slots
+        if self.config.num_draft_tokens > most:
+            raise VegasConfigError.bad(
+                "num_draft_tokens", f"(γ) must be at most {most} for this model's context of "
+                f"{self.backend.max_context} tokens (γ + 1 verification slots, a prompt token and a new token), "
+                f"got {self.config.num_draft_tokens}")
 
     @property
     def tokenizer(self):

@@ -74,9 +74,13 @@ def _load_entry_points(pm: pluggy.PluginManager) -> None:
     for ep in entry_points:
         if only and ep.name not in only:
             continue
+        if ep.name in BUILTIN_PLUGINS:
+            _report(ep.name, ValueError(f"its entry-point name is that of a built-in plugin; built-ins: "
+                                        f"{', '.join(BUILTIN_PLUGINS)}"))
+            continue
         try:
             pm.register(ep.load(), name=ep.name)
-        except Exception as exc:  # a broken plugin must not break the others
+        except (Exception, SystemExit) as exc:  # a broken plugin (even one that exits) must not break the others
             _report(ep.name, exc)
 
 

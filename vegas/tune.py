@@ -153,6 +153,11 @@ def raise_if_bad_options(opts: TuneOptions) -> None:
         raise VegasConfigError.bad("sparsities", f"must be numbers in (0, 1], got {opts.sparsities!r}")
     if not opts.gammas or any(isinstance(g, bool) or not isinstance(g, int) or g < 1 for g in opts.gammas):
         raise VegasConfigError.bad("gammas", f"must be integers >= 1, got {opts.gammas!r}")
+    for name, values in (("selectors", opts.selectors), ("gammas", opts.gammas),
+                         ("sparsities", [round_sparsity(s) for s in opts.sparsities])):
+        if len(set(values)) != len(values):
+            same = " (to 4 significant digits)" if name == "sparsities" else ""
+            raise VegasConfigError.bad(name, f"names a value twice{same}, got {getattr(opts, name)!r}")
     for name, minimum in (("num_draft_tokens", 1), ("context", 2), ("new_tokens", 1), ("batch_size", 1),
                           ("fine_steps", 0), ("min_kv_budget", 0), ("repeats", 1)):
         value = getattr(opts, name)

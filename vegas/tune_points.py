@@ -40,7 +40,7 @@ class PointStore:
         command: names the command in error messages (e.g. ``"vegas tune"``).
 
     Raises:
-        VegasConfigError: ``path`` is not a points file, or holds points measured with other
+        VegasConfigError: ``path`` is not a file (a directory), not a points file, or holds points measured with other
             settings (the message lists them and says how to resume or start over).
     """
 
@@ -48,6 +48,9 @@ class PointStore:
         self.path = path
         self.settings = settings
         self.points: list[dict] = []
+        if self.path.exists() and not self.path.is_file():
+            raise VegasConfigError(f"{self.path} exists and is not a file: {command} keeps its points there; "
+                                   "remove it or choose another --out")
         if self.path.exists() and not fresh:
             try:
                 data = json.loads(self.path.read_text())
