@@ -393,12 +393,24 @@ def load_results(result_dir: Path) -> list[dict]:
     repeat index ``_k<N>`` in the file name: the same prompts, on the same servers) of the method's
     value over plain's, and ``<ratio>_repeats`` lists those per-repeat ratios in repeat order (the
     spread). Where no repeat pairs up (files without ``_k<N>``), the ratio is that of the medians
-    and the list is empty (also for plain itself). Sorted by method then rate."""
+    and the list is empty (also for plain itself). Sorted by method then rate. A file without a
+    numeric ``output_throughput`` is left out with a warning naming it.
+
+    Raises:
+        SystemExit: a file that is not JSON or not a JSON object (the message names it)."""
     import statistics
 
     runs: dict[tuple[str, str], dict] = {}
     for n, p in enumerate(sorted(Path(result_dir).glob("*.json"))):
-        r = json.loads(p.read_text())
+        try:
+            r = json.loads(p.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise SystemExit(f"{p} is not a vllm bench serve result: {exc}") from None
+        if not isinstance(r, dict):
+            raise SystemExit(f"{p} is not a vllm bench serve result: a JSON {type(r).__name__}, not an object")
+        if not isinstance(r.get("output_throughput"), (int, float)):
+            print(f"warning: {p} has no numeric output_throughput: left out", file=sys.stderr)
+            continue
         method = r.get("method") or p.stem.rsplit("_r", 1)[0]
         k = repeat_index(p)
         runs.setdefault((method, rate_label(r.get("request_rate", "inf"))), {})[("k", k) if k is not None else ("n", n)] = r
@@ -540,11 +552,7 @@ def report(out: Path, dest: Path | None = None) -> str:
     Raises:
         SystemExit: ``out/raw`` holds no results, or a result file that is not vLLM's JSON.
     """
-    try:
-        rows = load_results(out / "raw")
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise SystemExit(f"{out / 'raw'} holds a file that is not a vllm bench serve result: {exc}") from exc
-    rows = [r for r in rows if r.get("output_throughput") is not None]
+    rows = load_results(out / "raw")
     floor = prefill_floor(out / "raw")
     rows = [r for r in rows if r["method"] != PREFILL_FLOOR]
     if not rows:

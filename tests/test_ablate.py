@@ -268,6 +268,7 @@ def test_time_budget_stops_before_measuring_and_still_plots(counted, tmp_path, c
     (["--num-prompts", "0"], "--num-prompts"),
     (["--ablation-sparsity", "2"], "ablation_sparsity (--ablation-sparsity) must be a number in (0, 1], got 2.0"),
     (["--device", "bogus"], "Invalid value for '--device': must be 'cpu', 'cuda' or 'cuda:N', got 'bogus'"),
+    (["--contexts", "10,2048"], "contexts (--contexts) must be integers >= 64 with the retrieval study"),
 ])
 def test_cli_refuses_bad_options(args, message, tmp_path):
     result = CliRunner().invoke(main, ["ablate", "--out", str(tmp_path / "o"), *args])

@@ -295,16 +295,21 @@ def test_bad_arguments_fail_before_any_server(sb, tmp_path, capsys):
     assert sb.parse_args(["--model", model, "--methods", "plain,collect2-skip,ngram"]).methods[1] == "collect2-skip"
 
 
-def test_report_writes_to_out_and_refuses_files_that_are_not_results(sb, tmp_path):
+def test_report_writes_to_out_and_refuses_files_that_are_not_results(sb, tmp_path, capsys):
     raw = tmp_path / "src" / "raw"
     raw.mkdir(parents=True)
     (raw / "plain_rinf_k0.json").write_text(json.dumps(_fake_result("plain", "inf", 10.0, 500.0)))
     table = sb.report(tmp_path / "src", tmp_path / "dest")
     assert "| plain | inf |" in table and (tmp_path / "dest" / "table.md").exists()
     assert not (tmp_path / "src" / "table.md").exists()  # the folder read is left as it was
-    (raw / "broken.json").write_text("{not json")
-    with pytest.raises(SystemExit, match="not a vllm bench serve result"):
-        sb.report(tmp_path / "src")
+    (raw / "empty.json").write_text("{}")
+    assert "| plain | inf |" in sb.report(tmp_path / "src")
+    assert "empty.json has no numeric output_throughput: left out" in capsys.readouterr().err
+    for name, text, why in (("broken.json", "{not json", "Expecting property name"), ("list.json", "[]", "a JSON list")):
+        (raw / name).write_text(text)
+        with pytest.raises(SystemExit, match=f"{name} is not a vllm bench serve result: {why}"):
+            sb.report(tmp_path / "src")
+        (raw / name).unlink()
 
 
 def test_fixed_kv_pools_start_servers_side_by_side_one_per_compile_family(sb, tmp_path, capsys):

@@ -228,6 +228,19 @@ def test_points_file_that_is_a_directory_is_refused_before_measuring(tmp_path):
             assert result.exit_code == 2 and "points.json exists and is not a file" in result.output, result.output
 
 
+def test_points_file_that_cannot_be_replaced_is_named(tmp_path, monkeypatch):
+    from vegas.tune_points import PointStore
+
+    def refuse(src, dst):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr("vegas.tune_points.os.replace", refuse)
+    store = PointStore(tmp_path / "out" / "points.json", {"a": 1}, fresh=False, command="vegas tune")
+    with pytest.raises(VegasConfigError, match=r"cannot write .*points.json \(Operation not permitted\); choose another --out"):
+        store.add({"step": 1})
+    assert not (tmp_path / "out" / "points.json.tmp").exists()
+
+
 def test_logged_progress_prints_a_line_per_step_off_a_terminal():
     stream = io.StringIO()
     with LoggedProgress(console=Console(file=stream), transient=True) as progress:

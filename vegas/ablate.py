@@ -73,6 +73,9 @@ VARIANTS = {
     "recent_window=0": {"recent_window": 0},
 }
 #: ``--quick``: every study, small (a CPU look at the command; not results)
+#: the shortest context of a retrieval (copy-task) prompt: a 16-token cue after a body whose first half
+#: holds the passage (:func:`vegas.prompts.retrieval_prompts`)
+RETRIEVAL_MIN_CONTEXT = 64
 QUICK = {"contexts": [1024], "budgets": [0.02, 0.1], "gammas": [2, 4], "num_prompts": 4, "batch_size": 4,
          "new_tokens": 32,
          "time_budget": 570.0}  # seconds: --quick ends within 10 minutes whatever the load (rerun resumes), as tune's
@@ -130,6 +133,9 @@ def raise_if_bad_options(opts: AblateOptions) -> None:
     for name, values, kind, low in (("contexts", opts.contexts, int, 2), ("gammas", opts.gammas, int, 1)):
         if not values or any(isinstance(v, bool) or not isinstance(v, kind) or v < low for v in values):
             raise VegasConfigError(f"{name} (--{name}) must be integers >= {low}, got {values!r}")
+    if "retrieval" in opts.studies and min(opts.contexts) < RETRIEVAL_MIN_CONTEXT:
+        raise VegasConfigError(f"contexts (--contexts) must be integers >= {RETRIEVAL_MIN_CONTEXT} with the retrieval "
+                               f"study (a copy prompt needs its passage, far back, and a cue), got {opts.contexts!r}")
     for name, value, what, shown in (("budgets", opts.budgets, "numbers", opts.budgets),
                                      ("ablation_sparsity", [opts.ablation_sparsity], "a number", opts.ablation_sparsity)):
         if not value or any(isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 < s <= 1 for s in value):

@@ -4,6 +4,7 @@ how sparsities are rounded and how points are picked out (shared by :mod:`vegas.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -79,12 +80,20 @@ class PointStore:
 
     def save(self) -> None:
         """Write the file (its directory made here, with the first point: a run that fails a
-        check before measuring leaves no directory behind)."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        check before measuring leaves no directory behind).
+
+        Raises:
+            VegasConfigError: the file or its directory cannot be written (the message names it)."""
         tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps({"version": FORMAT_VERSION, "settings": self.settings, "points": self.points},
-                                  indent=2))
-        os.replace(tmp, self.path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps({"version": FORMAT_VERSION, "settings": self.settings, "points": self.points},
+                                      indent=2))
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            with contextlib.suppress(OSError):  # leave no half-written temporary file
+                tmp.unlink(missing_ok=True)
+            raise VegasConfigError(f"cannot write {self.path} ({exc.strerror or exc}); choose another --out") from None
 
 
 def settings_device(device: str | None) -> str:
