@@ -417,7 +417,7 @@ def load_results(result_dir: Path) -> list[dict]:
     rows = []
     for (method, rate), by_repeat in runs.items():
         results = list(by_repeat.values())
-        row = {"method": method, "rate": rate, "repeats": len(results), "_by_repeat": by_repeat}
+        row = {"method": method, "rate": rate, "repeats": len(results)}
         for key, _, _ in COLUMNS:
             vals = [float(r[key]) for r in results if isinstance(r.get(key), (int, float))]
             row[key] = statistics.median(vals) if vals else None
@@ -427,21 +427,19 @@ def load_results(result_dir: Path) -> list[dict]:
     plain = {r["rate"]: r for r in rows if r["method"] == "plain"}
     for r in rows:
         base_row = plain.get(r["rate"]) or {}
-        base_runs = base_row.get("_by_repeat", {})
+        mine = runs[(r["method"], r["rate"])]
+        base_runs = {} if r is base_row else runs.get(("plain", r["rate"]), {})
+        common = sorted(k for k in mine if k[0] == "k" and k in base_runs)  # repeats both ran
         for key, ratio in RATIOS:
-            paired = []
-            for rep in sorted(k for k in r["_by_repeat"] if k[0] == "k" and k in base_runs and r is not base_row):
-                mine, base = r["_by_repeat"][rep].get(key), base_runs[rep].get(key)
-                if isinstance(mine, (int, float)) and isinstance(base, (int, float)) and base:
-                    paired.append(float(mine) / float(base))
+            paired = [float(mine[k][key]) / float(base_runs[k][key]) for k in common
+                      if isinstance(mine[k].get(key), (int, float)) and isinstance(base_runs[k].get(key), (int, float))
+                      and base_runs[k][key]]
             base = base_row.get(key)
             if paired:
                 r[ratio] = statistics.median(paired)
             else:
                 r[ratio] = r[key] / base if base and r[key] is not None else None
             r[ratio + "_repeats"] = paired
-    for r in rows:
-        del r["_by_repeat"]
     order = {m: i for i, m in enumerate(METHODS)}
     return sorted(rows, key=lambda r: (order.get(r["method"], len(order)), r["method"], rate_value(r["rate"])))
 

@@ -52,7 +52,15 @@ from .overlap import OverlapProbe
 from .pipeline import Pipeline
 from .plugins import SelectorSkips, create_selector, selector_names
 from .progress import LoggedProgress, plain_printer
-from .prompts import cut_contexts, heldout_path, package_source, read_text_source, retrieval_prompts, source_label
+from .prompts import (
+    RETRIEVAL_MIN_CONTEXT,
+    cut_contexts,
+    heldout_path,
+    package_source,
+    read_text_source,
+    retrieval_prompts,
+    source_label,
+)
 from .sampling import SamplingParams
 from .strategies import OracleSelector
 from .tune_points import PointStore, round_sparsity, settings_device
@@ -73,9 +81,6 @@ VARIANTS = {
     "recent_window=0": {"recent_window": 0},
 }
 #: ``--quick``: every study, small (a CPU look at the command; not results)
-#: the shortest context of a retrieval (copy-task) prompt: a 16-token cue after a body whose first half
-#: holds the passage (:func:`vegas.prompts.retrieval_prompts`)
-RETRIEVAL_MIN_CONTEXT = 64
 QUICK = {"contexts": [1024], "budgets": [0.02, 0.1], "gammas": [2, 4], "num_prompts": 4, "batch_size": 4,
          "new_tokens": 32,
          "time_budget": 570.0}  # seconds: --quick ends within 10 minutes whatever the load (rerun resumes), as tune's

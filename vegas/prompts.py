@@ -23,7 +23,8 @@ from pathlib import Path
 
 from .config import VegasConfigError
 
-__all__ = ["package_source", "read_text_source", "cut_contexts", "heldout_path", "retrieval_prompts"]
+__all__ = ["package_source", "read_text_source", "cut_contexts", "heldout_path", "retrieval_prompts",
+           "RETRIEVAL_CUE", "RETRIEVAL_MIN_CONTEXT"]
 
 #: held-out code documents of a repository checkout (click, docutils, jinja2; unseen by the
 #: embedded model), relative to the repository root
@@ -153,8 +154,15 @@ def cut_contexts(token_ids: list[int], context: int, count: int, flag: str = "--
     return [token_ids[s : s + context] for s in starts]
 
 
+#: tokens of the passage repeated at the end of a copy prompt (:func:`retrieval_prompts`)
+RETRIEVAL_CUE = 16
+#: the shortest context of a copy prompt: the cue after a body whose first half holds the passage
+RETRIEVAL_MIN_CONTEXT = 4 * RETRIEVAL_CUE
+
+
 def retrieval_prompts(
-    token_ids: list[int], context: int, count: int, anchor_ids: set[int], *, cue: int = 16, answer: int = 64
+    token_ids: list[int], context: int, count: int, anchor_ids: set[int], *, cue: int = RETRIEVAL_CUE,
+    answer: int = 64,
 ) -> list[dict]:
     """Copy-task prompts: ``count`` windows of held-out text whose last ``cue`` tokens repeat
     the start of a passage far back, so the continuation copies the passage.
