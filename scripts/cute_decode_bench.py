@@ -27,6 +27,11 @@ no nvcc), but only if its decode is as fast as FA3's. This measures that, per st
   the attention output is the plain kernel's), into a per-step ``(layers, batch, kv_heads, L)``
   buffer zeroed at layer 0; checked against a torch reference on layer 0 (unsplit or the split
   heuristic's count, and once more with a split count that leaves an empty split);
+- ``cute/m64+probe``: the 64-row tile with the probe tokens in front of each chunk
+  (:mod:`vegas.kernels.probe_queries`: the scored rows summed over the group's heads, scaled, as
+  one query row per KV head, split into a bf16 hi and lo row); the kernel stores those rows'
+  logits (8-byte stores from 4 lanes, no reduction, no atomics) and the output is gathered back;
+  checked against the same reference (:func:`vegas.kernels.cute_rowsum.probe_attention`);
 - ``fa3+score``: what the vLLM backend runs today, FA3 per layer, the collect queries gathered per
   layer and the separate all-layers score kernel (:mod:`vegas.kernels.triton_score`) at the end:
   the figure a ``+scores`` variant must beat.
@@ -175,18 +180,33 @@ def rowsum_call(b, layers, seqs, hkv, num_splits=0):
     return call, buf
 
 
-def rowsum_error(buf, ref):
-    """``(relative error, all finite)`` of layer 0's ``cute/m64+rowsum`` scores in ``buf`` against ``ref``."""
-    got = buf[0, :, :, : ref.shape[-1]]
+def probe_call(b, layers, seqs, hkv, num_splits=0):
+    """``(call, buffer)``: a layer call of ``cute/m64+probe`` (the probe tokens packed in front of
+    each chunk, the CuTe kernel storing their logits, the output gathered back) and its per-step
+    score buffer ``(layers, seqs, hkv, L)`` (no zeroing: every scored position is stored)."""
+    buf = torch.full((layers, seqs, hkv, cute_rowsum.padded_len(b["max_len"])), float("nan"), device="cuda")
+
+    def call(layer, out):
+        k, v = b["kv"][layer]
+        cute_rowsum.probe_attention(b["q"], k, v, out, buf[layer], b["cu"], b["seq_lens"], b["qlen"],
+                                    b["max_len"], b["bt"], b["scale"], num_splits=num_splits)
+    return call, buf
+
+
+def rowsum_error(buf, ref, ctx):
+    """``(relative error, all finite)`` of layer 0's scores in ``buf`` against ``ref`` over the
+    scored keys ``[0, ctx)`` (every request of the bench has the same context)."""
+    got = buf[0, :, :, :ctx]
+    ref = ref[:, :, :ctx]
     return ((got - ref).norm() / ref.norm()).item(), bool(torch.isfinite(got).all())
 
 
-def check_rowsum(b, layers, seqs, hkv, d, ref, splits, out):
-    """:func:`rowsum_error` of layer 0's ``cute/m64+rowsum`` call at ``splits`` splits."""
-    call, buf = rowsum_call(b, layers, seqs, hkv, num_splits=splits)
+def check_rowsum(b, layers, seqs, hkv, d, ref, splits, out, probe=False):
+    """:func:`rowsum_error` of layer 0's ``cute/m64+rowsum`` (``probe``: ``+probe``) call at ``splits`` splits."""
+    call, buf = (probe_call if probe else rowsum_call)(b, layers, seqs, hkv, num_splits=splits)
     call(0, out)
     torch.cuda.synchronize()
-    return rowsum_error(buf, ref)
+    return rowsum_error(buf, ref, b["max_len"] - b["qlen"])
 
 
 def separate_scores(b, layers, seqs, hq, hkv, d):
@@ -279,6 +299,7 @@ def run_case(model, ctx, seqs, qlen, args):
     rowsum_ref = None
     if args.rowsum:
         calls["cute/m64+rowsum"], rowsum_buf = rowsum_call(b, layers, seqs, hkv)
+        calls["cute/m64+probe"], probe_buf = probe_call(b, layers, seqs, hkv)
         k0 = b["kv"][0][0]
         rowsum_ref = cute_rowsum.reference_rowsum(b["q"], k0, b["bt"], b["cu"], b["seq_lens"], qlen, b["scale"],
                                                   b["max_len"])
@@ -304,8 +325,9 @@ def run_case(model, ctx, seqs, qlen, args):
         line = f"  {name}: first call {first[name]:.1f} s, max |cute - fa3| = {diff:.2e}"
         if name == "cute/m64":
             out_m64 = out_cute.clone()
-        if name.endswith("+rowsum"):
-            err, finite = rowsum_error(rowsum_buf, rowsum_ref)
+        if name.endswith(("+rowsum", "+probe")):
+            err, finite = rowsum_error(rowsum_buf if name.endswith("+rowsum") else probe_buf, rowsum_ref,
+                                       b["max_len"] - qlen)
             same = "n/a" if out_m64 is None else torch.equal(out_cute, out_m64)
             line += f", scores rel. error {err:.2e} (finite: {finite}), output bitwise = cute/m64: {same}"
         if name.endswith("+scores"):
@@ -314,15 +336,15 @@ def run_case(model, ctx, seqs, qlen, args):
             err = ((scores[want] - ref[want]).norm() / ref[want].norm()).item() if want.any() else float("nan")
             line += f", scores written where expected: {got_ok}, rel. error {err:.2e}"
         print(line, flush=True)
-    if args.rowsum and first.get("cute/m64+rowsum") is not None:
-        empty = cute_rowsum.empty_split_count(-(-b["max_len"] // 128))
-        if empty is not None:
-            try:
-                err, finite = check_rowsum(b, layers, seqs, hkv, d, rowsum_ref, empty, out_cute)
-                print(f"  cute/m64+rowsum at {empty} splits (one empty): scores rel. error {err:.2e} "
-                      f"(finite: {finite})", flush=True)
-            except Exception as e:
-                print(f"  cute/m64+rowsum at {empty} splits: {type(e).__name__}: {str(e)[:600]}", flush=True)
+    empty = cute_rowsum.empty_split_count(-(-b["max_len"] // 128))
+    for name in ("cute/m64+rowsum", "cute/m64+probe"):
+        if not args.rowsum or first.get(name) is None or empty is None:
+            continue
+        try:
+            err, finite = check_rowsum(b, layers, seqs, hkv, d, rowsum_ref, empty, out_cute, probe=name.endswith("probe"))
+            print(f"  {name} at {empty} splits (one empty): scores rel. error {err:.2e} (finite: {finite})", flush=True)
+        except Exception as e:
+            print(f"  {name} at {empty} splits: {type(e).__name__}: {str(e)[:600]}", flush=True)
     calls = {n: c for n, c in calls.items() if first.get(n, 0) is not None}
 
     def step(call):

@@ -51,7 +51,7 @@ def _plain(hq, hkv, d, num_splits, qlen=5, ctx=7680, block_size=16):
                     tile_mn=cute_rowsum.SCORE_TILE, _arch=90)
 
 
-def compile_check(cases, splits, modes, plain=False) -> int:
+def compile_check(cases, splits, modes, plain=False, probe=True) -> int:
     """Compiles the rowsum kernel (``plain``: vLLM's unmodified kernel) for sm_90a under
     ``FakeTensorMode``; returns the failures."""
     import traceback
@@ -63,7 +63,8 @@ def compile_check(cases, splits, modes, plain=False) -> int:
     for case in cases:
         hq, hkv, d = SHAPES[case]
         for mode in [None] if plain else modes:
-            name = f"{'plain' if plain else f'rowsum/{mode}'} {case} ({hq} q / {hkv} kv x {d}), tile 64x128, splits {splits}"
+            kind = "probe" if probe else "rowsum"
+            name = f"{'plain' if plain else f'{kind}/{mode}'} {case} ({hq} q / {hkv} kv x {d}), tile 64x128, splits {splits}"
             t0 = time.perf_counter()
             try:
                 with FakeTensorMode(allow_non_fake_inputs=True):
@@ -71,7 +72,8 @@ def compile_check(cases, splits, modes, plain=False) -> int:
                         for n in splits:
                             _plain(hq, hkv, d, n)
                     else:
-                        cute_rowsum.warm_up(hq, hkv, d, torch.bfloat16, 16, "cuda", mode=mode, splits=splits, _arch=90)
+                        cute_rowsum.warm_up(hq, hkv, d, torch.bfloat16, 16, "cuda", mode=mode, probe=probe,
+                                              splits=splits, _arch=90)
                 layout = "" if plain else f"; layout {cute_rowsum.LAYOUT_CHECK[-1]}"
                 print(f"compiled: {name} in {time.perf_counter() - t0:.0f} s{layout}", flush=True)
             except Exception:
@@ -94,6 +96,8 @@ def main() -> int:
     ap.add_argument("--splits", type=int, nargs="+", default=[1, 3])
     ap.add_argument("--mode", action="append", choices=[cute_rowsum.EDGES, cute_rowsum.FIRST], help="default: both")
     ap.add_argument("--plain", action="store_true", help="compile vLLM's unmodified kernel instead (to compare)")
+    ap.add_argument("--kernel", choices=["probe", "rowsum"], default="probe",
+                    help="probe: the probe rows' logits stored (the engine's); rowsum: the in-register row sums")
     args = ap.parse_args()
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     if args.vllm_site is not None:
@@ -101,7 +105,8 @@ def main() -> int:
             ap.error(f"--vllm-site: no vllm/vllm_flash_attn/cute/interface.py under {args.vllm_site}")
         _namespace_vllm(args.vllm_site)
     modes = args.mode or [cute_rowsum.EDGES, cute_rowsum.FIRST]
-    return 1 if compile_check(args.case or list(SHAPES), args.splits, modes, plain=args.plain) else 0
+    return 1 if compile_check(args.case or list(SHAPES), args.splits, modes, plain=args.plain,
+                                probe=args.kernel == "probe") else 0
 
 
 if __name__ == "__main__":

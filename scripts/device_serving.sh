@@ -108,12 +108,12 @@ case ${1:-} in
         | tee "$OUT/cute_bench.log" | tail -40 ;;
     esac
     case " ${CUTE_CASES:-smollm2 qwen3} " in *" qwen3 "*)
-      timeout ${CUTE_QWEN_S:-200} python3 scripts/cute_decode_bench.py --case qwen3-8b --ctx 32768 --ctx 131072 --batch 4 \
+      timeout ${CUTE_QWEN_S:-300} python3 scripts/cute_decode_bench.py --case qwen3-8b --ctx 32768 --ctx 131072 --batch 1 --batch 4 \
         --qlen 5 --splits --reps 3 ${CUTE_ARGS:-} --json "$OUT/cute_qwen3.json" 2>&1 | grep -v "it/s\]" \
         | tee -a "$OUT/cute_bench.log" | tail -30 ;;
     esac
     ;;
-  cute-tests)  # issue 22: the CuTe rowsum path's GPU tests (kernel, then engine; the .device/cute parts
+  cute-tests)  # issue 22: the CuTe score path's GPU tests, probe and rowsum (kernel, then engine; the .device/cute parts
                # installed after the vLLM bundle); logs: $OUT/cute_<name>.log, the summary line of each
     for t in ${2:-kernel engine}; do
       case $t in

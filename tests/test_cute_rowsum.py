@@ -7,6 +7,7 @@ today's path selects."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -89,9 +90,12 @@ def test_scored_warps(chunk, group, mode, warps):
     (dict(max_query_len=6), "max_query_len 6"),  # longer than γ + 1: a prefill chunk
     (dict(max_query_len=0), "max_query_len 0"),
     (dict(num_q_heads=96, num_kv_heads=4), "max_query_len 5"),  # 5 x 24 rows > one 64-row tile
-    (dict(num_q_heads=28, num_kv_heads=4), "3 warps"),  # G = 7: not deterministic
-    (dict(num_q_heads=28, num_kv_heads=4, max_query_len=4), None),  # G = 7 up to 4 queries: 2 warps
-    (dict(num_q_heads=28, num_kv_heads=4, mode=FIRST), None),
+    (dict(num_q_heads=28, num_kv_heads=4), None),  # G = 7: 2 probe tokens + 5 queries = 49 rows
+    (dict(num_q_heads=64, num_kv_heads=4), "after 1 probe tokens"),  # G = 16: (1 + 5) x 16 rows > 64
+    (dict(num_q_heads=64, num_kv_heads=4, max_query_len=3, max_chunk=3), None),
+    (dict(num_q_heads=28, num_kv_heads=4, probe=False), "3 warps"),  # the rowsum, G = 7: not deterministic
+    (dict(num_q_heads=28, num_kv_heads=4, max_query_len=4, probe=False), None),  # G = 7 up to 4 queries: 2 warps
+    (dict(num_q_heads=28, num_kv_heads=4, mode=FIRST, probe=False), None),
     (dict(block_size=128), "block_size 128"),
     (dict(sliding_window=(127, 0)), "sliding window"),
     (dict(softcap=30.0), "soft-capping"),
@@ -127,34 +131,48 @@ def test_reduce_clears_the_partial_it_read():
     assert torch.isinf(scores[0, 4:]).all() and torch.equal(scores[1, :3], torch.zeros(3))
 
 
-def _fake_rowsum(calls):
-    """A stand-in for :func:`cute_rowsum.rowsum_attention`: the attention output is marked, the
-    scores get what the kernel adds (the torch reference per request)."""
+def _fake_kernel(calls):
+    """A stand-in for the CuTe probe kernel under the real :func:`cute_rowsum.probe_attention` (the
+    packing, the call, the gather back): on the packed batch it stores rows 0 + 8 of each KV head's
+    PackGQA tile times each key before the chunk (the kernel's pre-softmax logits) into
+    ``aux_tensors[0]`` and writes 1 as every row's attention output."""
+    from vegas.kernels.probe_queries import PROBE_ROWS, probe_tokens
 
-    def rowsum_attention(q, k, v, out, scores, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k, page_table,
-                         softmax_scale, num_splits=0, tile_mn=cute_rowsum.SCORE_TILE, mode=EDGES, _arch=None):
-        calls.append(mode)
-        out.fill_(1.0)
-        for s in range(scores.shape[0]):
-            start, qlen = int(cu_seqlens_q[s]), int(cu_seqlens_q[s + 1] - cu_seqlens_q[s])
-            if qlen:
-                scores[s] += cute_rowsum.reference_rowsum(
-                    q[start:], k, page_table[s : s + 1], torch.zeros(1, dtype=torch.int32), seqused_k[s : s + 1],
-                    qlen, softmax_scale, scores.shape[-1], mode)[0]
-        return out, None
+    @contextlib.contextmanager
+    def installed(mode):
+        def fwd(q, k, v, *, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k, page_table, softmax_scale,
+                causal, num_splits, out, tile_mn, aux_tensors, _arch):
+            calls.append(mode)
+            hq, hkv, block = q.shape[1], k.shape[2], k.shape[1]
+            group = hq // hkv
+            probes, scores = probe_tokens(group), aux_tensors[0]
+            for s in range(scores.shape[0]):
+                a, b = int(cu_seqlens_q[s]), int(cu_seqlens_q[s + 1])
+                ctx = int(seqused_k[s]) - (b - a - probes)
+                if b - a == probes:
+                    continue
+                pos = torch.arange(ctx)
+                keys = k[page_table[s, pos // block].long(), pos % block].float()  # [ctx, hkv, d]
+                for kv in range(hkv):
+                    rows = [q[a + r // group, kv * group + r % group].float() for r in PROBE_ROWS]
+                    scores[s, kv, :ctx] = sum(keys[:, kv] @ row for row in rows)
+            out.fill_(1.0)
+            return out, None
 
-    return rowsum_attention
+        yield fwd
+
+    return installed
 
 
 def _cute_available(monkeypatch, calls, warm=True):
     monkeypatch.setattr(cute_rowsum, "unavailable_reason", lambda: None)
-    monkeypatch.setattr(cute_rowsum, "rowsum_attention", _fake_rowsum(calls))
+    monkeypatch.setattr(cute_rowsum, "_rowsum_kernel_installed", _fake_kernel(calls))
     monkeypatch.setattr(cute_rowsum, "_WARM", set())
     compiled = []
 
     def warm_up(*shape, mode=EDGES, **kw):
         compiled.append((*shape[:5], mode))
-        cute_rowsum._WARM.add((shape[3], *shape[:3], shape[4], mode))
+        cute_rowsum._WARM.add((shape[3], *shape[:3], shape[4], cute_rowsum.PROBE))
 
     monkeypatch.setattr(cute_rowsum, "warm_up", warm_up)
     return compiled
@@ -190,10 +208,10 @@ def _run(st, md, kvs, queries, hkv, bad_layer=None):
 
 @pytest.mark.parametrize("selector,bad_layer", [("collect2", None), ("collect2", 1), ("last_token", None)])
 def test_verify_layer_selects_what_todays_path_selects(monkeypatch, selector, bad_layer):
-    """SmolLM2's heads, a verification chunk of 5 and a one-query chunk, three layers: the rowsum
-    path (a stand-in kernel) selects the same slots as today's path (the one-query chunk's row
-    counted twice changes no top-k); a layer with a sliding window runs vLLM's attention and is
-    scored alone; the stats name the path."""
+    """SmolLM2's heads, a verification chunk of 5 and a one-query chunk, three layers: the probe
+    path (the real packing and gather around a stand-in kernel) selects the same slots as today's
+    path (the one-query chunk's row counted twice changes no top-k); a layer with a sliding
+    window runs vLLM's attention and is scored alone; the stats name the path."""
     calls = []
     compiled = _cute_available(monkeypatch, calls)
     hq, hkv, d = 9, 3, 64
@@ -207,8 +225,8 @@ def test_verify_layer_selects_what_todays_path_selects(monkeypatch, selector, ba
     assert isinstance(st.fa3, cute_verify.CuteRowsumVerify)
     mode = EDGES if selector == "collect2" else FIRST
     assert compiled == [(hq, hkv, d, torch.bfloat16, BS, mode)]  # compiled once, outside capture
-    assert declined == ([] if bad_layer is None else [bad_layer]) and calls == [mode] * (3 - len(declined))
-    assert not st.fa3.active and st.fa3.ws.eq(0).all()  # the buffer is left zeroed for the next forward
+    assert declined == ([] if bad_layer is None else [bad_layer])
+    assert calls == [cute_rowsum.PROBE] * (3 - len(declined)) and not st.fa3.active
     assert_same_selection(st, today)
     # the next forward knows every layer; the engine's score_path stat (runners.v2._score_path) is
     # "cute" once a forward ran through it with every layer covered
@@ -232,10 +250,10 @@ def test_capture_takes_todays_path_for_a_shape_not_compiled(monkeypatch):
 def test_uncovered_batches_take_todays_path(monkeypatch):
     calls = []
     _cute_available(monkeypatch, calls)
-    # G = 7 at five queries: three warps would add to a score (not deterministic)
-    md, kvs, queries = _batch([5, 5], [70, 40], hq=14, hkv=2)
+    # G = 16 at five queries: one probe token and the chunk are 96 rows, more than one 64-row tile
+    md, kvs, queries = _batch([5, 5], [70, 40], hq=16, hkv=1)
     st = _state("collect2", kv_budget=7, first_layer=0, last_layer=2, layers_ready=True, vllm={"score_path": "cute"})
-    assert _run(st, md, kvs, queries, 2) == [0, 1, 2] and not calls
+    assert _run(st, md, kvs, queries, 1) == [0, 1, 2] and not calls
     # a prefill chunk of 6 > γ + 1 queries
     md, kvs, queries = _batch([6, 5], [70, 40])
     assert _run(st, md, kvs, queries, 3) == [0, 1, 2] and not calls

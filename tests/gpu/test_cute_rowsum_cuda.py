@@ -1,6 +1,14 @@
-"""The CuTe rowsum (:mod:`vegas.kernels.cute_rowsum`, ``vllm.score_path="cute"``, issue 22) on an
-H200, skipped without CUDA, vLLM 0.24 or the CuTe DSL (``scripts/cute_dsl_bundle.sh``).
+"""The CuTe score kernels (:mod:`vegas.kernels.cute_rowsum`, ``vllm.score_path="cute"``, issue 22) on
+an H200, skipped without CUDA, vLLM 0.24 or the CuTe DSL (``scripts/cute_dsl_bundle.sh``).
 
+The probe kernel (:func:`~vegas.kernels.cute_rowsum.probe_attention`, the engine's): on the same
+random batches, with an empty chunk (a padded request) and a one-query chunk, its output is
+bitwise the plain CuTe kernel's on the unpacked batch, its stored scores are the reference within
+fp32 rounding of the hi/lo probe, nothing is stored past a request's context but the column pair
+partner, the KV-head sums equal the separate score kernel's and select the same top-k, the
+result is bitwise reproducible and replays from a CUDA graph.
+
+The rowsum (:func:`~vegas.kernels.cute_rowsum.rowsum_attention`, the comparison):
 Kernel: on random paged inputs (Qwen3-8B-like 32 q / 8 kv x 128, G = 4 and SmolLM2-like 9 q / 3 kv
 x 64, G = 3; chunks of 5, contexts up to 40K; unsplit, vLLM's split heuristic, 7 splits and a
 split count that leaves the last split empty) its attention output is bitwise the plain CuTe
@@ -50,6 +58,17 @@ def _rowsum(cr, b, num_splits, mode="edges", ws=None, out=None):
     return out, ws
 
 
+def _probe(cr, b, num_splits, mode="edges", ws=None, out=None):
+    """The probe kernel into a NaN-filled score buffer (what it leaves unstored stays NaN)."""
+    n, hkv = b["block_table"].shape[0], b["k_cache"].shape[2]
+    max_len = int(b["seq_lens"].max())
+    ws = torch.full((n, hkv, cr.padded_len(max_len)), float("nan"), device="cuda") if ws is None else ws
+    out = torch.empty_like(b["q"]) if out is None else out
+    cr.probe_attention(b["q"], b["k_cache"], b["v_cache"], out, ws, b["cu_seqlens_q"], b["seq_lens"],
+                       b["max_seqlen_q"], max_len, b["block_table"], b["scale"], num_splits=num_splits, mode=mode)
+    return out, ws
+
+
 def _plain_cute(cr, b, num_splits):
     from vllm.vllm_flash_attn.cute.interface import _flash_attn_fwd
 
@@ -86,6 +105,55 @@ def test_scores_are_the_separate_kernels_and_output_is_plain_cutes(shape, num_sp
     assert_same_scores(scores, _separate(b, q_idx, q_weight, ctx_sel, max_len), b["block_table"], ctx_sel)
 
 
+@pytest.mark.parametrize("mode", ["edges", "first"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}q{s[1]}kv{s[2]}")
+@pytest.mark.parametrize("num_splits", [0, 1, 7, "empty"])
+def test_probe_scores_are_the_separate_kernels_and_output_is_plain_cutes(shape, num_splits, mode):
+    cr = _cute()
+    from vegas.kernels.triton_score_reduce import reduce_head_scores
+
+    chunks, ctxs = CHUNKS + [0, 1], CTXS + [500, 3001]  # a padded request, a one-query chunk
+    b = verify_batch(chunks, ctxs, shape, dtype=torch.bfloat16, device="cuda", pad_tokens=0)
+    n, max_len = len(chunks), int(b["seq_lens"].max())
+    if num_splits == "empty":
+        num_splits = cr.empty_split_count(-(-max_len // cr.SCORE_TILE[1]))
+    out, ws = _probe(cr, b, num_splits, mode)
+    assert torch.equal(out, _plain_cute(cr, b, num_splits))  # the chunk's rows attend as without the probes
+    q_idx, q_weight, ctx_sel = _rows(b, mode)
+    ref = torch.zeros_like(ws)
+    for s, (c, ctx) in enumerate(zip(chunks, ctxs)):
+        if c == 0:
+            assert ws[s].isnan().all()  # an empty chunk stores nothing
+            continue
+        assert not ws[s, :, :ctx].isnan().any() and ws[s, :, ctx + 1 :].isnan().all()  # ctx: a pair's partner
+        start = int(b["cu_seqlens_q"][s])
+        ref[s] = cr.reference_rowsum(b["q"][start:], b["k_cache"], b["block_table"][s : s + 1],
+                                     torch.zeros(1, dtype=torch.int32, device="cuda"), b["seq_lens"][s : s + 1], c,
+                                     b["scale"], ws.shape[-1], mode)[0]
+        assert rel_err(ws[s, :, :ctx], ref[s, :, :ctx]) < 1e-4  # the hi/lo probe: ~16 mantissa bits
+    scores = torch.empty(n, max_len, device="cuda")
+    reduce_head_scores(ws.permute(1, 0, 2), scores, b["cu_seqlens_q"], ctx_sel)
+    want = _separate(b, q_idx, q_weight, ctx_sel, max_len)
+    if mode == "edges":  # the separate kernel's collect2 row of a one-query chunk counts it once
+        want[-1] *= 2
+    assert scores[-2, :500].eq(0).all()  # the padded request: zero before its ctx_sel (the reduce's rule)
+    keep = torch.tensor([c > 0 for c in chunks], device="cuda")
+    assert_same_scores(scores[keep], want[keep], b["block_table"][keep], ctx_sel[keep])
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}q{s[1]}kv{s[2]}")
+def test_probe_is_deterministic_and_replays_from_a_cuda_graph(shape):
+    cr = _cute()
+    b = verify_batch(CHUNKS, CTXS, shape, dtype=torch.bfloat16, device="cuda", pad_tokens=0)
+    first_out, first_ws = _probe(cr, b, 0)
+    for _ in range(5):
+        out, ws = _probe(cr, b, 0)
+        assert torch.equal(out, first_out) and torch.equal(ws.nan_to_num(), first_ws.nan_to_num())
+    ws.zero_()  # what a replay does not store stays as it is
+    _probe(cr, b, 0, ws=ws, out=out)
+    assert_replays_from_a_cuda_graph(lambda: _probe(cr, b, 0, ws=ws, out=out), out, ws)
+
+
 def test_a_one_query_chunk_counts_its_row_twice():
     """collect2's mode on a chunk of one query: twice the separate kernel's row (same top-k)."""
     cr = _cute()
@@ -115,6 +183,7 @@ def test_warm_up_compiles_the_engine_variants():
     cr = _cute()
     cr.warm_up(32, 8, 128, torch.bfloat16, 16, "cuda")
     assert cr.is_warm(32, 8, 128, torch.bfloat16, 16) and not cr.is_warm(32, 8, 128, torch.float16, 16)
+    assert not cr.is_warm(32, 8, 128, torch.bfloat16, 16, probe=False)
 
 
 # -- the engine ---------------------------------------------------------------------------------

@@ -93,18 +93,21 @@ import math
 import torch
 
 from .fa3_scores import attention_reason, sm90_reason
+from .probe_queries import pack_probe_queries, probe_tokens
 
 __all__ = [
     "EDGES",
     "FIRST",
     "HEAD_DIMS",
     "MAX_ADDENDS",
+    "PROBE",
     "SCORE_TILE",
     "WARM_SPLITS",
     "empty_split_count",
     "is_warm",
     "kernel_class",
     "padded_len",
+    "probe_attention",
     "reference_rowsum",
     "row_mode",
     "row_weights",
@@ -117,6 +120,8 @@ __all__ = [
 
 #: row modes: the chunk's first and last query (collect2), or the first alone (last_token)
 EDGES, FIRST = "edges", "first"
+#: the probe kernel: the scores are the probe rows of the tile (:mod:`vegas.kernels.probe_queries`), stored as they are
+PROBE = "probe"
 #: the query tile (one MMA warpgroup of 4 warps x 16 rows: what FA3 picks for decode) and the key tile
 SCORE_TILE = (64, 128)
 #: accumulator rows per warp of the 64-row tile
@@ -199,19 +204,22 @@ def scored_warps(chunk_len: int, group: int, mode: str) -> int:
 def unsupported_reason(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, max_query_len: int,
                        *, mode: str = EDGES, max_chunk: int | None = None, block_size: int = 16,
                        sliding_window=None, softcap: float | None = None, alibi_slopes=None, sinks=None,
-                       kv_cache_dtype: str = "auto") -> str | None:
-    """Why a verification call of this shape does not take the rowsum path, or None when it does.
+                       kv_cache_dtype: str = "auto", probe: bool = True) -> str | None:
+    """Why a verification call of this shape does not take the CuTe score path, or None when it does.
 
     Covered: bf16/fp16, head_dim in :data:`HEAD_DIMS`, whole query groups per KV head, causal
     attention without window, soft-capping, ALiBi, sinks or quantized cache, a paged cache read
-    without TMA (``block_size`` other than the key tile, 128), a decode-shaped batch
-    (``1 <= max_query_len <= max_chunk`` and ``max_query_len * G <= 64``: one query tile), and at
-    most :data:`MAX_ADDENDS` warps adding to a score for every chunk length up to
+    without TMA (``block_size`` other than the key tile, 128), a decode-shaped batch whose rows
+    fit one query tile: ``1 <= max_query_len <= max_chunk`` and ``(P + max_query_len) * G <= 64``
+    with ``P`` = :func:`~vegas.kernels.probe_queries.probe_tokens` probe tokens
+    (:func:`probe_attention`); for :func:`rowsum_attention` (``probe=False``) ``max_query_len * G
+    <= 64`` and at most :data:`MAX_ADDENDS` warps adding to a score for every chunk length up to
     ``max_query_len`` (:func:`scored_warps`; deterministic sums).
 
     Args:
         max_chunk: longest chunk whose scored rows are the chunk's own first/last (γ + 1: the
             selector scores the last γ + 1 queries of a longer chunk); None: no bound.
+        probe: the probe kernel (the engine's), else the rowsum's limits.
     """
     if dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {dtype} (bf16 or fp16)"
@@ -222,11 +230,17 @@ def unsupported_reason(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype
     if reason is not None:
         return reason
     if block_size == SCORE_TILE[1]:
-        return f"block_size {block_size} (the kernel's TMA paged path, not compiled for the rowsum)"
+        return f"block_size {block_size} (the kernel's TMA paged path, not compiled for the CuTe score path)"
     group = num_q_heads // num_kv_heads
-    longest = SCORE_TILE[0] // group if max_chunk is None else min(max_chunk, SCORE_TILE[0] // group)
+    probes = probe_tokens(group) if probe else 0
+    fits = SCORE_TILE[0] // group - probes
+    longest = fits if max_chunk is None else min(max_chunk, fits)
     if not 1 <= max_query_len <= longest:
-        return f"max_query_len {max_query_len} (decode-shaped verification: 1..{longest} at group {group})"
+        extra = f" after {probes} probe tokens" if probe else ""
+        return (f"max_query_len {max_query_len} (decode-shaped verification: 1..{max(longest, 0)} at group "
+                f"{group}{extra}, one {SCORE_TILE[0]}-row query tile)")
+    if probe:
+        return None
     warps = max(scored_warps(c, group, mode) for c in range(1, max_query_len + 1))
     if warps > MAX_ADDENDS:
         return (f"{warps} warps would add to each score at group {group}, up to {max_query_len} queries "
@@ -257,8 +271,8 @@ def unavailable_reason() -> str | None:
 def kernel_class(mode: str = EDGES):
     """:class:`RowsumSm90` for ``mode`` (:data:`EDGES` or :data:`FIRST`), built on first use: imports
     vLLM's CuTe package and the CuTe DSL (ImportError without them)."""
-    if mode not in (EDGES, FIRST):
-        raise ValueError(f"row mode {mode!r} (one of {EDGES!r}, {FIRST!r})")
+    if mode not in (EDGES, FIRST, PROBE):
+        raise ValueError(f"row mode {mode!r} (one of {EDGES!r}, {FIRST!r}, {PROBE!r})")
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32, const_expr
@@ -277,6 +291,20 @@ def kernel_class(mode: str = EDGES):
             [gmem_ptr.toint(loc=loc, ip=ip).ir_value(), Float32(a).ir_value(loc=loc, ip=ip),
              Float32(b).ir_value(loc=loc, ip=ip)],
             "red.global.add.v2.f32 [$0], {$1, $2};",
+            "l,f,f",
+            has_side_effects=True,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+
+    @dsl_user_op
+    def st_f32x2(a, b, gmem_ptr, *, loc=None, ip=None):
+        """``st.global.v2.f32``: two adjacent floats, one 8-byte store."""
+        llvm.inline_asm(
+            None,
+            [gmem_ptr.toint(loc=loc, ip=ip).ir_value(), Float32(a).ir_value(loc=loc, ip=ip),
+             Float32(b).ir_value(loc=loc, ip=ip)],
+            "st.global.v2.f32 [$0], {$1, $2};",
             "l,f,f",
             has_side_effects=True,
             is_align_stack=False,
@@ -302,7 +330,12 @@ def kernel_class(mode: str = EDGES):
                         f"rowsum: unexpected accumulator layout (thread {t}, element {c}: column {col})")
         if ncol * 4 != tile_n or tile_n % 64:
             raise NotImplementedError(f"rowsum: needs tile_n a multiple of 64 with 4 columns per 8, got {tile_n}")
-        LAYOUT_CHECK.append(f"checked: 128 threads x {ncol} columns")
+        for t in range(128):  # rows 16 w + l // 4 + 8 r: rows 0 and 8 (the probe's) are lanes 0-3 of warp 0
+            tScS = layout_utils.reshape_acc_to_mn(tiled_mma.get_slice(t).partition_C(cS))
+            rows = [tScS[r, 0][0] for r in range(cute.size(tScS.shape[0]))]
+            if rows != [16 * (t // 32) + (t % 32) // 4 + 8 * r for r in range(2)]:
+                raise NotImplementedError(f"rowsum: unexpected accumulator rows (thread {t}: rows {rows})")
+        LAYOUT_CHECK.append(f"checked: 128 threads x 2 rows x {ncol} columns")
 
     @cute.jit
     def rowsum_tile(acc_S: cute.Tensor, thr_mma, out: cute.Tensor, batch_idx: Int32, head_idx: Int32,
@@ -356,6 +389,25 @@ def kernel_class(mode: str = EDGES):
                     red_add_f32x2(v[2 * t] * scale, second,
                                   fa_utils.elem_pointer(out, (batch_idx, head_idx, col)))
 
+    @cute.jit
+    def probe_tile(acc_S: cute.Tensor, thr_mma, out: cute.Tensor, batch_idx: Int32, head_idx: Int32,
+                   m_block: Int32, n_block: Int32, n_block_min: Int32, seqlen_q: Int32, seqlen_k: Int32,
+                   tile_m: cutlass.Constexpr[int], tile_n: cutlass.Constexpr[int], probes: cutlass.Constexpr[int]):
+        """Lanes 0-3 of warp 0 hold rows 0 and 8 of the tile (the probe's hi and lo parts,
+        :mod:`vegas.kernels.probe_queries`): they store hi + lo for the block's keys before the
+        chunk, one 8-byte store per column pair; every other thread does nothing."""
+        acc = layout_utils.reshape_acc_to_mn(acc_S)
+        cS = cute.make_identity_tensor((tile_m, tile_n))
+        tScS = layout_utils.reshape_acc_to_mn(thr_mma.partition_C(cS))
+        npair = const_expr(cute.size(tScS.shape[1]) // 2)
+        if m_block == 0 and tScS[0, 0][0] == 0 and n_block >= n_block_min and seqlen_q > probes:
+            ctx = seqlen_k - seqlen_q + probes  # keys before the chunk (the probes are not in it)
+            for t in cutlass.range_constexpr(npair):
+                col = n_block * tile_n + tScS[0, 2 * t][1]
+                if col < ctx:
+                    st_f32x2(acc[0, 2 * t] + acc[1, 2 * t], acc[0, 2 * t + 1] + acc[1, 2 * t + 1],
+                             fa_utils.elem_pointer(out, (batch_idx, head_idx, col)))
+
     class _RowsumMask:
         """An ``AttentionMask`` whose ``apply_mask`` first adds the tile's scored rows to ``out``."""
 
@@ -371,6 +423,11 @@ def kernel_class(mode: str = EDGES):
             if not aux:
                 raise RuntimeError("rowsum: the score buffer must be aux_tensors[0]")
             k = self._kernel
+            if mode == PROBE:
+                probe_tile(acc_S, kwargs["thr_mma"], aux[0], kwargs["batch_idx"], kwargs["head_idx"],
+                           kwargs["m_block"], kwargs["n_block"], self._state["n_block_min"], self._inner.seqlen_q,
+                           self._inner.seqlen_k, k.tile_m, k.tile_n, probe_tokens(k.qhead_per_kvhead))
+                return self._inner.apply_mask(*args, **kwargs)
             rowsum_tile(acc_S, kwargs["thr_mma"], aux[0], kwargs["batch_idx"], kwargs["head_idx"],
                         kwargs["m_block"], kwargs["n_block"], self._state["n_block_min"],
                         self._inner.seqlen_q, self._inner.seqlen_k, self._state["scale"],
@@ -416,7 +473,7 @@ def kernel_class(mode: str = EDGES):
 
 
 #: compile caches of the rowsum kernels per row mode (kept apart from vLLM's, whose key does not name the class)
-_CACHES: dict[str, dict] = {EDGES: {}, FIRST: {}}
+_CACHES: dict[str, dict] = {EDGES: {}, FIRST: {}, PROBE: {}}
 
 
 @contextlib.contextmanager
@@ -470,6 +527,40 @@ def rowsum_attention(q, k, v, out, scores, cu_seqlens_q, seqused_k, max_seqlen_q
                    num_splits=num_splits, out=out, tile_mn=tile_mn, aux_tensors=[scores], _arch=_arch)
 
 
+def probe_attention(q, k, v, out, scores, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k, page_table,
+                    softmax_scale, num_splits=0, tile_mn=SCORE_TILE, mode=EDGES, _arch=None):
+    """vLLM's CuTe-DSL varlen paged forward (causal, PackGQA) into ``out``, with each request's
+    probe tokens in front of its chunk (:func:`~vegas.kernels.probe_queries.pack_probe_queries`),
+    whose logits the kernel stores into ``scores``: the scored rows' logits summed over each KV
+    head's query heads, as :func:`rowsum_attention` adds them, with plain stores (no atomics, no
+    zeroing, deterministic).
+
+    Args: as :func:`rowsum_attention`, except ``scores`` (float32 ``(num_seqs, num_kv_heads, L)``,
+        ``L`` a multiple of 4 and ``>= max_seqlen_k``) need not be zeroed: positions ``p <
+        seqused_k[b] - chunk_len[b]`` of every request with a non-empty chunk are written, nothing
+        else; ``mode`` says which rows the probe sums (:func:`row_weights`).
+
+    Returns:
+        ``out``.
+
+    Raises:
+        ValueError: ``scores`` of the wrong dtype or shape.
+        ImportError: vLLM's CuTe attention or the CuTe DSL is missing (:func:`unavailable_reason`).
+    """
+    if scores.dtype != torch.float32 or scores.dim() != 3 or scores.stride(-1) != 1 or scores.shape[-1] % 4:
+        raise ValueError(f"scores: float32 (batch, kv_heads, L a multiple of 4) with a contiguous last dim, got "
+                         f"{scores.dtype} {tuple(scores.shape)} stride {scores.stride()}")
+    num_kv_heads = k.shape[2]
+    probes = probe_tokens(q.shape[1] // num_kv_heads)
+    packed, cu_packed, rows = pack_probe_queries(q, cu_seqlens_q, num_kv_heads, softmax_scale, mode == EDGES)
+    out_packed = torch.empty_like(packed)
+    with _rowsum_kernel_installed(PROBE) as fwd:
+        fwd(packed, k, v, cu_seqlens_q=cu_packed, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q + probes,
+            max_seqlen_k=max_seqlen_k, page_table=page_table, softmax_scale=softmax_scale, causal=True,
+            num_splits=num_splits, out=out_packed, tile_mn=tile_mn, aux_tensors=[scores], _arch=_arch)
+    return torch.index_select(out_packed, 0, rows, out=out)
+
+
 def reference_rowsum(q, k_cache, page_table, cu_seqlens_q, seqused_k, qlen, scale, length, mode=EDGES):
     """Torch reference of :func:`rowsum_attention`'s ``scores`` for chunks of ``qlen`` queries:
     ``(num_seqs, num_kv_heads, length)`` float32, zero past each request's context (``seqused_k - qlen``)."""
@@ -488,7 +579,8 @@ def reference_rowsum(q, k_cache, page_table, cu_seqlens_q, seqused_k, qlen, scal
 
 
 def warm_up(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int, device,
-            *, mode: str = EDGES, splits=WARM_SPLITS, qlen: int = 2, ctx: int = 300, _arch=None) -> None:
+            *, mode: str = EDGES, probe: bool = True, splits=WARM_SPLITS, qlen: int = 2, ctx: int = 300,
+            _arch=None) -> None:
     """Compile (by calling them once on a tiny batch) every variant an engine of this shape can
     call: unsplit, split, and the combine kernel of each split bucket. Call it outside CUDA-graph
     capture; afterwards :func:`is_warm` is True for the shape. Also the compile check of
@@ -496,6 +588,8 @@ def warm_up(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dty
 
     Args:
         device: where the tiny batch lives (``cuda``).
+        mode: the scored rows; probe: :func:`probe_attention` (the engine's), else
+            :func:`rowsum_attention`.
         splits: split counts to call (:data:`WARM_SPLITS`: every combine bucket); qlen, ctx:
             the tiny batch (one request, ``ctx`` cached tokens, ``qlen`` queries).
 
@@ -510,13 +604,15 @@ def warm_up(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dty
     seq_lens = torch.tensor([ctx + qlen], dtype=torch.int32, device=device)
     table = torch.arange(pages, dtype=torch.int32, device=device)[None]
     scores = torch.zeros(1, num_kv_heads, padded_len(ctx + qlen), device=device)
+    attend = probe_attention if probe else rowsum_attention
     for num_splits in splits:
-        rowsum_attention(q, k, v, torch.empty_like(q), scores, cu, seq_lens, qlen, ctx + qlen, table,
-                         head_dim**-0.5, num_splits=num_splits, mode=mode, _arch=_arch)
-    _WARM.add((dtype, num_q_heads, num_kv_heads, head_dim, block_size, mode))
+        attend(q, k, v, torch.empty_like(q), scores, cu, seq_lens, qlen, ctx + qlen, table, head_dim**-0.5,
+               num_splits=num_splits, mode=mode, _arch=_arch)
+    _WARM.add((dtype, num_q_heads, num_kv_heads, head_dim, block_size, PROBE if probe else mode))
 
 
 def is_warm(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int,
-            mode: str = EDGES) -> bool:
-    """Whether :func:`warm_up` compiled this shape's variants in this process."""
-    return (dtype, num_q_heads, num_kv_heads, head_dim, block_size, mode) in _WARM
+            mode: str = EDGES, probe: bool = True) -> bool:
+    """Whether :func:`warm_up` compiled this shape's variants in this process (the probe kernel
+    serves every row mode)."""
+    return (dtype, num_q_heads, num_kv_heads, head_dim, block_size, PROBE if probe else mode) in _WARM

@@ -1,26 +1,28 @@
-"""Verification attention through vLLM's CuTe-DSL forward with the scores summed in registers
-(opt-in ``VegasConfig.vllm.score_path="cute"``; issue 22).
+"""Verification attention through vLLM's CuTe-DSL forward with the selection scores from the
+same QK product (opt-in ``VegasConfig.vllm.score_path="cute"``; issue 22).
 
 The same decisions as the FA3 extension's path (:class:`~.fa3_verify.FA3ScoreVerify`, its base:
 per forward at the first layer; a layer it does not cover is scored alone by the separate
-kernel; one log line says which path runs), with the rowsum kernel of
+kernel; one log line says which path runs), with the probe kernel of
 :mod:`vegas.kernels.cute_rowsum` instead of a built extension. Each layer of a covered forward:
 
-1. :func:`~vegas.kernels.cute_rowsum.rowsum_attention` writes the attention into vLLM's output
-   tensor (FlashAttention's CuTe-DSL sm90 forward with the 64-row tile, not vLLM's FA3: greedy
-   output equals plain vLLM's up to bf16 near-ties) and adds the scored rows' logits, summed
-   over each KV head's query heads, into a ``(num_seqs, num_kv_heads, L)`` float32 buffer;
+1. :func:`~vegas.kernels.cute_rowsum.probe_attention` puts each request's probe tokens (the
+   scored queries summed over each KV head's query heads, :mod:`vegas.kernels.probe_queries`)
+   in front of its chunk, runs FlashAttention's CuTe-DSL sm90 forward with the 64-row tile (not
+   vLLM's FA3: greedy output equals plain vLLM's up to bf16 near-ties), stores the probe rows'
+   logits into a ``(num_seqs, num_kv_heads, L)`` float32 buffer and gathers the chunk's
+   attention output back into vLLM's output tensor;
 2. :func:`~vegas.kernels.triton_score_reduce.reduce_head_scores` sums the KV heads in a fixed
-   order into the layer's score row (``-inf`` from ``ctx_sel`` on) and zeroes the buffer for the
-   next layer (the kernel adds with atomics).
+   order into the layer's score row (``-inf`` from ``ctx_sel`` on).
 
 Covered: collect2 (the chunk's first and last query; a one-query chunk counts its row twice: its
 score row is exactly twice the separate kernel's, its top-k the same) and last_token (the first
-query alone); a decode-shaped batch (``max_query_len <= γ + 1`` and ``max_query_len * G <= 64``);
-bf16/fp16, head_dim 64 or 128, no window, soft-capping, ALiBi, sinks, FP8 cache or DCP; and at
-most two warps adding to each score for every chunk length of the batch, so that the atomic sums
-do not depend on timing (:func:`~vegas.kernels.cute_rowsum.unsupported_reason`). Other forwards
-take FA3 and the separate score pass (not the FA3 extension, even where it loads).
+query alone); a decode-shaped batch whose probe tokens and chunk fit one 64-row query tile
+(``(P + max_query_len) * G <= 64``, ``max_query_len <= γ + 1``); bf16/fp16, head_dim 64 or 128,
+no window, soft-capping, ALiBi, sinks, FP8 cache or DCP
+(:func:`~vegas.kernels.cute_rowsum.unsupported_reason`). Other forwards take FA3 and the
+separate score pass (not the FA3 extension, even where it loads). Plain stores, no atomics: the
+scores are deterministic.
 
 CUDA graphs: the kernel JIT-compiles on first use, which must not happen inside stream capture.
 :meth:`CuteRowsumVerify.warm` compiles every variant of the engine's shape (unsplit, split, each
@@ -49,7 +51,7 @@ class CuteRowsumVerify(FA3ScoreVerify):
     """Per-process state of the CuTe rowsum score path."""
 
     KIND = "cute"
-    ANNOUNCE = ("verification scores from the CuTe-DSL attention, summed in registers "
+    ANNOUNCE = ("verification scores from the CuTe-DSL attention's own QK product, through probe queries "
                 "(vllm.score_path=cute: one pass over the keys)")
 
     def __init__(self) -> None:
@@ -81,8 +83,8 @@ class CuteRowsumVerify(FA3ScoreVerify):
             query.shape[1], impl.num_kv_heads, query.shape[2], query.dtype, 1, **attention_kwargs(impl))
 
     def shape_reason(self, state, impl, query: torch.Tensor, attn_metadata) -> str | None:
-        """A prefill chunk, a chunk longer than γ + 1, or a batch whose sums would not be
-        deterministic (:func:`~vegas.kernels.cute_rowsum.unsupported_reason`)."""
+        """A prefill chunk, a chunk longer than γ + 1, or probe tokens and chunk that do not fit
+        one query tile (:func:`~vegas.kernels.cute_rowsum.unsupported_reason`)."""
         return cute_rowsum.unsupported_reason(
             query.shape[1], impl.num_kv_heads, query.shape[2], query.dtype, int(attn_metadata.max_query_len),
             mode=self.mode, max_chunk=state.gamma + 1, block_size=state.block_size)
@@ -95,12 +97,12 @@ class CuteRowsumVerify(FA3ScoreVerify):
         :meth:`warm` did not run before); a captured forward of a shape not compiled takes
         today's path."""
         shape = self._shape(state, impl, query)
-        if cute_rowsum.is_warm(*shape, mode=self.mode):
+        if cute_rowsum.is_warm(*shape):
             return True
         if state.capturing(query):
             return False
         self.warm(state, *shape, device=query.device)
-        return cute_rowsum.is_warm(*shape, mode=self.mode)
+        return cute_rowsum.is_warm(*shape)
 
     def warm(self, state, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int,
              device) -> None:
@@ -113,23 +115,24 @@ class CuteRowsumVerify(FA3ScoreVerify):
         if cute_rowsum.unsupported_reason(num_q_heads, num_kv_heads, head_dim, dtype, 1, mode=self.mode,
                                           block_size=block_size) is not None:
             return
-        if cute_rowsum.is_warm(num_q_heads, num_kv_heads, head_dim, dtype, block_size, mode=self.mode):
+        if cute_rowsum.is_warm(num_q_heads, num_kv_heads, head_dim, dtype, block_size):
             return
         started = time.perf_counter()
         try:
             cute_rowsum.warm_up(num_q_heads, num_kv_heads, head_dim, dtype, block_size, device, mode=self.mode)
         except Exception as e:  # a DSL or compile error: today's path, said once
-            self.warm_reason = f"the CuTe rowsum did not compile ({type(e).__name__}: {str(e)[:200]})"
+            self.warm_reason = f"the CuTe probe kernel did not compile ({type(e).__name__}: {str(e)[:200]})"
             log.warning("vegas: %s", self.warm_reason)
             return
-        log.info("vegas: compiled the CuTe rowsum (%d q / %d kv heads x %d, %s, rows %s) in %.0f s", num_q_heads,
-                 num_kv_heads, head_dim, dtype, self.mode, time.perf_counter() - started)
+        log.info("vegas: compiled the CuTe probe kernel (%d q / %d kv heads x %d, %s) in %.0f s", num_q_heads,
+                 num_kv_heads, head_dim, dtype, time.perf_counter() - started)
 
     def prepare(self, state, plan, attn_metadata, num_kv_heads: int, device) -> None:
-        """This forward's score rows and the zeroed buffer the kernel adds into."""
+        """This forward's score rows and the buffer the kernel stores the probe logits into
+        (every position a layer's reduce reads is stored first: no zeroing)."""
         n = plan.num_seqs
         self.scores = torch.empty((state.num_layers, n, plan.max_len), dtype=torch.float32, device=device)
-        self.ws = torch.zeros((n, num_kv_heads, cute_rowsum.padded_len(plan.max_len)), dtype=torch.float32,
+        self.ws = torch.empty((n, num_kv_heads, cute_rowsum.padded_len(plan.max_len)), dtype=torch.float32,
                               device=device)
         self.cu = attn_metadata.query_start_loc[: n + 1]
 
@@ -138,12 +141,12 @@ class CuteRowsumVerify(FA3ScoreVerify):
         n = attn_metadata.num_actual_tokens
         seqs = attn_metadata.query_start_loc.shape[0] - 1  # the CuTe interface checks every batch dim
         key_cache, value_cache = kv_cache.unbind(1)
-        cute_rowsum.rowsum_attention(
+        cute_rowsum.probe_attention(
             query[:n], key_cache, value_cache, output[:n], self.ws[:seqs], attn_metadata.query_start_loc,
             attn_metadata.seq_lens[:seqs], int(attn_metadata.max_query_len), int(attn_metadata.max_seq_len),
             attn_metadata.block_table[:seqs], impl.scale, mode=self.mode,
         )
-        reduce_head_scores(self.ws.permute(1, 0, 2), self.scores[row], self.cu, plan.ctx_sel, clear=True)
+        reduce_head_scores(self.ws.permute(1, 0, 2), self.scores[row], self.cu, plan.ctx_sel)
 
 
 def make_score_verify(score_path: str) -> FA3ScoreVerify:
