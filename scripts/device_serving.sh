@@ -113,6 +113,18 @@ case ${1:-} in
         | tee -a "$OUT/cute_bench.log" | tail -30 ;;
     esac
     ;;
+  cute-e2e)  # issue 22 end to end: vegas bench, SmolLM2 7,680 tokens, batch CUTE_BATCH (128), collect2 with
+             # today's score path, then with vllm.score_path="cute" (each run has its own plain rows)
+    for tag in auto cute; do
+      opt='{}'; [ $tag = cute ] && opt='{"score_path": "cute"}'
+      t0=$(date +%s)
+      timeout ${CUTE_E2E_S:-290} python3 -c "from vegas.cli import main; main()" bench --backend vllm --model "$MODEL" \
+        --selectors collect2 --context 7680 --batch-size ${CUTE_BATCH:-128} --new-tokens 256 --top-p 1 --repeats 3 \
+        --vllm-options "$opt" --json "$OUT/e2e_$tag.json" 2>&1 | grep -v "it/s\]" > "$OUT/e2e_$tag.log"
+      echo "[e2e $tag] $(( $(date +%s) - t0 )) s"
+      grep -E "^\||score_path|CuTe|Error" "$OUT/e2e_$tag.log" | tail -14
+    done
+    ;;
   cute-tests)  # issue 22: the CuTe score path's GPU tests, probe and rowsum (kernel, then engine; the .device/cute parts
                # installed after the vLLM bundle); logs: $OUT/cute_<name>.log, the summary line of each
     for t in ${2:-kernel engine}; do
