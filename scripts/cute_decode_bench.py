@@ -351,7 +351,19 @@ def run_case(model, ctx, seqs, qlen, args):
         def fn():
             for layer in range(layers):
                 call(layer, out_cute)
-        return fn
+        if not args.graphs:
+            return fn
+        fn()  # compiled and warm before the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                fn()
+        except Exception as e:  # a variant that cannot be captured: timed eagerly, said
+            print(f"  (a CUDA graph failed: {type(e).__name__}: {str(e)[:300]}; timed without)", flush=True)
+            torch.cuda.synchronize()
+            return fn
+        return graph.replay
 
     res = interleaved({n: step(c) for n, c in calls.items()}, args.reps, args.iters)
     med = {n: statistics.median(v) for n, v in res.items()}
@@ -363,7 +375,7 @@ def run_case(model, ctx, seqs, qlen, args):
     for n, v in res.items():
         print(f"  {n:<10}{med[n]:10.3f}{f'{min(v):.3f}-{max(v):.3f}':>20}{med[n] / med['fa3']:8.3f}"
               f"{kv_bytes / med[n] / 1e9:8.2f}", flush=True)
-        rows.append(dict(case=title, model=model, ctx=ctx, batch=seqs, qlen=qlen, variant=n, ms=med[n],
+        rows.append(dict(case=title, model=model, ctx=ctx, batch=seqs, qlen=qlen, graphs=args.graphs, variant=n, ms=med[n],
                          ms_all=v, x_fa3=med[n] / med["fa3"], tbps=kv_bytes / med[n] / 1e9,
                          first_call_s=first.get(n)))
     b.clear()  # free the caches before the next case (the timing closures hold the dict)
@@ -387,6 +399,9 @@ def main() -> int:
                     help="leave out the variants with the score-writing score_mod")
     ap.add_argument("--no-rowsum", dest="rowsum", action="store_false",
                     help="leave out cute/m64+rowsum (the in-register score sums, vegas/kernels/cute_rowsum.py)")
+    ap.add_argument("--graphs", action="store_true",
+                    help="time each variant's step as one CUDA-graph replay (as vLLM runs decode; without it the "
+                         "CuTe DSL's host overhead per call, ~0.1 ms, bounds small steps)")
     ap.add_argument("--json", help="write every row here")
     args = ap.parse_args()
     for flag, values in (("--ctx", args.ctx), ("--batch", args.batch), ("--qlen", args.qlen)):

@@ -275,7 +275,7 @@ def kernel_class(mode: str = EDGES):
         raise ValueError(f"row mode {mode!r} (one of {EDGES!r}, {FIRST!r}, {PROBE!r})")
     import cutlass
     import cutlass.cute as cute
-    from cutlass import Float32, Int32, const_expr
+    from cutlass import Float32, Int32, Int64, const_expr
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import dsl_user_op
     from quack import layout_utils
@@ -298,11 +298,11 @@ def kernel_class(mode: str = EDGES):
         )
 
     @dsl_user_op
-    def st_f32x2(a, b, gmem_ptr, *, loc=None, ip=None):
-        """``st.global.v2.f32``: two adjacent floats, one 8-byte store."""
+    def st_f32x2(a, b, addr, *, loc=None, ip=None):
+        """``st.global.v2.f32``: two adjacent floats at the 64-bit address ``addr``, one 8-byte store."""
         llvm.inline_asm(
             None,
-            [gmem_ptr.toint(loc=loc, ip=ip).ir_value(), Float32(a).ir_value(loc=loc, ip=ip),
+            [Int64(addr).ir_value(loc=loc, ip=ip), Float32(a).ir_value(loc=loc, ip=ip),
              Float32(b).ir_value(loc=loc, ip=ip)],
             "st.global.v2.f32 [$0], {$1, $2};",
             "l,f,f",
@@ -402,11 +402,16 @@ def kernel_class(mode: str = EDGES):
         npair = const_expr(cute.size(tScS.shape[1]) // 2)
         if m_block == 0 and tScS[0, 0][0] == 0 and n_block >= n_block_min and seqlen_q > probes:
             ctx = seqlen_k - seqlen_q + probes  # keys before the chunk (the probes are not in it)
-            for t in cutlass.range_constexpr(npair):
-                col = n_block * tile_n + tScS[0, 2 * t][1]
-                if col < ctx:
-                    st_f32x2(acc[0, 2 * t] + acc[1, 2 * t], acc[0, 2 * t + 1] + acc[1, 2 * t + 1],
-                             fa_utils.elem_pointer(out, (batch_idx, head_idx, col)))
+            col = n_block * tile_n + tScS[0, 0][1]  # the lane's first column; pair t starts at col + 8 t
+            addr = fa_utils.elem_pointer(out, (batch_idx, head_idx, col)).toint()
+            if n_block * tile_n + tile_n <= ctx:  # the whole block is before the chunk: no per-pair test
+                for t in cutlass.range_constexpr(npair):
+                    st_f32x2(acc[0, 2 * t] + acc[1, 2 * t], acc[0, 2 * t + 1] + acc[1, 2 * t + 1], addr + 32 * t)
+            else:
+                for t in cutlass.range_constexpr(npair):
+                    if col + 8 * t < ctx:
+                        st_f32x2(acc[0, 2 * t] + acc[1, 2 * t], acc[0, 2 * t + 1] + acc[1, 2 * t + 1],
+                                 addr + 32 * t)
 
     class _RowsumMask:
         """An ``AttentionMask`` whose ``apply_mask`` first adds the tile's scored rows to ``out``."""
