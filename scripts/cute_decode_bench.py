@@ -20,18 +20,13 @@ no nvcc), but only if its decode is as fast as FA3's. This measures that, per st
   verification logits written from inside the attention, the point of issue 22 — checked against
   a reference of those logits on layer 0; each layer's call also sums the buffer over rows and
   heads into its ``(batch, max_len)`` score row (the reduce a backend would run);
-- ``cute/m64+rowsum``: the 64-row tile with the score sums taken from the QK tile in registers
-  (:mod:`vegas.kernels.cute_rowsum`: a subclass of vLLM's ``FlashAttentionForwardSm90``; per layer
-  ``out[b, kv_head, p]`` = the first and last query rows' logits summed over the group's heads, for
-  keys before the chunk, added with one vector atomic per warp and column; no ``score_mod``, so
-  the attention output is the plain kernel's), into a per-step ``(layers, batch, kv_heads, L)``
-  buffer zeroed at layer 0; checked against a torch reference on layer 0 (unsplit or the split
-  heuristic's count, and once more with a split count that leaves an empty split);
 - ``cute/m64+probe``: the 64-row tile with the probe tokens in front of each chunk
   (:mod:`vegas.kernels.probe_queries`: the scored rows summed over the group's heads, scaled, as
   one query row per KV head, split into a bf16 hi and lo row); the kernel stores those rows'
-  logits (8-byte stores from 4 lanes, no reduction, no atomics) and the output is gathered back;
-  checked against the same reference (:func:`vegas.kernels.cute_rowsum.probe_attention`);
+  logits (8-byte stores from 4 lanes, no reduction, no atomics) and the output is gathered back
+  (:func:`vegas.kernels.cute_probe.probe_attention`); checked against a torch reference on layer 0
+  (unsplit or the split heuristic's count, and once more with a split count that leaves an empty
+  split) and its output against ``cute/m64``'s, bit for bit;
 - ``fa3+score``: what the vLLM backend runs today, FA3 per layer, the collect queries gathered per
   layer and the separate all-layers score kernel (:mod:`vegas.kernels.triton_score`) at the end:
   the figure a ``+scores`` variant must beat.
@@ -46,10 +41,12 @@ carry-able parts of them, see csrc/README.md).
 
 Measured on an H200 on 2026-12-02 (benchmarks/results/cute_h200_2026-12-02): every ``+scores``
 variant lost to ``fa3+score``, so the vLLM backend's opt-in CuTe score path (``vllm.cute_scores``)
-was removed; it is at commit 919ef0f. ``cute/m64+rowsum`` (benchmarks/results/cute_rowsum_h200_2026-12-02)
-beats it at head_dim 128 and is the backend's opt-in ``vllm.score_path="cute"``.
+was removed; it is at commit 919ef0f. On 2026-12-04 (benchmarks/results/cute_probe_h200_2026-12-04,
+``--graphs``) ``cute/m64+probe`` beat ``fa3+score`` at head_dim 128 (1.09-1.16x FA3 against
+1.35-1.43x) and lost at 64 (1.22x / 1.37x against 1.20x / 1.24x); the in-register row sums it
+replaced (``cute/m64+rowsum``, commit 204ff6d) measured 1.02-1.12x and 1.21x / 1.41x.
 
-    python scripts/cute_decode_bench.py                      # everything (~4 device minutes)
+    python scripts/cute_decode_bench.py --graphs --no-scores   # everything but the score_mod writer
     python scripts/cute_decode_bench.py --case qwen3-8b --ctx 131072 --batch 4 --qlen 5
     python scripts/cute_decode_bench.py --case smollm2 --ctx 7680 --batch 32 --batch 128 --qlen 5   # serving shape
 """
@@ -66,7 +63,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from vegas.kernels import cute_rowsum  # noqa: E402
+from vegas.kernels import cute_probe  # noqa: E402
 from vegas.kernels.device_timer import interleaved  # noqa: E402
 
 PEAK = 4.3e12
@@ -166,34 +163,20 @@ def score_writer(out: torch.Tensor):
     return write_scores
 
 
-def rowsum_call(b, layers, seqs, hkv, num_splits=0):
-    """``(call, buffer)``: a layer call of ``cute/m64+rowsum`` and its per-step score buffer
-    ``(layers, seqs, hkv, L)``; layer 0's call zeroes the buffer (one memset per step)."""
-    buf = torch.empty((layers, seqs, hkv, cute_rowsum.padded_len(b["max_len"])), device="cuda")
-
-    def call(layer, out):
-        if layer == 0:
-            buf.zero_()
-        k, v = b["kv"][layer]
-        cute_rowsum.rowsum_attention(b["q"], k, v, out, buf[layer], b["cu"], b["seq_lens"], b["qlen"],
-                                     b["max_len"], b["bt"], b["scale"], num_splits=num_splits)
-    return call, buf
-
-
 def probe_call(b, layers, seqs, hkv, num_splits=0):
     """``(call, buffer)``: a layer call of ``cute/m64+probe`` (the probe tokens packed in front of
     each chunk, the CuTe kernel storing their logits, the output gathered back) and its per-step
     score buffer ``(layers, seqs, hkv, L)`` (no zeroing: every scored position is stored)."""
-    buf = torch.full((layers, seqs, hkv, cute_rowsum.padded_len(b["max_len"])), float("nan"), device="cuda")
+    buf = torch.full((layers, seqs, hkv, cute_probe.padded_len(b["max_len"])), float("nan"), device="cuda")
 
     def call(layer, out):
         k, v = b["kv"][layer]
-        cute_rowsum.probe_attention(b["q"], k, v, out, buf[layer], b["cu"], b["seq_lens"], b["qlen"],
+        cute_probe.probe_attention(b["q"], k, v, out, buf[layer], b["cu"], b["seq_lens"], b["qlen"],
                                     b["max_len"], b["bt"], b["scale"], num_splits=num_splits)
     return call, buf
 
 
-def rowsum_error(buf, ref, ctx):
+def score_error(buf, ref, ctx):
     """``(relative error, all finite)`` of layer 0's scores in ``buf`` against ``ref`` over the
     scored keys ``[0, ctx)`` (every request of the bench has the same context)."""
     got = buf[0, :, :, :ctx]
@@ -201,12 +184,12 @@ def rowsum_error(buf, ref, ctx):
     return ((got - ref).norm() / ref.norm()).item(), bool(torch.isfinite(got).all())
 
 
-def check_rowsum(b, layers, seqs, hkv, d, ref, splits, out, probe=False):
-    """:func:`rowsum_error` of layer 0's ``cute/m64+rowsum`` (``probe``: ``+probe``) call at ``splits`` splits."""
-    call, buf = (probe_call if probe else rowsum_call)(b, layers, seqs, hkv, num_splits=splits)
+def check_probe(b, layers, seqs, hkv, ref, splits, out):
+    """:func:`score_error` of layer 0's ``cute/m64+probe`` call at ``splits`` splits."""
+    call, buf = probe_call(b, layers, seqs, hkv, num_splits=splits)
     call(0, out)
     torch.cuda.synchronize()
-    return rowsum_error(buf, ref, b["max_len"] - b["qlen"])
+    return score_error(buf, ref, b["max_len"] - b["qlen"])
 
 
 def separate_scores(b, layers, seqs, hq, hkv, d):
@@ -296,12 +279,11 @@ def run_case(model, ctx, seqs, qlen, args):
     if writer is not None:
         calls["cute+scores"] = with_reduce(calls["cute+scores"])
         calls["cute/m64+scores"] = with_reduce(calls["cute/m64+scores"])
-    rowsum_ref = None
-    if args.rowsum:
-        calls["cute/m64+rowsum"], rowsum_buf = rowsum_call(b, layers, seqs, hkv)
+    probe_ref = None
+    if args.probe:
         calls["cute/m64+probe"], probe_buf = probe_call(b, layers, seqs, hkv)
         k0 = b["kv"][0][0]
-        rowsum_ref = cute_rowsum.reference_rowsum(b["q"], k0, b["bt"], b["cu"], b["seq_lens"], qlen, b["scale"],
+        probe_ref = cute_probe.reference_scores(b["q"], k0, b["bt"], b["cu"], b["seq_lens"], qlen, b["scale"],
                                                   b["max_len"])
     calls["fa3+score"] = separate_scores(b, layers, seqs, hq, hkv, d)
     ref = reference_scores(b, 0, hq, hkv) if writer is not None else None
@@ -325,9 +307,8 @@ def run_case(model, ctx, seqs, qlen, args):
         line = f"  {name}: first call {first[name]:.1f} s, max |cute - fa3| = {diff:.2e}"
         if name == "cute/m64":
             out_m64 = out_cute.clone()
-        if name.endswith(("+rowsum", "+probe")):
-            err, finite = rowsum_error(rowsum_buf if name.endswith("+rowsum") else probe_buf, rowsum_ref,
-                                       b["max_len"] - qlen)
+        if name.endswith("+probe"):
+            err, finite = score_error(probe_buf, probe_ref, b["max_len"] - qlen)
             same = "n/a" if out_m64 is None else torch.equal(out_cute, out_m64)
             line += f", scores rel. error {err:.2e} (finite: {finite}), output bitwise = cute/m64: {same}"
         if name.endswith("+scores"):
@@ -336,15 +317,14 @@ def run_case(model, ctx, seqs, qlen, args):
             err = ((scores[want] - ref[want]).norm() / ref[want].norm()).item() if want.any() else float("nan")
             line += f", scores written where expected: {got_ok}, rel. error {err:.2e}"
         print(line, flush=True)
-    empty = cute_rowsum.empty_split_count(-(-b["max_len"] // 128))
-    for name in ("cute/m64+rowsum", "cute/m64+probe"):
-        if not args.rowsum or first.get(name) is None or empty is None:
-            continue
+    empty = cute_probe.empty_split_count(-(-b["max_len"] // 128))
+    if args.probe and first.get("cute/m64+probe") is not None and empty is not None:
         try:
-            err, finite = check_rowsum(b, layers, seqs, hkv, d, rowsum_ref, empty, out_cute, probe=name.endswith("probe"))
-            print(f"  {name} at {empty} splits (one empty): scores rel. error {err:.2e} (finite: {finite})", flush=True)
+            err, finite = check_probe(b, layers, seqs, hkv, probe_ref, empty, out_cute)
+            print(f"  cute/m64+probe at {empty} splits (one empty): scores rel. error {err:.2e} (finite: {finite})",
+                  flush=True)
         except Exception as e:
-            print(f"  {name} at {empty} splits: {type(e).__name__}: {str(e)[:600]}", flush=True)
+            print(f"  cute/m64+probe at {empty} splits: {type(e).__name__}: {str(e)[:600]}", flush=True)
     calls = {n: c for n, c in calls.items() if first.get(n, 0) is not None}
 
     def step(call):
@@ -397,8 +377,8 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--no-scores", dest="scores", action="store_false",
                     help="leave out the variants with the score-writing score_mod")
-    ap.add_argument("--no-rowsum", dest="rowsum", action="store_false",
-                    help="leave out cute/m64+rowsum (the in-register score sums, vegas/kernels/cute_rowsum.py)")
+    ap.add_argument("--no-probe", dest="probe", action="store_false",
+                    help="leave out cute/m64+probe (the probe queries' logits, vegas/kernels/cute_probe.py)")
     ap.add_argument("--graphs", action="store_true",
                     help="time each variant's step as one CUDA-graph replay (as vLLM runs decode; without it the "
                          "CuTe DSL's host overhead per call, ~0.1 ms, bounds small steps)")

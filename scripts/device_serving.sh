@@ -13,7 +13,7 @@
 #   bash scripts/device_serving.sh tests21 [NAMES]  # issue 21's GPU tests, one after another, each with its own
 #                                            # time limit (seeds seeds-invariant seeds-v2 plugin softcap serve invariant
 #                                            # invariant-smollm2 faults; default all; also probe: scripts/invariance_probe.py)
-#   bash scripts/device_serving.sh cute-tests [NAMES]  # issue 22: tests/gpu/test_cute_rowsum_cuda.py (kernel engine)
+#   bash scripts/device_serving.sh cute-tests [NAMES]  # issue 22: tests/gpu/test_cute_probe_cuda.py (kernel engine)
 #   bash scripts/device_serving.sh cute      # issue 22: the CuTe-DSL attention (+ score writer) against FA3 and
 #                                            # FA3 + the separate score pass (scripts/cute_decode_bench.py); needs
 #                                            # the .device/cute parts unpacked after the vLLM bundle
@@ -125,17 +125,17 @@ case ${1:-} in
       grep -E "^\||score_path|CuTe|Error" "$OUT/e2e_$tag.log" | tail -14
     done
     ;;
-  cute-tests)  # issue 22: the CuTe score path's GPU tests, probe and rowsum (kernel, then engine; the .device/cute parts
+  cute-tests)  # issue 22: the CuTe probe path's GPU tests (kernel, then engine; the .device/cute parts
                # installed after the vLLM bundle); logs: $OUT/cute_<name>.log, the summary line of each
     for t in ${2:-kernel engine}; do
       case $t in
         kernel) k="not vllm"; lim=300 ;;
-        engine) k="vllm"; lim=480 ;;
+        engine) k="vllm"; lim=${CUTE_ENGINE_S:-580} ;;
         *) echo "cute-tests: unknown test group $t (kernel engine)" >&2; exit 2 ;;
       esac
       t0=$(date +%s)
       VLLM_WORKER_MULTIPROC_METHOD=spawn timeout $lim python3 -m pytest -q -rs -p no:cacheprovider \
-        tests/gpu/test_cute_rowsum_cuda.py -k "$k" > "$OUT/cute_$t.log" 2>&1; rc=$?
+        tests/gpu/test_cute_probe_cuda.py -k "$k" > "$OUT/cute_$t.log" 2>&1; rc=$?
       echo "[$t] rc=$rc $(( $(date +%s) - t0 )) s: $(grep -E "passed|failed|error|skipped" "$OUT/cute_$t.log" | tail -1)"
     done
     ;;

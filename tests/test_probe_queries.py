@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.kernel_cases import run_interpreted
-from vegas.kernels.cute_rowsum import reference_rowsum
+from vegas.kernels.cute_probe import reference_scores
 from vegas.kernels.probe_queries import PROBE_ROWS, pack_probe_queries, probe_tokens
 
 #: (num_q_heads, num_kv_heads, head_dim): G = 1, 3 (SmolLM2), 4 (Qwen3-8B), 8, 9
@@ -80,7 +80,7 @@ def test_packed_layout_and_probe_values(shape, edges):
 def test_probe_scores_are_the_reference_and_chunks_keep_their_attention(edges):
     """Plain causal attention over the packed batch (PyTorch, float32) stands in for the CuTe
     kernel: rows 0 + 8 of each KV head's tile, before the softmax, are
-    :func:`reference_rowsum`'s scores for the keys before the chunk, and each chunk token's
+    :func:`reference_scores`'s scores for the keys before the chunk, and each chunk token's
     output is the one it gets without the probes."""
     hq, hkv, d = 32, 8, 128
     group, scale = hq // hkv, d**-0.5
@@ -107,12 +107,13 @@ def test_probe_scores_are_the_reference_and_chunks_keep_their_attention(edges):
         got = raw[:, PROBE_ROWS[0], : ctxs[s]] + raw[:, PROBE_ROWS[1], : ctxs[s]]
         cache = k[None]  # one page holding the request
         table = torch.zeros(1, 1, dtype=torch.int32)
-        ref = reference_rowsum(q[int(cu[s]) : int(cu[s + 1])], cache, table, torch.tensor([0, chunks[s]]),
+        ref = reference_scores(q[int(cu[s]) : int(cu[s + 1])], cache, table, torch.tensor([0, chunks[s]]),
                                torch.tensor([ctxs[s] + chunks[s]]), chunks[s], scale, ctxs[s],
                                "edges" if edges else "first")[0]
         assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4)  # a one-query chunk: its row twice in both
         own, _ = attend(q[int(cu[s]) : int(cu[s + 1])], k, v)
-        assert torch.allclose(out_p[rows[int(cu[s]) : int(cu[s + 1])].long()], own, rtol=1e-5, atol=1e-6)
+        assert torch.equal(out_p[rows[int(cu[s]) : int(cu[s + 1])].long()], out_p[a + probes : b])
+        assert torch.allclose(out_p[a + probes : b], own, rtol=1e-5, atol=1e-6)
 
 
 _CHILD = r"""

@@ -88,7 +88,7 @@ def assert_same_scores(scores, want, block_table, ctx_sel, k=64, recent=8, block
 
 
 def kernel_or_skip(module: str):
-    """The score kernel module ``module`` (``vegas.kernels.fa3_scores``, ``.cute_rowsum``) when it
+    """The score kernel module ``module`` (``vegas.kernels.fa3_scores``, ``.cute_probe``) when it
     can run here; the calling test skips otherwise (no CUDA GPU, or its ``unavailable_reason()``)."""
     import importlib
 

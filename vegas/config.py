@@ -174,22 +174,25 @@ class VllmOptions:
         score_path: where a score-based selector's verification scores come from. ``"auto"``
             (default): FA3 with the score output when the optional ``_vegas_fa3_C`` extension
             loads (``VEGAS_FA3_EXT``), else FA3 and the separate score pass over the prefix keys
-            (:mod:`vegas.kernels.triton_score`). ``"cute"``: decode-shaped verification runs
-            through vLLM's CuTe-DSL attention with the scored rows' logits summed in registers
-            (:mod:`vegas.kernels.cute_rowsum`, :mod:`vegas.vllm_plugin.selection.cute_verify`),
-            for collect2 and last_token (others are refused when the engine is configured);
-            calls it does not cover (prefill chunks, a window, soft-capping, FP8 cache, head_dim
-            other than 64/128, a group size whose atomic sums would not be deterministic, a
-            variant not compiled before CUDA-graph capture) take FA3 and the separate pass.
-            Needs an sm90 GPU and ``nvidia-cutlass-dsl[cu13]==4.5.2`` + ``quack-kernels``
-            (``scripts/cute_dsl_bundle.sh``); without them one log line says why and ``"auto"``'s
-            path runs. Its kernels JIT-compile when the engine starts (~12 s each on an H200).
-            Measured on an H200 (``benchmarks/results/cute_rowsum_h200_2026-12-02``, per model
-            step, qlen 5, x FA3): Qwen3-8B shape (head_dim 128), batch 4, 32K context 1.108x
-            against 1.428x for FA3 + the separate pass, 128K 1.233x against 1.453x; SmolLM2 shape
-            (head_dim 64), 7,680 context, batch 32 1.219x against 1.223x (a tie), batch 128
-            1.403x against 1.248x (slower): worth it at head_dim 128, not at 64. Not yet run
-            in an engine on a GPU; opt-in.
+            (:mod:`vegas.kernels.triton_score`). ``"cute"`` (experimental): decode-shaped
+            verification runs through vLLM's CuTe-DSL attention, with probe queries (each
+            request's scored rows summed per KV head) in front of each chunk whose logits the
+            kernel stores (:mod:`vegas.kernels.cute_probe`,
+            :mod:`vegas.vllm_plugin.selection.cute_verify`), for collect2 and last_token (others
+            are refused when the engine is configured); calls it does not cover (prefill chunks,
+            a window, soft-capping, FP8 cache, head_dim other than 64/128, probe tokens and chunk
+            over one 64-row tile, a variant not compiled before CUDA-graph capture) take FA3 and
+            the separate pass. Needs an sm90 GPU and ``nvidia-cutlass-dsl[cu13]==4.5.2`` +
+            ``quack-kernels`` (``scripts/cute_dsl_bundle.sh``); without them one log line says
+            why and ``"auto"``'s path runs. Its kernels JIT-compile when the engine starts (~10 s
+            each on an H200). Kernel measured on an H200
+            (``benchmarks/results/cute_probe_h200_2026-12-04``, per model step in a CUDA graph,
+            qlen 5, x FA3): Qwen3-8B shape (head_dim 128) 128K batch 4 1.092x against 1.429x for
+            FA3 + the separate pass, 32K batch 1 1.159x against 1.349x; SmolLM2 shape (head_dim
+            64), 7,680 context, batch 128 1.372x against 1.241x (slower). In an engine: two of
+            its three GPU engine tests failed on 2026-12-04 (the log was cut by the time limit;
+            a likely cause, the packing kernel compiling again inside CUDA-graph capture, was
+            fixed since, not yet re-run): not for use yet.
         seeded_verification: how the V2 runner verifies the drafts of a request with an
             explicit seed (``SamplingParams.seed``, the OpenAI ``seed`` field).
             ``"rejection"``: vLLM's rejection sampling, as for every other request; the

@@ -62,7 +62,7 @@ def sm90_reason(exact: bool) -> str | None:
 def attention_reason(num_q_heads: int, num_kv_heads: int, *, sliding_window=None, softcap: float | None = None,
                      alibi_slopes=None, sinks=None, kv_cache_dtype: str = "auto") -> str | None:
     """Why a layer's attention is not the plain causal GQA that both score-writing kernels (this
-    extension and :mod:`vegas.kernels.cute_rowsum`) cover (whole query groups per KV head; no
+    extension and :mod:`vegas.kernels.cute_probe`) cover (whole query groups per KV head; no
     window, soft-capping, ALiBi, sinks or quantized cache), or None."""
     if num_q_heads % num_kv_heads:
         return f"{num_q_heads} query heads over {num_kv_heads} KV heads"

@@ -9,7 +9,7 @@ queries (Collect-2-Query, ``vegas.strategies.collect2``; the chunk's first and l
 
 so one extra query row per KV head (the *probe*) carries the whole sum, and a kernel that already
 multiplies every query row of the chunk by every key only has to store that row's logits before
-its softmax (:mod:`vegas.kernels.cute_rowsum`, ``PROBE``). :func:`pack_probe_queries` builds the
+its softmax (:mod:`vegas.kernels.cute_probe`). :func:`pack_probe_queries` builds the
 query tensor with the probes: per request ``P`` = :func:`probe_tokens` probe tokens first, then
 its chunk unchanged. Rows are PackGQA's (``row = token * G + head_in_group``, one query tile per
 KV head): the probe sum, in float32, is split into ``hi = bf16(probe)`` on row 0 and
@@ -45,7 +45,8 @@ def probe_tokens(group: int) -> int:
     return -(-(PROBE_ROWS[1] + 1) // group)
 
 
-@triton.jit
+# the batch sizes vary from step to step: specializing on them would compile again inside a CUDA-graph capture
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens"])
 def _pack_kernel(
     q_ptr, out_ptr, cu_ptr, cu_out_ptr, rows_ptr,
     scale,

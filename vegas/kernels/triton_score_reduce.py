@@ -5,9 +5,8 @@ head into a ``(num_kv_heads, num_seqs, max_len)`` float32 partial; :func:`reduce
 (deterministic, unlike atomics) into the caller's ``(num_seqs, max_len)`` row and writes ``-inf``
 from ``ctx_sel`` on: the convention of the separate score kernel
 (:mod:`vegas.kernels.triton_score`). A request with an empty chunk (a padded request of a captured
-batch) scored nothing and gets 0 before ``ctx_sel``. The CuTe rowsum (:mod:`vegas.kernels.cute_rowsum`)
-adds into its partial with atomics, so it must start at zero: ``clear`` zeroes the partial's rows
-as they are read (the next layer reuses the buffer without a memset).
+batch) scored nothing and gets 0 before ``ctx_sel``. The CuTe probe kernel
+(:mod:`vegas.kernels.cute_probe`) stores its partial the same way.
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ def _score_reduce_kernel(
     stride_pg, stride_ps,
     stride_ss,
     HKV: tl.constexpr,
-    CLEAR: tl.constexpr,  # zero the partial's [0, max_len) after reading it
     BLOCK: tl.constexpr,
 ):
     s = tl.program_id(0)
@@ -46,13 +44,11 @@ def _score_reduce_kernel(
     for g in tl.static_range(HKV):
         src = part_ptr + g * stride_pg + s.to(tl.int64) * stride_ps + offs
         acc += tl.load(src, mask=offs < n_sc, other=0.0)
-        if CLEAR:
-            tl.store(src, tl.zeros([BLOCK], dtype=tl.float32), mask=in_row)
     tl.store(sc_ptr + s.to(tl.int64) * stride_ss + offs, tl.where(sel, acc, float("-inf")), mask=in_row)
 
 
-def reduce_head_scores(part: torch.Tensor, scores: torch.Tensor, cu_seqlens_q: torch.Tensor, ctx_sel: torch.Tensor,
-                       *, clear: bool = False) -> torch.Tensor:
+def reduce_head_scores(part: torch.Tensor, scores: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                       ctx_sel: torch.Tensor) -> torch.Tensor:
     """Sum ``part`` over the KV heads into ``scores`` (``-inf`` from ``ctx_sel`` on).
 
     Args:
@@ -61,7 +57,6 @@ def reduce_head_scores(part: torch.Tensor, scores: torch.Tensor, cu_seqlens_q: t
         scores: ``(num_seqs, max_len)`` float32 with a unit last stride, e.g. ``scores_all[layer]``.
         cu_seqlens_q: ``(num_seqs + 1,)`` int32 cumulative query lengths (an empty chunk scores nothing).
         ctx_sel: ``(num_seqs,)`` scored prefix per request.
-        clear: zero ``part[:, :num_seqs, :max_len]`` once read (a partial that kernels add into).
 
     Returns:
         ``scores``.
@@ -75,11 +70,9 @@ def reduce_head_scores(part: torch.Tensor, scores: torch.Tensor, cu_seqlens_q: t
         scored = (cu_seqlens_q[1 : num_seqs + 1] > cu_seqlens_q[:num_seqs])[:, None]
         total = torch.where(scored, part[:, :num_seqs, :max_len].sum(0), torch.zeros((), device=scores.device))
         scores.copy_(torch.where(pos[None, :] < ctx, total, torch.full_like(total, float("-inf"))))
-        if clear:
-            part[:, :num_seqs, :max_len].zero_()
         return scores
     _score_reduce_kernel[(num_seqs, triton.cdiv(max_len, REDUCE_BLOCK))](
         part, scores, cu_seqlens_q, ctx_sel, max_len, part.stride(0), part.stride(1), scores.stride(0),
-        HKV=part.shape[0], CLEAR=clear, BLOCK=REDUCE_BLOCK,
+        HKV=part.shape[0], BLOCK=REDUCE_BLOCK,
     )
     return scores

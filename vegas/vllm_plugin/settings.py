@@ -121,7 +121,7 @@ def raise_if_unsupported(selector: Selector, config: VegasConfig, block_size: in
         VegasConfigError: ``granularity`` other than ``"layer"``, ``score_mode`` other than
             ``"logit"``, a query-aware selector without a fast path, what the selector's
             path refuses (Quest: ``page_size`` other than the engine's ``block_size``), or
-            ``vllm.score_path="cute"`` with a selector the CuTe rowsum cannot serve
+            ``vllm.score_path="cute"`` with a selector the CuTe probe path cannot serve
             (:func:`raise_if_score_path_unsupported`).
     """
     if config.granularity != "layer":
@@ -134,8 +134,8 @@ def raise_if_unsupported(selector: Selector, config: VegasConfig, block_size: in
 
 def raise_if_score_path_unsupported(selector: Selector, config: VegasConfig, block_size: int | None = None) -> None:
     """Refuse ``vllm.score_path="cute"`` where it can never run, what is known before an engine
-    exists: the CuTe rowsum (:mod:`vegas.kernels.cute_rowsum`) sums the logits of the chunk's
-    first and last query (collect2) or its first alone (last_token), for the score top-k fast
+    exists: the CuTe probe path (:mod:`vegas.kernels.cute_probe`) scores the chunk's first and
+    last query (collect2) or its first alone (last_token), for the score top-k fast
     path; its kernel reads a paged cache without TMA (``block_size`` other than 128). Whether
     the GPU, the DSL, the model's layers and each batch fit is decided at run time (today's path
     where not).
@@ -145,7 +145,7 @@ def raise_if_score_path_unsupported(selector: Selector, config: VegasConfig, blo
     """
     if config.vllm.score_path != "cute":
         return
-    from ..kernels.cute_rowsum import SCORE_TILE, row_mode
+    from ..kernels.cute_probe import SCORE_TILE, row_mode
     from .selectors.plan import score_rows_by_length
 
     allowed = "collect2 or last_token (the first and/or the last query of the verified chunk)"
@@ -158,7 +158,7 @@ def raise_if_score_path_unsupported(selector: Selector, config: VegasConfig, blo
         raise VegasConfigError.bad("vllm.score_path", f"'cute' needs {allowed}; {selector.name!r}: {e}") from None
     if block_size == SCORE_TILE[1]:
         raise VegasConfigError.bad("vllm.score_path", f"'cute' reads the paged cache without TMA; block_size "
-                                   f"{block_size} takes the kernel's TMA path, which the rowsum is not built for")
+                                   f"{block_size} takes the kernel's TMA path, which the probe kernel is not built for")
 
 
 def build_selector(name: str, config: VegasConfig, gamma: int, block_size: int | None = None) -> Selector:

@@ -129,8 +129,8 @@ def select_in_draft(options, runner: str = "v2") -> bool:
 def reserve_selection_buffers(state: SelectionState, vllm_config, selector: Selector, gamma: int, max_seqs: int,
                               device) -> None:
     """``state``'s selection buffers at their largest, before vLLM captures CUDA graphs; with
-    ``vllm.score_path="cute"`` also the CuTe rowsum's kernels of the model's shape, compiled
-    (:meth:`~vegas.vllm_plugin.selection.cute_verify.CuteRowsumVerify.warm`)."""
+    ``vllm.score_path="cute"`` also the CuTe probe kernels of the model's shape, compiled
+    (:meth:`~vegas.vllm_plugin.selection.cute_verify.CuteProbeVerify.warm`)."""
     from ..selectors.plan import budget_cap
 
     model_config, parallel = vllm_config.model_config, vllm_config.parallel_config
@@ -139,9 +139,9 @@ def reserve_selection_buffers(state: SelectionState, vllm_config, selector: Sele
     k_cap = budget_cap(selector, model_config.max_model_len)
     state.reserve(max_seqs, k_cap, q_elems, model_config.dtype, device)
     if selector.config.vllm.score_path == "cute" and getattr(state.path, "uses_fa3_scores", False):
-        from ..selection.cute_verify import CuteRowsumVerify
+        from ..selection.cute_verify import CuteProbeVerify
 
         verify = state.score_verify()
-        if isinstance(verify, CuteRowsumVerify):
+        if isinstance(verify, CuteProbeVerify):
             verify.warm(state, q_heads, model_config.get_num_kv_heads(parallel), head_dim, model_config.dtype,
                         vllm_config.cache_config.block_size, device)

@@ -310,7 +310,7 @@ class VegasSpeculator(DraftModelSpeculator):
             "draft_graphs": self.drafting.num_graphs,
             "graph_failed": self.drafting.graph_failed,
             # the scores come from inside the verification attention: "fa3_ext" (_vegas_fa3_C), "cute"
-            # (vllm.score_path="cute": the CuTe rowsum), "in_draft" (vllm.select_in_draft: the draft phase scores
+            # (vllm.score_path="cute": the CuTe probe kernel), "in_draft" (vllm.select_in_draft: the draft phase scores
             # beside its first forward), else "separate" (the score kernel after the last layer)
             "score_path": _score_path(self.state),
             # forwards captured with the score pass layer by layer on a side stream (vllm.score_overlap)

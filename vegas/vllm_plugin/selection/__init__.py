@@ -7,7 +7,7 @@
 - :mod:`.fa3_verify`: the FA3 score route of ``verify_layer`` (the optional ``_vegas_fa3_C``
   extension: attention and the selection scores in one FA3 call).
 - :mod:`.cute_verify`: the CuTe route (opt-in ``vllm.score_path="cute"``: vLLM's CuTe-DSL
-  attention with the scored rows' logits summed in registers, :mod:`vegas.kernels.cute_rowsum`).
+  attention storing the logits of probe queries (the scored rows summed), :mod:`vegas.kernels.cute_probe`).
 
 How a selector selects is its selection path, in :mod:`vegas.vllm_plugin.selectors` (with the
 per-forward plan the paths read, :mod:`vegas.vllm_plugin.selectors.plan`): that package keeps

@@ -85,7 +85,7 @@ class SelectionState:
     quest_min: torch.Tensor | None = None
     quest_max: torch.Tensor | None = None
     #: the score path inside the verification attention (:class:`~.fa3_verify.FA3ScoreVerify`, or
-    #: :class:`~.cute_verify.CuteRowsumVerify` with ``vllm.score_path="cute"``), made by
+    #: :class:`~.cute_verify.CuteProbeVerify` with ``vllm.score_path="cute"``), made by
     #: :meth:`score_verify`
     fa3: object | None = None
     #: forwards carrying at least this many prompt tokens neither select nor draft

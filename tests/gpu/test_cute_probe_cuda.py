@@ -1,20 +1,14 @@
-"""The CuTe score kernels (:mod:`vegas.kernels.cute_rowsum`, ``vllm.score_path="cute"``, issue 22) on
-an H200, skipped without CUDA, vLLM 0.24 or the CuTe DSL (``scripts/cute_dsl_bundle.sh``).
+"""The CuTe probe kernel (:mod:`vegas.kernels.cute_probe`, ``vllm.score_path="cute"``, issue 22) on an
+H200, skipped without CUDA, vLLM 0.24 or the CuTe DSL (``scripts/cute_dsl_bundle.sh``).
 
-The probe kernel (:func:`~vegas.kernels.cute_rowsum.probe_attention`, the engine's): on the same
-random batches, with an empty chunk (a padded request) and a one-query chunk, its output is
-bitwise the plain CuTe kernel's on the unpacked batch, its stored scores are the reference within
-fp32 rounding of the hi/lo probe, nothing is stored past a request's context but the column pair
-partner, the KV-head sums equal the separate score kernel's and select the same top-k, the
-result is bitwise reproducible and replays from a CUDA graph.
-
-The rowsum (:func:`~vegas.kernels.cute_rowsum.rowsum_attention`, the comparison):
-Kernel: on random paged inputs (Qwen3-8B-like 32 q / 8 kv x 128, G = 4 and SmolLM2-like 9 q / 3 kv
-x 64, G = 3; chunks of 5, contexts up to 40K; unsplit, vLLM's split heuristic, 7 splits and a
-split count that leaves the last split empty) its attention output is bitwise the plain CuTe
-kernel's with the same 64-row tile, its scores once the KV heads are summed equal the separate
-score kernel's within fp32 rounding and give the same top-k, nothing is written past each
-request's context, the sums are bitwise reproducible, and it replays from a CUDA graph.
+Kernel (:func:`~vegas.kernels.cute_probe.probe_attention`): on random paged inputs (Qwen3-8B-like
+32 q / 8 kv x 128, G = 4, and SmolLM2-like 9 q / 3 kv x 64, G = 3; chunks of 5, a padded request
+with an empty chunk and a one-query chunk, contexts up to 40K; unsplit, vLLM's split heuristic, 7
+splits and a split count that leaves the last split empty) its output is bitwise the plain CuTe
+kernel's on the unpacked batch, its stored scores are the reference within fp32 rounding of the
+hi/lo probe, nothing is stored past a request's context but the last column pair's partner, the
+KV-head sums equal the separate score kernel's and select the same top-k, the result is bitwise
+reproducible and replays from a CUDA graph.
 
 Engine: vLLM greedy with ``score_path="cute"`` (V2 runner, full CUDA graphs) equals plain vLLM
 greedy up to bf16 near-ties and its stats say ``score_path == "cute"``: on the embedded SmolLM2
@@ -37,7 +31,7 @@ CHUNKS, CTXS = [5, 5, 5, 5, 5], [1000, 17, 4096, 300, 40000]
 
 
 def _cute():
-    return kernel_or_skip("vegas.kernels.cute_rowsum")
+    return kernel_or_skip("vegas.kernels.cute_probe")
 
 
 def _rows(b, mode):
@@ -48,20 +42,18 @@ def _rows(b, mode):
     return q_idx, q_weight, ctx_sel
 
 
-def _rowsum(cr, b, num_splits, mode="edges", ws=None, out=None):
-    n, hkv = b["block_table"].shape[0], b["k_cache"].shape[2]
-    max_len = int(b["seq_lens"].max())
-    ws = torch.zeros(n, hkv, cr.padded_len(max_len), device="cuda") if ws is None else ws
-    out = torch.empty_like(b["q"]) if out is None else out
-    cr.rowsum_attention(b["q"], b["k_cache"], b["v_cache"], out, ws, b["cu_seqlens_q"], b["seq_lens"],
-                        b["max_seqlen_q"], max_len, b["block_table"], b["scale"], num_splits=num_splits, mode=mode)
-    return out, ws
+def _batch(chunks, ctxs, shape):
+    """:func:`verify_batch` in bf16 on the GPU, no padding tokens, with its ``max_len`` (host int)."""
+    b = verify_batch(chunks, ctxs, shape, dtype=torch.bfloat16, device="cuda", pad_tokens=0)
+    b["max_len"] = max(c + n for c, n in zip(ctxs, chunks))
+    return b
 
 
 def _probe(cr, b, num_splits, mode="edges", ws=None, out=None):
-    """The probe kernel into a NaN-filled score buffer (what it leaves unstored stays NaN)."""
+    """The probe kernel into a NaN-filled score buffer (what it leaves unstored stays NaN); no host
+    sync (a CUDA-graph capture calls it)."""
     n, hkv = b["block_table"].shape[0], b["k_cache"].shape[2]
-    max_len = int(b["seq_lens"].max())
+    max_len = b["max_len"]
     ws = torch.full((n, hkv, cr.padded_len(max_len)), float("nan"), device="cuda") if ws is None else ws
     out = torch.empty_like(b["q"]) if out is None else out
     cr.probe_attention(b["q"], b["k_cache"], b["v_cache"], out, ws, b["cu_seqlens_q"], b["seq_lens"],
@@ -83,38 +75,13 @@ def _plain_cute(cr, b, num_splits):
 @pytest.mark.parametrize("mode", ["edges", "first"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}q{s[1]}kv{s[2]}")
 @pytest.mark.parametrize("num_splits", [0, 1, 7, "empty"])
-def test_scores_are_the_separate_kernels_and_output_is_plain_cutes(shape, num_splits, mode):
-    cr = _cute()
-    from vegas.kernels.triton_score_reduce import reduce_head_scores
-
-    b = verify_batch(CHUNKS, CTXS, shape, dtype=torch.bfloat16, device="cuda", pad_tokens=0)
-    n, max_len = len(CHUNKS), int(b["seq_lens"].max())
-    if num_splits == "empty":
-        num_splits = cr.empty_split_count(-(-max_len // cr.SCORE_TILE[1]))
-    out, ws = _rowsum(cr, b, num_splits, mode)
-    assert torch.equal(out, _plain_cute(cr, b, num_splits))  # the tile is only read
-    q_idx, q_weight, ctx_sel = _rows(b, mode)
-    for s in range(n):  # nothing past the context
-        assert ws[s, :, int(ctx_sel[s]):].eq(0).all()
-    ref = cr.reference_rowsum(b["q"], b["k_cache"], b["block_table"], b["cu_seqlens_q"], b["seq_lens"], 5,
-                              b["scale"], ws.shape[-1], mode)
-    assert rel_err(ws, ref) < 1e-5
-    scores = torch.empty(n, max_len, device="cuda")
-    reduce_head_scores(ws.permute(1, 0, 2), scores, b["cu_seqlens_q"], ctx_sel, clear=True)
-    assert ws.eq(0).all()  # cleared for the next layer
-    assert_same_scores(scores, _separate(b, q_idx, q_weight, ctx_sel, max_len), b["block_table"], ctx_sel)
-
-
-@pytest.mark.parametrize("mode", ["edges", "first"])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}q{s[1]}kv{s[2]}")
-@pytest.mark.parametrize("num_splits", [0, 1, 7, "empty"])
 def test_probe_scores_are_the_separate_kernels_and_output_is_plain_cutes(shape, num_splits, mode):
     cr = _cute()
     from vegas.kernels.triton_score_reduce import reduce_head_scores
 
     chunks, ctxs = CHUNKS + [0, 1], CTXS + [500, 3001]  # a padded request, a one-query chunk
-    b = verify_batch(chunks, ctxs, shape, dtype=torch.bfloat16, device="cuda", pad_tokens=0)
-    n, max_len = len(chunks), int(b["seq_lens"].max())
+    b = _batch(chunks, ctxs, shape)
+    n, max_len = len(chunks), b["max_len"]
     if num_splits == "empty":
         num_splits = cr.empty_split_count(-(-max_len // cr.SCORE_TILE[1]))
     out, ws = _probe(cr, b, num_splits, mode)
@@ -127,7 +94,7 @@ def test_probe_scores_are_the_separate_kernels_and_output_is_plain_cutes(shape, 
             continue
         assert not ws[s, :, :ctx].isnan().any() and ws[s, :, ctx + 1 :].isnan().all()  # ctx: a pair's partner
         start = int(b["cu_seqlens_q"][s])
-        ref[s] = cr.reference_rowsum(b["q"][start:], b["k_cache"], b["block_table"][s : s + 1],
+        ref[s] = cr.reference_scores(b["q"][start:], b["k_cache"], b["block_table"][s : s + 1],
                                      torch.zeros(1, dtype=torch.int32, device="cuda"), b["seq_lens"][s : s + 1], c,
                                      b["scale"], ws.shape[-1], mode)[0]
         assert rel_err(ws[s, :, :ctx], ref[s, :, :ctx]) < 1e-4  # the hi/lo probe: ~16 mantissa bits
@@ -144,7 +111,7 @@ def test_probe_scores_are_the_separate_kernels_and_output_is_plain_cutes(shape, 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}q{s[1]}kv{s[2]}")
 def test_probe_is_deterministic_and_replays_from_a_cuda_graph(shape):
     cr = _cute()
-    b = verify_batch(CHUNKS, CTXS, shape, dtype=torch.bfloat16, device="cuda", pad_tokens=0)
+    b = _batch(CHUNKS, CTXS, shape)
     first_out, first_ws = _probe(cr, b, 0)
     for _ in range(5):
         out, ws = _probe(cr, b, 0)
@@ -154,36 +121,10 @@ def test_probe_is_deterministic_and_replays_from_a_cuda_graph(shape):
     assert_replays_from_a_cuda_graph(lambda: _probe(cr, b, 0, ws=ws, out=out), out, ws)
 
 
-def test_a_one_query_chunk_counts_its_row_twice():
-    """collect2's mode on a chunk of one query: twice the separate kernel's row (same top-k)."""
-    cr = _cute()
-    b = verify_batch([1, 5], [3000, 2000], (32, 8, 128), dtype=torch.bfloat16, device="cuda", pad_tokens=0)
-    _, ws = _rowsum(cr, b, 0)
-    q_idx, q_weight, ctx_sel = plan_rows(b["cu_seqlens_q"], b["seq_lens"], GAMMA, "collect2")
-    want = _separate(b, q_idx, q_weight, ctx_sel, int(b["seq_lens"].max()))
-    assert rel_err(ws[0].sum(0)[:3000], 2 * want[0, :3000]) < 1e-4
-    assert rel_err(ws[1].sum(0)[:2000], want[1, :2000]) < 1e-4
-
-
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}q{s[1]}kv{s[2]}")
-def test_deterministic_and_replays_from_a_cuda_graph(shape):
-    """G = 4 has two warps adding to each score (the most unsupported_reason lets through)."""
-    cr = _cute()
-    b = verify_batch(CHUNKS, CTXS, shape, dtype=torch.bfloat16, device="cuda", pad_tokens=0)
-    first_out, first_ws = _rowsum(cr, b, 0)
-    for _ in range(5):
-        out, ws = _rowsum(cr, b, 0)
-        assert torch.equal(out, first_out) and torch.equal(ws, first_ws)
-    ws.zero_()  # the rowsum adds: a replay starts from zero
-    _rowsum(cr, b, 0, ws=ws, out=out)
-    assert_replays_from_a_cuda_graph(lambda: _rowsum(cr, b, 0, ws=ws, out=out), out, ws)
-
-
 def test_warm_up_compiles_the_engine_variants():
     cr = _cute()
     cr.warm_up(32, 8, 128, torch.bfloat16, 16, "cuda")
     assert cr.is_warm(32, 8, 128, torch.bfloat16, 16) and not cr.is_warm(32, 8, 128, torch.float16, 16)
-    assert not cr.is_warm(32, 8, 128, torch.bfloat16, 16, probe=False)
 
 
 # -- the engine ---------------------------------------------------------------------------------
@@ -200,7 +141,7 @@ def plain_smollm2():
 
 def test_vllm_cute_score_path_keeps_greedy_equal(plain_smollm2, monkeypatch):
     """The embedded SmolLM2 (9 q / 3 kv x 64) on the V2 runner with full CUDA graphs: the
-    verification scores come from the rowsum, greedy equals plain up to bf16 near-ties."""
+    verification scores come from the probe kernel, greedy equals plain up to bf16 near-ties."""
     from tests.gpu.test_vllm_backend_cuda import _assert_equal_up_to_ties
     from tests.gpu.test_vllm_v2 import _vegas_v2
 
@@ -216,7 +157,7 @@ def test_vllm_cute_score_path_keeps_greedy_equal(plain_smollm2, monkeypatch):
 def test_vllm_cute_score_path_on_a_head_dim_128_model(tmp_path_factory, monkeypatch, selector):
     """A tiny random Qwen3 with Qwen3-8B's attention shape per KV head (head_dim 128, G = 4): greedy
     with ``score_path="cute"`` equals plain vLLM greedy up to bf16 near-ties, and the stats say
-    the rowsum ran."""
+    the probe kernel ran."""
     _cute()
     pytest.importorskip("vllm")
     import transformers

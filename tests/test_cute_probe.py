@@ -1,9 +1,8 @@
-"""CPU tests of the CuTe rowsum score path (``vllm.score_path="cute"``, issue 22; no vLLM, no GPU,
-no CuTe DSL): the option and its settings check, the kernel's row modes and weights, the
-coverage and determinism decision, that the package imports without the DSL, the buffer clearing
-of the head reduce, and that a forward routed through :meth:`SelectionState.verify_layer` with a
-PyTorch stand-in of the kernel (:func:`vegas.kernels.cute_rowsum.reference_rowsum`) selects what
-today's path selects."""
+"""CPU tests of the CuTe probe score path (``vllm.score_path="cute"``, issue 22; no vLLM, no GPU,
+no CuTe DSL): the option and its settings check, the row modes and weights, the coverage
+decision, that the package imports without the DSL, and that a forward routed through
+:meth:`SelectionState.verify_layer` — the real probe packing and gather around a PyTorch
+stand-in of the CuTe kernel — selects what today's path selects."""
 
 from __future__ import annotations
 
@@ -16,9 +15,8 @@ import pytest
 import torch
 
 from vegas.config import VegasConfig, VegasConfigError, VllmOptions
-from vegas.kernels import cute_rowsum
-from vegas.kernels.cute_rowsum import EDGES, FIRST
-from vegas.kernels.triton_score_reduce import reduce_head_scores
+from vegas.kernels import cute_probe
+from vegas.kernels.cute_probe import EDGES, FIRST
 from vegas.vllm_plugin.selection import cute_verify
 from vegas.vllm_plugin.settings import build_selector, parse_settings
 
@@ -56,29 +54,16 @@ def test_cute_is_refused_where_it_can_never_run(selector, block_size, match):
 
 
 def test_row_modes_and_weights():
-    assert cute_rowsum.row_mode([[], [0], [0, 1], [0, 2], [0, 3], [0, 4]]) == EDGES  # collect2, γ = 4
-    assert cute_rowsum.row_mode([[], [0], [0], [0], [0], [0]]) == FIRST  # last_token
+    assert cute_probe.row_mode([[], [0], [0, 1], [0, 2], [0, 3], [0, 4]]) == EDGES  # collect2, γ = 4
+    assert cute_probe.row_mode([[], [0], [0], [0], [0], [0]]) == FIRST  # last_token
     with pytest.raises(ValueError, match=r"3: \[0, 1, 2\]"):
-        cute_rowsum.row_mode([[], [0], [0, 1], [0, 1, 2]])  # aggregated
+        cute_probe.row_mode([[], [0], [0, 1], [0, 1, 2]])  # aggregated
     with pytest.raises(ValueError):
-        cute_rowsum.row_mode([[], [0], [1]])  # the last row alone
-    assert cute_rowsum.row_weights(EDGES, 5) == {0: 1.0, 4: 1.0}
-    assert cute_rowsum.row_weights(EDGES, 1) == {0: 2.0}  # a one-query chunk counts its row twice
-    assert cute_rowsum.row_weights(FIRST, 5) == {0: 1.0} == cute_rowsum.row_weights(FIRST, 1)
-    assert cute_rowsum.padded_len(7) == 8 and cute_rowsum.padded_len(8) == 8
-
-
-@pytest.mark.parametrize("chunk,group,mode,warps", [
-    (5, 4, EDGES, 2),  # Qwen3-8B: warp 0 holds token 0 (rows 0-3), warp 1 token 4 (rows 16-19)
-    (5, 3, EDGES, 1),  # SmolLM2: rows 0-2 and 12-14, all in warp 0
-    (5, 7, EDGES, 3),  # rows 0-6 and 28-34: warps 0, 1, 2
-    (1, 4, EDGES, 1),
-    (4, 16, EDGES, 2),
-    (1, 32, FIRST, 2),
-    (5, 12, FIRST, 1),
-])
-def test_scored_warps(chunk, group, mode, warps):
-    assert cute_rowsum.scored_warps(chunk, group, mode) == warps
+        cute_probe.row_mode([[], [0], [1]])  # the last row alone
+    assert cute_probe.row_weights(EDGES, 5) == {0: 1.0, 4: 1.0}
+    assert cute_probe.row_weights(EDGES, 1) == {0: 2.0}  # a one-query chunk counts its row twice
+    assert cute_probe.row_weights(FIRST, 5) == {0: 1.0} == cute_probe.row_weights(FIRST, 1)
+    assert cute_probe.padded_len(7) == 8 and cute_probe.padded_len(8) == 8
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -93,9 +78,6 @@ def test_scored_warps(chunk, group, mode, warps):
     (dict(num_q_heads=28, num_kv_heads=4), None),  # G = 7: 2 probe tokens + 5 queries = 49 rows
     (dict(num_q_heads=64, num_kv_heads=4), "after 1 probe tokens"),  # G = 16: (1 + 5) x 16 rows > 64
     (dict(num_q_heads=64, num_kv_heads=4, max_query_len=3, max_chunk=3), None),
-    (dict(num_q_heads=28, num_kv_heads=4, probe=False), "3 warps"),  # the rowsum, G = 7: not deterministic
-    (dict(num_q_heads=28, num_kv_heads=4, max_query_len=4, probe=False), None),  # G = 7 up to 4 queries: 2 warps
-    (dict(num_q_heads=28, num_kv_heads=4, mode=FIRST, probe=False), None),
     (dict(block_size=128), "block_size 128"),
     (dict(sliding_window=(127, 0)), "sliding window"),
     (dict(softcap=30.0), "soft-capping"),
@@ -106,7 +88,7 @@ def test_scored_warps(chunk, group, mode, warps):
 def test_unsupported_reason(kw, match):
     args = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, max_query_len=5, max_chunk=5)
     args.update(kw)
-    reason = cute_rowsum.unsupported_reason(**args)
+    reason = cute_probe.unsupported_reason(**args)
     assert (reason is None) if match is None else (match in reason), reason
 
 
@@ -114,7 +96,7 @@ def test_the_package_imports_without_the_dsl_or_vllm():
     code = (
         "import sys\n"
         "for m in ('cutlass', 'quack', 'vllm'): sys.modules[m] = None  # any import of them fails\n"
-        "import vegas.kernels.cute_rowsum as c, vegas.vllm_plugin.selection.cute_verify\n"
+        "import vegas.kernels.cute_probe as c, vegas.vllm_plugin.selection.cute_verify\n"
         "import vegas.vllm_plugin.settings\n"
         "print(c.unavailable_reason())\n"
     )
@@ -122,27 +104,18 @@ def test_the_package_imports_without_the_dsl_or_vllm():
     assert out.strip()  # a reason: no CUDA device here, or the DSL missing
 
 
-def test_reduce_clears_the_partial_it_read():
-    part = torch.arange(2 * 3 * 8, dtype=torch.float32).view(3, 2, 8).permute(1, 0, 2)  # (kv, seqs, L) view
-    scores = torch.empty(3, 6)
-    reduce_head_scores(part, scores, torch.tensor([0, 5, 5, 10], dtype=torch.int32), torch.tensor([4, 3, 6]),
-                       clear=True)
-    assert part[:, :, :6].eq(0).all() and part[:, :, 6:].ne(0).all()  # the rows' [0, max_len)
-    assert torch.isinf(scores[0, 4:]).all() and torch.equal(scores[1, :3], torch.zeros(3))
-
-
 def _fake_kernel(calls):
-    """A stand-in for the CuTe probe kernel under the real :func:`cute_rowsum.probe_attention` (the
+    """A stand-in for the CuTe probe kernel under the real :func:`cute_probe.probe_attention` (the
     packing, the call, the gather back): on the packed batch it stores rows 0 + 8 of each KV head's
     PackGQA tile times each key before the chunk (the kernel's pre-softmax logits) into
     ``aux_tensors[0]`` and writes 1 as every row's attention output."""
     from vegas.kernels.probe_queries import PROBE_ROWS, probe_tokens
 
     @contextlib.contextmanager
-    def installed(mode):
+    def installed():
         def fwd(q, k, v, *, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k, page_table, softmax_scale,
                 causal, num_splits, out, tile_mn, aux_tensors, _arch):
-            calls.append(mode)
+            calls.append("probe")
             hq, hkv, block = q.shape[1], k.shape[2], k.shape[1]
             group = hq // hkv
             probes, scores = probe_tokens(group), aux_tensors[0]
@@ -165,16 +138,16 @@ def _fake_kernel(calls):
 
 
 def _cute_available(monkeypatch, calls, warm=True):
-    monkeypatch.setattr(cute_rowsum, "unavailable_reason", lambda: None)
-    monkeypatch.setattr(cute_rowsum, "_rowsum_kernel_installed", _fake_kernel(calls))
-    monkeypatch.setattr(cute_rowsum, "_WARM", set())
+    monkeypatch.setattr(cute_probe, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(cute_probe, "_probe_kernel_installed", _fake_kernel(calls))
+    monkeypatch.setattr(cute_probe, "_WARM", set())
     compiled = []
 
     def warm_up(*shape, mode=EDGES, **kw):
         compiled.append((*shape[:5], mode))
-        cute_rowsum._WARM.add((shape[3], *shape[:3], shape[4], cute_rowsum.PROBE))
+        cute_probe._WARM.add((shape[3], *shape[:3], shape[4]))
 
-    monkeypatch.setattr(cute_rowsum, "warm_up", warm_up)
+    monkeypatch.setattr(cute_probe, "warm_up", warm_up)
     return compiled
 
 
@@ -222,11 +195,11 @@ def test_verify_layer_selects_what_todays_path_selects(monkeypatch, selector, ba
 
     st = _state(selector, kv_budget=7, first_layer=0, last_layer=2, layers_ready=True, vllm={"score_path": "cute"})
     declined = _run(st, md, kvs, queries, hkv, bad_layer)
-    assert isinstance(st.fa3, cute_verify.CuteRowsumVerify)
+    assert isinstance(st.fa3, cute_verify.CuteProbeVerify)
     mode = EDGES if selector == "collect2" else FIRST
     assert compiled == [(hq, hkv, d, torch.bfloat16, BS, mode)]  # compiled once, outside capture
     assert declined == ([] if bad_layer is None else [bad_layer])
-    assert calls == [cute_rowsum.PROBE] * (3 - len(declined)) and not st.fa3.active
+    assert calls == ["probe"] * (3 - len(declined)) and not st.fa3.active
     assert_same_selection(st, today)
     # the next forward knows every layer; the engine's score_path stat (runners.v2._score_path) is
     # "cute" once a forward ran through it with every layer covered
@@ -260,7 +233,7 @@ def test_uncovered_batches_take_todays_path(monkeypatch):
 
 
 def test_unavailable_cute_falls_back_to_auto_and_says_why_once(monkeypatch, caplog):
-    monkeypatch.setattr(cute_rowsum, "unavailable_reason", lambda: "no CUDA device (test)")
+    monkeypatch.setattr(cute_probe, "unavailable_reason", lambda: "no CUDA device (test)")
     with caplog.at_level("INFO", logger="vegas.vllm"):
         verify = cute_verify.make_score_verify("cute")
     assert type(verify).__name__ == "FA3ScoreVerify"
@@ -277,7 +250,7 @@ def test_a_failed_compile_turns_the_path_off(monkeypatch, caplog):
     def broken(*a, **k):
         raise RuntimeError("ptxas failed (test)")
 
-    monkeypatch.setattr(cute_rowsum, "warm_up", broken)
+    monkeypatch.setattr(cute_probe, "warm_up", broken)
     md, kvs, queries = _batch([5, 5], [70, 40])
     st = _state("collect2", kv_budget=7, first_layer=0, last_layer=2, layers_ready=True, vllm={"score_path": "cute"})
     with caplog.at_level("INFO", logger="vegas.vllm"):

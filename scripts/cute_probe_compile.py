@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""Compile check of the in-register CuTe score rowsum (:mod:`vegas.kernels.cute_rowsum`, issue 22) for sm_90a, without a GPU.
+"""Compile check of the CuTe probe kernel (:mod:`vegas.kernels.cute_probe`, issue 22) for sm_90a, without a GPU.
 
-    CUTE_DSL_ARCH=sm_90a nice -n 19 python3.12 scripts/cute_rowsum.py --compile-only --vllm-site /tmp/vsite
+    CUTE_DSL_ARCH=sm_90a nice -n 19 python3.12 scripts/cute_probe_compile.py --compile-only --vllm-site /tmp/vsite
 
-compiles :func:`~vegas.kernels.cute_rowsum.rowsum_attention` for sm_90a under torch's
+compiles :func:`~vegas.kernels.cute_probe.probe_attention` for sm_90a under torch's
 ``FakeTensorMode`` (nothing is launched) for the SmolLM2 and Qwen3-8B shapes, the 64-row tile,
 unsplit and split, both row modes (``edges``: collect2, ``first``: last_token), through
-:func:`~vegas.kernels.cute_rowsum.warm_up` (what an engine with ``vllm.score_path="cute"`` runs
+:func:`~vegas.kernels.cute_probe.warm_up` (what an engine with ``vllm.score_path="cute"`` runs
 before CUDA-graph capture); ``--vllm-site`` is a folder holding an unpacked vLLM 0.24 wheel's
 ``vllm/`` (only ``vllm/vllm_flash_attn/cute`` is imported: ``vllm`` and ``vllm.vllm_flash_attn``
 become bare namespace packages, so vLLM's own imports do not run). The kernel's design is in the
@@ -21,7 +21,7 @@ import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from vegas.kernels import cute_rowsum  # noqa: E402
+from vegas.kernels import cute_probe  # noqa: E402
 
 #: (q heads, kv heads, head_dim): SmolLM2-135M and Qwen3-8B
 SHAPES = {"smollm2": (9, 3, 64), "qwen3-8b": (32, 8, 128)}
@@ -48,11 +48,11 @@ def _plain(hq, hkv, d, num_splits, qlen=5, ctx=7680, block_size=16):
                     seqused_k=torch.empty(1, dtype=torch.int32, device="cuda"), max_seqlen_q=qlen,
                     max_seqlen_k=ctx + qlen, page_table=torch.empty(1, pages, dtype=torch.int32, device="cuda"),
                     softmax_scale=d**-0.5, causal=True, num_splits=num_splits, out=torch.empty_like(q),
-                    tile_mn=cute_rowsum.SCORE_TILE, _arch=90)
+                    tile_mn=cute_probe.SCORE_TILE, _arch=90)
 
 
-def compile_check(cases, splits, modes, plain=False, probe=True) -> int:
-    """Compiles the rowsum kernel (``plain``: vLLM's unmodified kernel) for sm_90a under
+def compile_check(cases, splits, modes, plain=False) -> int:
+    """Compiles the probe kernel (``plain``: vLLM's unmodified kernel) for sm_90a under
     ``FakeTensorMode``; returns the failures."""
     import traceback
 
@@ -63,8 +63,7 @@ def compile_check(cases, splits, modes, plain=False, probe=True) -> int:
     for case in cases:
         hq, hkv, d = SHAPES[case]
         for mode in [None] if plain else modes:
-            kind = "probe" if probe else "rowsum"
-            name = f"{'plain' if plain else f'{kind}/{mode}'} {case} ({hq} q / {hkv} kv x {d}), tile 64x128, splits {splits}"
+            name = f"{'plain' if plain else f'probe/{mode}'} {case} ({hq} q / {hkv} kv x {d}), tile 64x128, splits {splits}"
             t0 = time.perf_counter()
             try:
                 with FakeTensorMode(allow_non_fake_inputs=True):
@@ -72,9 +71,8 @@ def compile_check(cases, splits, modes, plain=False, probe=True) -> int:
                         for n in splits:
                             _plain(hq, hkv, d, n)
                     else:
-                        cute_rowsum.warm_up(hq, hkv, d, torch.bfloat16, 16, "cuda", mode=mode, probe=probe,
-                                              splits=splits, _arch=90)
-                layout = "" if plain else f"; layout {cute_rowsum.LAYOUT_CHECK[-1]}"
+                        cute_probe.warm_up(hq, hkv, d, torch.bfloat16, 16, "cuda", mode=mode, splits=splits, _arch=90)
+                layout = "" if plain else f"; layout {cute_probe.LAYOUT_CHECK[-1]}"
                 print(f"compiled: {name} in {time.perf_counter() - t0:.0f} s{layout}", flush=True)
             except Exception:
                 failed += 1
@@ -94,19 +92,16 @@ def main() -> int:
                          "(default: the installed vllm)")
     ap.add_argument("--case", action="append", choices=list(SHAPES), help="default: both")
     ap.add_argument("--splits", type=int, nargs="+", default=[1, 3])
-    ap.add_argument("--mode", action="append", choices=[cute_rowsum.EDGES, cute_rowsum.FIRST], help="default: both")
+    ap.add_argument("--mode", action="append", choices=[cute_probe.EDGES, cute_probe.FIRST], help="default: both")
     ap.add_argument("--plain", action="store_true", help="compile vLLM's unmodified kernel instead (to compare)")
-    ap.add_argument("--kernel", choices=["probe", "rowsum"], default="probe",
-                    help="probe: the probe rows' logits stored (the engine's); rowsum: the in-register row sums")
     args = ap.parse_args()
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     if args.vllm_site is not None:
         if not (args.vllm_site / "vllm" / "vllm_flash_attn" / "cute" / "interface.py").is_file():
             ap.error(f"--vllm-site: no vllm/vllm_flash_attn/cute/interface.py under {args.vllm_site}")
         _namespace_vllm(args.vllm_site)
-    modes = args.mode or [cute_rowsum.EDGES, cute_rowsum.FIRST]
-    return 1 if compile_check(args.case or list(SHAPES), args.splits, modes, plain=args.plain,
-                                probe=args.kernel == "probe") else 0
+    modes = args.mode or [cute_probe.EDGES, cute_probe.FIRST]
+    return 1 if compile_check(args.case or list(SHAPES), args.splits, modes, plain=args.plain) else 0
 
 
 if __name__ == "__main__":
