@@ -105,7 +105,7 @@ case ${1:-} in
     case " ${CUTE_CASES:-smollm2 qwen3} " in *" smollm2 "*)
       timeout ${CUTE_S:-330} python3 scripts/cute_decode_bench.py --case smollm2 --ctx 7680 --batch 32 --batch 128 \
         --qlen 5 --splits --reps 3 ${CUTE_ARGS:-} --json "$OUT/cute_smollm2.json" 2>&1 | grep -v "it/s\]" \
-        | tee "$OUT/cute_bench.log" | tail -40 ;;
+        | tee -a "$OUT/cute_bench.log" | tail -40 ;;
     esac
     case " ${CUTE_CASES:-smollm2 qwen3} " in *" qwen3 "*)
       timeout ${CUTE_QWEN_S:-300} python3 scripts/cute_decode_bench.py --case qwen3-8b --ctx 32768 --ctx 131072 --batch 1 --batch 4 \

@@ -108,13 +108,13 @@ def _fake_kernel(calls):
     """A stand-in for the CuTe probe kernel under the real :func:`cute_probe.probe_attention` (the
     packing, the call, the gather back): on the packed batch it stores rows 0 + 8 of each KV head's
     PackGQA tile times each key before the chunk (the kernel's pre-softmax logits) into
-    ``aux_tensors[0]`` and writes 1 as every row's attention output."""
+    ``aux_tensors[0]`` and writes each row's query as its attention output."""
     from vegas.kernels.probe_queries import PROBE_ROWS, probe_tokens
 
     @contextlib.contextmanager
     def installed():
         def fwd(q, k, v, *, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k, page_table, softmax_scale,
-                causal, num_splits, out, tile_mn, aux_tensors, _arch):
+                causal, num_splits, out, tile_mn, aux_tensors, pack_gqa, _arch):
             calls.append("probe")
             hq, hkv, block = q.shape[1], k.shape[2], k.shape[1]
             group = hq // hkv
@@ -129,7 +129,7 @@ def _fake_kernel(calls):
                 for kv in range(hkv):
                     rows = [q[a + r // group, kv * group + r % group].float() for r in PROBE_ROWS]
                     scores[s, kv, :ctx] = sum(keys[:, kv] @ row for row in rows)
-            out.fill_(1.0)
+            out.copy_(q)  # each row's own query: the gather back must bring every token's row
             return out, None
 
         yield fwd
@@ -172,7 +172,7 @@ def _run(st, md, kvs, queries, hkv, bad_layer=None):
         out = torch.zeros_like(q)
         if st.verify_layer(impl, layer, q, kv, md, out):
             n = md.num_actual_tokens
-            assert out[:n].eq(1).all() and out[n:].eq(0).all()
+            assert torch.equal(out[:n], q[:n]) and out[n:].eq(0).all()
         else:
             declined.append(layer)
             st.on_layer(layer, q, kv, md, 0.5)

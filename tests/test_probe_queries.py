@@ -1,6 +1,6 @@
 """The probe queries of the CuTe score path (:mod:`vegas.kernels.probe_queries`, issue 22) on the CPU:
-the packed layout, the probe rows' values, the Triton kernel (interpreted) equal to the PyTorch
-path bit for bit, and — with plain PyTorch attention standing in for the CuTe kernel — that the
+the packed layout, the probe rows' values, padding tokens past the last chunk, the Triton kernel
+(interpreted) equal to the PyTorch path (the probe sums to ~16 bits, everything else bit for bit), and — with plain PyTorch attention standing in for the CuTe kernel — that the
 packed batch gives each chunk token the attention it had (causal alignment kept) while rows 0
 and 8 of each KV head's tile carry the selection scores of the separate kernel's definition."""
 
@@ -150,9 +150,49 @@ def test_triton_kernel_equals_the_pytorch_path():
     assert len(results) == 2 * len(SHAPES) and not bad, bad
 
 
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_padding_tokens_gather_valid_rows(use_triton):
+    """Tokens past ``cu_seqlens_q[-1]`` (a captured batch's padding) get distinct rows past the last
+    request's, inside the packed tensor; a ``cu_seqlens_q`` past ``q`` is clamped to it."""
+    if use_triton:
+        results = run_interpreted(_PADDED_CHILD)
+        assert results == {"ok": "ok"}, results
+        return
+    for cu_list in ([0, 5, 5, 5], [0, 4, 9, 12]):  # 3 padding tokens; a last chunk past q (8 rows)
+        q, _ = _batch((9, 3, 64), [8])
+        cu = torch.tensor(cu_list, dtype=torch.int32)
+        packed, cu_p, rows = pack_probe_queries(q, cu, 3, 0.125, True)
+        probes, total = probe_tokens(3), min(cu_list[-1], 8)
+        assert cu_p.tolist()[-1] == total + probes * 3 <= packed.shape[0]
+        assert rows.tolist()[total:] == [t + probes * 3 for t in range(total, 8)]
+        assert len(set(rows.tolist())) == 8 and int(rows.max()) < packed.shape[0]
+        assert torch.equal(packed[rows[:total].long()], q[:total])
+
+
+_PADDED_CHILD = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+from tests.test_probe_queries import _batch
+from vegas.kernels.probe_queries import pack_probe_queries
+ok = True
+for cu_list in ([0, 5, 5, 5], [0, 4, 9, 12]):
+    q, _ = _batch((9, 3, 64), [8])
+    cu = torch.tensor(cu_list, dtype=torch.int32)
+    want = pack_probe_queries(q, cu, 3, 0.125, True, use_triton=False)
+    got = pack_probe_queries(q, cu, 3, 0.125, True, use_triton=True)
+    ok &= torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    total = min(cu_list[-1], 8)  # the chunk tokens: the same rows in both, holding the same queries
+    ok &= torch.equal(got[0][got[2][:total].long()], want[0][want[2][:total].long()])
+print("RESULTS " + json.dumps({"ok": "ok" if ok else "differs"}))
+"""
+
+
 def test_bad_arguments_are_named():
     q, cu = _batch((9, 3, 64))
     with pytest.raises(ValueError, match="not a multiple of num_kv_heads 2"):
         pack_probe_queries(q, cu, 2, 0.1, True)
     with pytest.raises(ValueError, match="out"):
         pack_probe_queries(q, cu, 3, 0.1, True, out=torch.empty(3, 9, 64, dtype=q.dtype))
+    with pytest.raises(ValueError, match="last dim must be contiguous"):
+        pack_probe_queries(q.transpose(1, 2).contiguous().transpose(1, 2), cu, 3, 0.1, True)

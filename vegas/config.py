@@ -184,15 +184,16 @@ class VllmOptions:
             over one 64-row tile, a variant not compiled before CUDA-graph capture) take FA3 and
             the separate pass. Needs an sm90 GPU and ``nvidia-cutlass-dsl[cu13]==4.5.2`` +
             ``quack-kernels`` (``scripts/cute_dsl_bundle.sh``); without them one log line says
-            why and ``"auto"``'s path runs. Its kernels JIT-compile when the engine starts (~10 s
+            why and ``"auto"``'s path runs. Its kernels JIT-compile when the engine starts (10-18 s
             each on an H200). Kernel measured on an H200
             (``benchmarks/results/cute_probe_h200_2026-12-04``, per model step in a CUDA graph,
             qlen 5, x FA3): Qwen3-8B shape (head_dim 128) 128K batch 4 1.092x against 1.429x for
             FA3 + the separate pass, 32K batch 1 1.159x against 1.349x; SmolLM2 shape (head_dim
             64), 7,680 context, batch 128 1.372x against 1.241x (slower). In an engine: two of
             its three GPU engine tests failed on 2026-12-04 (the log was cut by the time limit;
-            a likely cause, the packing kernel compiling again inside CUDA-graph capture, was
-            fixed since, not yet re-run): not for use yet.
+            two likely causes, the packing kernel compiling again inside CUDA-graph capture and
+            unwritten gather rows for a captured batch's padding tokens, fixed since, not yet
+            re-run): not for use yet.
         seeded_verification: how the V2 runner verifies the drafts of a request with an
             explicit seed (``SamplingParams.seed``, the OpenAI ``seed`` field).
             ``"rejection"``: vLLM's rejection sampling, as for every other request; the

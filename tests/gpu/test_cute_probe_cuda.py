@@ -121,10 +121,43 @@ def test_probe_is_deterministic_and_replays_from_a_cuda_graph(shape):
     assert_replays_from_a_cuda_graph(lambda: _probe(cr, b, 0, ws=ws, out=out), out, ws)
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}q{s[1]}kv{s[2]}")
+def test_padding_tokens_after_the_last_chunk(shape):
+    """A captured batch's query tensor has tokens past ``cu_seqlens_q[-1]``: the chunk rows still
+    attend as the plain kernel's, the scores are unchanged, and nothing faults."""
+    cr = _cute()
+    b = verify_batch(CHUNKS, CTXS, shape, dtype=torch.bfloat16, device="cuda", pad_tokens=3)
+    b["max_len"] = max(c + n for c, n in zip(CTXS, CHUNKS))
+    out, ws = _probe(cr, b, 0)
+    torch.cuda.synchronize()
+    real = sum(CHUNKS)
+    assert torch.equal(out[:real], _plain_cute(cr, b, 0)[:real])
+    _, ws_unpadded = _probe(cr, _batch(CHUNKS, CTXS, shape), 0)
+    assert torch.equal(ws.nan_to_num(), ws_unpadded.nan_to_num())
+
+
 def test_warm_up_compiles_the_engine_variants():
+    """After :func:`warm_up`, calls of other batch sizes and split counts compile nothing more."""
     cr = _cute()
     cr.warm_up(32, 8, 128, torch.bfloat16, 16, "cuda")
     assert cr.is_warm(32, 8, 128, torch.bfloat16, 16) and not cr.is_warm(32, 8, 128, torch.float16, 16)
+    compiled = len(cr._CACHE), _pack_compiles()
+    b = _batch(CHUNKS, CTXS, (32, 8, 128))
+    for splits in (0, 7):
+        _probe(cr, b, splits)
+    torch.cuda.synchronize()
+    assert (len(cr._CACHE), _pack_compiles()) == compiled
+
+
+def _pack_compiles() -> int:
+    """Variants of the probe packing kernel Triton compiled on this GPU (its per-device kernel cache)."""
+    from vegas.kernels.probe_queries import _pack_kernel
+
+    caches = getattr(_pack_kernel, "device_caches", None)
+    device = torch.cuda.current_device()
+    if caches is None or device not in caches:
+        return 0
+    return len(caches[device][0])
 
 
 # -- the engine ---------------------------------------------------------------------------------

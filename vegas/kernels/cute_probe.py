@@ -2,7 +2,7 @@
 CuTe-DSL sm90 attention (issue 22; opt-in ``vllm.score_path="cute"``, experimental).
 
 Today a score-based selector on vLLM runs FA3 per layer and then a second pass over every prefix
-key (:mod:`vegas.kernels.triton_score`), 1.24-1.45x FA3 per step. :func:`probe_attention` runs the
+key (:mod:`vegas.kernels.triton_score`), 1.20-1.43x FA3 per step. :func:`probe_attention` runs the
 verification through FlashAttention's CuTe-DSL forward (``vllm/vllm_flash_attn/cute/flash_fwd_sm90.py``
 in vLLM 0.24, JIT-compiled, no build step) with the 64-row query tile, and gets the selection
 scores from the same QK product:
@@ -18,7 +18,7 @@ scores from the same QK product:
    0-3 of warp 0 hold rows 0 and 8 (SM90 WGMMA accumulator: lane ``l`` of warp ``w`` holds rows
    ``16 w + l // 4 + 8 r`` and columns ``8 k + 2 (l % 4) + j``; checked at trace time): they add
    the two rows and store the block's keys before the chunk, one ``st.global.v2.f32`` per column
-   pair (16 per 128-key block; one address per block, no per-pair test for a block wholly before
+   pair (16 stores per lane and 128-key block, 64 in all; one address per block, no per-pair test for a block wholly before
    the chunk) into a float32 ``(batch, kv_heads, L)`` buffer. No reduction, no atomics, no
    zeroing: deterministic. No ``score_mod``: every chunk row's attention is the plain kernel's,
    bit for bit (rows are independent; split counts unchanged).
@@ -32,12 +32,13 @@ Measured on an H200 (``benchmarks/results/cute_probe_h200_2026-12-04``, per mode
 qlen 5, each step one CUDA-graph replay, x FA3): Qwen3-8B shape (36 L, 32 q / 8 kv x 128) 32K batch
 1 / 4: 1.159x / 1.127x; 128K batch 1 / 4: 1.100x / 1.092x (FA3 + the separate pass 1.35-1.43x);
 SmolLM2 shape (30 L, 9 q / 3 kv x 64) 7,680 tokens batch 32 / 128: 1.221x / 1.372x (FA3 + the
-separate pass 1.196x / 1.241x: faster). Scores within 4.2e-7 relative of a torch reference,
-output bitwise equal to the plain CuTe kernel's with the same tile (not FA3's: max |diff| 4.9e-4).
+separate pass 1.196x / 1.241x: faster). Scores within 2.4e-6 (head_dim 128) and 4.2e-7 (64)
+relative of a torch reference, output bitwise equal to the plain CuTe kernel's with the same tile
+(not FA3's: max |diff| 6.1e-5 and 4.9e-4).
 The earlier design that summed the scored rows in registers with shuffles and atomics (the
 "rowsum", commit 204ff6d) measured 1.015x / 1.116x / 1.078x / 1.122x and 1.212x / 1.413x.
 
-Compilation: the kernel JIT-compiles on first use (~10 s on an H200). The compile key is vLLM's
+Compilation: the kernel JIT-compiles on first use (10-18 s on an H200). The compile key is vLLM's
 (dtype, head_dim, G, split or not, paged layout, ...), not the query length or the split count;
 the split-KV combine kernel has its own key, which includes ``log2`` of the split count (buckets
 16, 32, 64, 128). :func:`warm_up` compiles every variant an engine can call, outside CUDA-graph
@@ -104,7 +105,7 @@ _WARM: set = set()
 
 def padded_len(max_len: int) -> int:
     """Row length of the ``out`` buffer (tokens): ``max_len`` rounded up to a multiple of 4 so that
-    every row starts 16-byte aligned (the kernel adds column pairs with 8-byte vector reds)."""
+    every row starts 16-byte aligned (the kernel stores column pairs with 8-byte vector stores)."""
     return -(-max_len // 4) * 4
 
 
@@ -238,7 +239,7 @@ def kernel_class():
 
     def check_layout(tiled_mma, tile_m, tile_n):
         """At trace time: every thread's accumulator columns are 8k + 2(l%4) + j (element c = 2k + j of
-        the mn view), which the reduce-scatter and the final addressing assume. Raises otherwise."""
+        the mn view), which the probe's addressing assumes. Raises otherwise."""
         cS = cute.make_identity_tensor((tile_m, tile_n))
         ncol = None
         for t in range(128):  # one warpgroup; other warpgroups repeat it with other rows
@@ -331,6 +332,8 @@ def kernel_class():
                 raise NotImplementedError("probe: causal, no score_mod / mask_mod")
             if a["blocksparse_tensors"] is not None:
                 raise NotImplementedError("probe: no block sparsity")
+            if not (self.pack_gqa or self.qhead_per_kvhead == 1):
+                raise NotImplementedError("probe: rows 0 and 8 are the probe's only with PackGQA (or one head per KV head)")
             check_layout(a["tiled_mma_qk"], self.tile_m, self.tile_n)
             state = {}
             a["block_info"] = recording_block_info(a["block_info"], state)
@@ -390,17 +393,21 @@ def probe_attention(q, k, v, out, scores, cu_seqlens_q, seqused_k, max_seqlen_q,
         ValueError: ``scores`` of the wrong dtype or shape.
         ImportError: vLLM's CuTe attention or the CuTe DSL is missing (:func:`unavailable_reason`).
     """
-    if scores.dtype != torch.float32 or scores.dim() != 3 or scores.stride(-1) != 1 or scores.shape[-1] % 4:
-        raise ValueError(f"scores: float32 (batch, kv_heads, L a multiple of 4) with a contiguous last dim, got "
-                         f"{scores.dtype} {tuple(scores.shape)} stride {scores.stride()}")
-    num_kv_heads = k.shape[2]
+    num_seqs, num_kv_heads = cu_seqlens_q.shape[0] - 1, k.shape[2]
+    if (scores.dtype != torch.float32 or scores.dim() != 3 or scores.shape[0] < num_seqs
+            or scores.shape[1] != num_kv_heads or scores.shape[2] < max_seqlen_k or scores.shape[2] % 4
+            or scores.stride(-1) != 1 or scores.stride(0) % 2 or scores.stride(1) % 2 or scores.data_ptr() % 8):
+        raise ValueError(f"scores: float32 (>= {num_seqs} requests, {num_kv_heads} kv_heads, L >= {max_seqlen_k} "
+                         f"a multiple of 4), last dim contiguous, 8-byte aligned rows; got {scores.dtype} "
+                         f"{tuple(scores.shape)} strides {scores.stride()}")
     probes = probe_tokens(q.shape[1] // num_kv_heads)
     packed, cu_packed, rows = pack_probe_queries(q, cu_seqlens_q, num_kv_heads, softmax_scale, mode == EDGES)
     out_packed = torch.empty_like(packed)
     with _probe_kernel_installed() as fwd:
         fwd(packed, k, v, cu_seqlens_q=cu_packed, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q + probes,
             max_seqlen_k=max_seqlen_k, page_table=page_table, softmax_scale=softmax_scale, causal=True,
-            num_splits=num_splits, out=out_packed, tile_mn=tile_mn, aux_tensors=[scores], _arch=_arch)
+            num_splits=num_splits, out=out_packed, tile_mn=tile_mn, aux_tensors=[scores],
+            pack_gqa=q.shape[1] > num_kv_heads, _arch=_arch)
     return torch.index_select(out_packed, 0, rows, out=out)
 
 
