@@ -260,6 +260,26 @@ def test_time_budget_stops_before_measuring_and_still_plots(counted, tmp_path, c
     assert calls == [] and res["complete"] is False and res["plots"] == []
 
 
+def test_without_matplotlib_the_points_and_tables_are_written(counted, tmp_path, click_ids, monkeypatch):
+    """A machine without matplotlib (the GPU box's fixed environment) still gets points.json and
+    tables.md, and a line saying how to draw the plots."""
+    import vegas.plots
+
+    pipe, _ = counted
+    source = tmp_path / "src.py"
+    source.write_text(pipe.tokenizer.decode(click_ids[:3000]))
+
+    def no_matplotlib(*a, **k):
+        raise ImportError("No module named 'matplotlib'")
+
+    monkeypatch.setattr(vegas.plots, "plot_ablate", no_matplotlib)
+    log = io.StringIO()
+    res = run_ablate(_tiny(tmp_path, source, studies=["budget"]), Console(file=log, width=200), pipe=pipe)
+    out = tmp_path / "out"
+    assert res["plots"] == [] and res["complete"] and (out / "tables.md").is_file() and (out / "points.json").is_file()
+    assert "plots not drawn" in log.getvalue() and "install matplotlib" in log.getvalue()
+
+
 @pytest.mark.parametrize("args, message", [
     (["--studies", "budget,nope"], "--studies"),
     (["--selectors", "nope"], "--selectors"),

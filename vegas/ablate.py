@@ -410,8 +410,13 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
     out.mkdir(parents=True, exist_ok=True)  # only now: every check passed (the first point makes it too)
     from .plots import plot_ablate, write_ablate_tables
 
-    plots = plot_ablate(store.points, opts, out, source=source_name)
     write_ablate_tables(store.points, out / "tables.md", source=source_name)
+    try:
+        plots = plot_ablate(store.points, opts, out, source=source_name)
+    except ImportError as exc:  # a machine without matplotlib (e.g. a GPU box with a fixed environment)
+        plots = []
+        console.print(f"[yellow]plots not drawn ({exc}): install matplotlib and rerun the same command to draw "
+                      f"them; {out / 'points.json'} and {out / 'tables.md'} are written[/yellow]")
     return {"points": len(store.points), "measured": state["measured"], "reused": state["reused"],
             "complete": stopped is None and not skipped, "stopped": stopped, "skipped": dict(skipped), "plots": plots,
             "tables": "tables.md", "options": asdict(opts)}
