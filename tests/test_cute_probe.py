@@ -104,6 +104,25 @@ def test_the_package_imports_without_the_dsl_or_vllm():
     assert out.strip()  # a reason: no CUDA device here, or the DSL missing
 
 
+def test_the_settings_check_needs_no_triton():
+    """``vegas serve --dry-run`` checks ``score_path="cute"`` on machines without Triton (the README's
+    install has none): the check imports no Triton."""
+    code = (
+        "import sys\n"
+        "for m in ('triton', 'cutlass', 'quack', 'vllm'): sys.modules[m] = None  # any import of them fails\n"
+        "from vegas.config import VegasConfig, VegasConfigError\n"
+        "from vegas.vllm_plugin.settings import build_selector\n"
+        "config = VegasConfig(vllm={'score_path': 'cute'})\n"
+        "print(build_selector('collect2', config, 4, block_size=16).name)\n"
+        "try:\n"
+        "    build_selector('sliding_window', config, 4, block_size=16)\n"
+        "except VegasConfigError as e:\n"
+        "    print(e.field)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.split() == ["collect2", "vllm.score_path"], out.stderr[-2000:]
+
+
 def _fake_kernel(calls):
     """A stand-in for the CuTe probe kernel under the real :func:`cute_probe.probe_attention` (the
     packing, the call, the gather back): on the packed batch it stores rows 0 + 8 of each KV head's

@@ -80,6 +80,15 @@ def test_a_file_that_is_not_a_gguf_is_not_a_model(tmp_path, name, content):
     assert result.exit_code == 2 and "is not a model" in result.output and "needs the package" not in result.output
 
 
+def test_a_directory_named_like_a_gguf_is_named_as_a_directory(tmp_path):
+    path = tmp_path / "fake.gguf"
+    path.mkdir()
+    with pytest.raises(VegasConfigError, match=r"is a directory, not a .gguf file"):
+        resolve_model(str(path))
+    result = CliRunner().invoke(main, ["generate", "def", "--model", str(path)])
+    assert result.exit_code == 2 and "is a directory" in result.output and "does not exist" not in result.output
+
+
 def test_the_embedded_model_is_accepted_by_its_name():
     """``--help`` calls the default "the embedded vegas-tiny-code": that name resolves to it."""
     assert resolve_model("vegas-tiny-code") == DEFAULT_MODEL == resolve_model(None)

@@ -374,6 +374,8 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
             pipes[key] = Pipeline(opts.model, selector=None, dtype=opts.dtype, device=opts.device, rope_scaling=rope)
         return pipes[key], rope
 
+    if pipe is None and any(store.find(**point_key(s)) is None for s in specs):
+        pipeline_for(opts.contexts[0])  # the model loads (or a bad --model / --device is named) before the progress bar
     stopped = None
     with LoggedProgress(console=console, transient=True) as progress:
         task = progress.add_task("vegas ablate", total=len(specs))

@@ -66,7 +66,9 @@ import inspect
 import torch
 
 from .fa3_scores import attention_reason, sm90_reason
-from .probe_queries import pack_probe_queries, probe_tokens
+
+# .probe_queries (Triton) is imported where it is used: the settings check imports this module on
+# machines without Triton (vegas serve --dry-run)
 
 __all__ = [
     "EDGES",
@@ -180,6 +182,8 @@ def unsupported_reason(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype
         return reason
     if block_size == SCORE_TILE[1]:
         return f"block_size {block_size} (the kernel's TMA paged path, not compiled for the probe)"
+    from .probe_queries import probe_tokens
+
     group = num_q_heads // num_kv_heads
     probes = probe_tokens(group)
     fits = SCORE_TILE[0] // group - probes
@@ -222,6 +226,8 @@ def kernel_class():
     from vllm.vllm_flash_attn.cute import utils as fa_utils
     from vllm.vllm_flash_attn.cute.block_info import BlockInfo
     from vllm.vllm_flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
+
+    from .probe_queries import probe_tokens
 
     @dsl_user_op
     def st_f32x2(a, b, addr, *, loc=None, ip=None):
@@ -393,6 +399,8 @@ def probe_attention(q, k, v, out, scores, cu_seqlens_q, seqused_k, max_seqlen_q,
         ValueError: ``scores`` of the wrong dtype or shape.
         ImportError: vLLM's CuTe attention or the CuTe DSL is missing (:func:`unavailable_reason`).
     """
+    from .probe_queries import pack_probe_queries, probe_tokens
+
     num_seqs, num_kv_heads = cu_seqlens_q.shape[0] - 1, k.shape[2]
     if (scores.dtype != torch.float32 or scores.dim() != 3 or scores.shape[0] < num_seqs
             or scores.shape[1] != num_kv_heads or scores.shape[2] < max_seqlen_k or scores.shape[2] % 4
