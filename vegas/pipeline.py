@@ -156,7 +156,8 @@ class Pipeline:
         torch tensors of ids count as lists: 1-D one prompt, 2-D a batch).
 
         Args:
-            prompts: a text, a list of texts, or a list of token-id lists.
+            prompts: a text, one list of token ids (one prompt), a list of texts, or a list of
+                token-id lists.
             chat: wrap each text as one user message and apply the tokenizer's chat template
                 with the assistant's generation prompt (texts only).
 
@@ -164,7 +165,7 @@ class Pipeline:
             VegasConfigError: no prompt, or an empty one; ``chat=True`` with a token-id prompt
                 or with a tokenizer that has no chat template.
         """
-        kinds = "a text, a list of texts, or a list of token-id lists"
+        kinds = "a text, one list of token ids, a list of texts, or a list of token-id lists"
         if _is_array(prompts):  # numpy / torch token ids: 1-D one prompt, 2-D a batch
             prompts = prompts.tolist()
         if isinstance(prompts, (list, tuple)):
@@ -228,7 +229,8 @@ class Pipeline:
         """Generate up to ``max_new_tokens`` tokens per prompt (a batch, lengths may differ).
 
         Args:
-            prompts: a text, a list of texts, or a list of token-id lists.
+            prompts: a text, one list of token ids (one prompt), a list of texts, or a list of
+                token-id lists.
             max_new_tokens: tokens to generate per prompt (>= 1).
             temperature: 0 = greedy (token-identical to plain greedy decoding), else > 0
                 with speculative rejection sampling (the target distribution is kept).
