@@ -52,7 +52,8 @@ class CuteProbeVerify(FA3ScoreVerify):
 
     KIND = "cute"
     ANNOUNCE = ("verification scores from the CuTe-DSL attention's own QK product, through probe queries "
-                "(vllm.score_path=cute: one pass over the keys)")
+                "(vllm.score_path=cute: one pass over the keys; experimental, its engine tests have not passed "
+                "yet: csrc/README.md)")
 
     def __init__(self) -> None:
         super().__init__()
