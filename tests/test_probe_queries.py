@@ -192,7 +192,5 @@ def test_bad_arguments_are_named():
     q, cu = _batch((9, 3, 64))
     with pytest.raises(ValueError, match="not a multiple of num_kv_heads 2"):
         pack_probe_queries(q, cu, 2, 0.1, True)
-    with pytest.raises(ValueError, match="out"):
-        pack_probe_queries(q, cu, 3, 0.1, True, out=torch.empty(3, 9, 64, dtype=q.dtype))
     with pytest.raises(ValueError, match="last dim must be contiguous"):
         pack_probe_queries(q.transpose(1, 2).contiguous().transpose(1, 2), cu, 3, 0.1, True)

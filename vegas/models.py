@@ -168,20 +168,18 @@ def resolve_model(model: str | os.PathLike | None) -> str:
     if text in NAMED_MODELS:
         return str(convert_gguf(named_model_gguf(text)))
     path = Path(text).expanduser()
-    if path.suffix.lower() == ".gguf" and path.is_dir() and not (path / "config.json").is_file():
-        raise VegasConfigError(f"model {text!r} is a directory, not a .gguf file (nor a model directory with a "
-                               f"config.json); model must be {_allowed()}", field="model")
-    if (path.suffix.lower() == ".gguf" and not path.is_dir()) or path.is_file():
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            named = " is a directory, not a .gguf file, and" if path.suffix.lower() == ".gguf" else ""
+            raise VegasConfigError(f"model directory {text!r}{named} has no config.json: not a transformers "
+                                   f"checkpoint; model must be {_allowed()}", field="model")
+        return str(path)
+    if path.suffix.lower() == ".gguf" or path.is_file():
         if path.is_file() and not (path.suffix.lower() == ".gguf" and _has_gguf_magic(path)):
             why = " (a .gguf file starts with the bytes 'GGUF')" if path.suffix.lower() == ".gguf" else ""
             raise VegasConfigError(f"model {text!r} is not a model{why}: pass a model directory, a model name, "
                                    "or a .gguf file", field="model")
         return str(convert_gguf(path))
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise VegasConfigError(f"model directory {text!r} has no config.json: not a transformers checkpoint; "
-                                   f"model must be {_allowed()}", field="model")
-        return str(path)
     if _HUB_ID.fullmatch(text) and not text.startswith((".", "~")):
         return text  # transformers looks for it in the local Hugging Face cache
     if "/" in text or os.sep in text:

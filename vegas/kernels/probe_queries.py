@@ -102,7 +102,7 @@ def _pack_kernel(
 
 
 def pack_probe_queries(q: torch.Tensor, cu_seqlens_q: torch.Tensor, num_kv_heads: int, scale: float, edges: bool,
-                       out: torch.Tensor | None = None, *, use_triton: bool | None = None):
+                       *, use_triton: bool | None = None):
     """The queries with each request's probe tokens in front of its chunk (module docstring).
 
     Args:
@@ -114,7 +114,6 @@ def pack_probe_queries(q: torch.Tensor, cu_seqlens_q: torch.Tensor, num_kv_heads
         scale: the softmax scale folded into the probe (the stored logits are ``scale * q . k``).
         edges: the first and the last query of each chunk (collect2); False: the first alone
             (last_token).
-        out: optional ``(num_tokens + P * num_seqs, num_q_heads, head_dim)`` to write into.
         use_triton: the Triton kernel (default: on CUDA tensors; True also runs it under Triton's
             interpreter on the CPU), else PyTorch.
 
@@ -124,7 +123,7 @@ def pack_probe_queries(q: torch.Tensor, cu_seqlens_q: torch.Tensor, num_kv_heads
         row of each original token (to gather the attention output back).
 
     Raises:
-        ValueError: heads not a multiple of ``num_kv_heads`` or a wrong ``out``.
+        ValueError: heads not a multiple of ``num_kv_heads``, or a strided last dim of ``q``.
     """
     tokens, hq, d = q.shape
     if num_kv_heads < 1 or hq % num_kv_heads:
@@ -134,11 +133,7 @@ def pack_probe_queries(q: torch.Tensor, cu_seqlens_q: torch.Tensor, num_kv_heads
     group = hq // num_kv_heads
     probes = probe_tokens(group)
     seqs = cu_seqlens_q.shape[0] - 1
-    shape = (tokens + probes * seqs, hq, d)
-    if out is None:
-        out = torch.empty(shape, dtype=q.dtype, device=q.device)
-    elif tuple(out.shape) != shape or out.dtype != q.dtype or out.stride(-1) != 1:
-        raise ValueError(f"out: {q.dtype} {shape} with a contiguous last dim, got {out.dtype} {tuple(out.shape)}")
+    out = torch.empty((tokens + probes * seqs, hq, d), dtype=q.dtype, device=q.device)
     cu_out = torch.empty_like(cu_seqlens_q)
     rows = torch.empty(tokens, dtype=torch.int32, device=q.device)
     if seqs == 0 or tokens == 0:  # nothing to pack (no host sync: a capture may call this)
