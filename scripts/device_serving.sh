@@ -130,7 +130,7 @@ case ${1:-} in
            # in the same run; resumable like ablate23 ($OUT/tune, seeded from benchmarks/results/tune_h200_smollm2_vllm)
     R=benchmarks/results/tune_h200_smollm2_vllm; mkdir -p "$OUT/tune"; [ -d "$R" ] && cp -rn "$R"/. "$OUT/tune"/
     t0=$(date +%s)
-    timeout $(( ${TUNE_BUDGET:-600} + 240 )) python3 -c "from vegas.cli import main; main()" tune --backend vllm \
+    VLLM_WORKER_MULTIPROC_METHOD=spawn timeout $(( ${TUNE_BUDGET:-600} + 240 )) python3 -c "from vegas.cli import main; main()" tune --backend vllm \
       --model "$MODEL" --selectors collect2 --context 7680 --dtype bfloat16 --time-budget ${TUNE_BUDGET:-600} \
       --out "$OUT/tune" > "$OUT/tune.log" 2>&1
     echo "[tune23] rc=$? $(( $(date +%s) - t0 )) s"; grep -v "it/s\]" "$OUT/tune.log" | grep -v "^(EngineCore\|^INFO\|^WARNING" | tail -16

@@ -184,7 +184,9 @@ def test_repeats_time_each_point_several_times(counted, tmp_path):
     points = json.loads((tmp_path / "points.json").read_text())["points"]
     assert len(points) == 5  # step 1: 1; step 2: plain + 1 γ; step 3: plain + 1
     assert all(len(p["tokens_per_second_runs"]) == 2 for p in points)
-    assert len(calls) == 2 + 2 * 5  # warm-up (plain, collect2) + 2 runs per point
+    # a warm-up per configuration (plain; collect2 at step 1's γ and at step 2's) + 2 runs per point
+    configs = {(p['selector'], p['num_draft_tokens'], p['sparsity_ratio']) for p in points}
+    assert len(configs) == 3 and len(calls) == len(configs) + 2 * 5
 
 
 @pytest.mark.parametrize("args, message", [

@@ -219,3 +219,15 @@ def test_configure_builds_the_path_of_any_registered_selector():
         assert isinstance(state.path, ScoreTopKFastPath) and state.path.row_table.width == 1
     finally:
         plugins.unregister("test_generic_selectors")
+
+
+def test_batch_counts_of_the_v2_runner_give_each_request_the_batch_tau():
+    from vegas.backends.vllm import share_batch_iterations
+
+    # one request: 1 prefill token, 30 iterations emitting 120 tokens, 7 plain steps -> 37 iterations
+    assert share_batch_iterations(30, 120, [128]) == [37]
+    # two requests share the batch's steps by their tokens; an empty output gets none
+    assert share_batch_iterations(30, 120, [64, 64, 0]) == [18, 18, 0]
+    assert share_batch_iterations(0, 0, [0]) == [0]
+    # plain steps only (every step skipped drafting): one token per step after the first
+    assert share_batch_iterations(0, 0, [10]) == [9]

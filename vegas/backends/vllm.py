@@ -503,7 +503,11 @@ class VLLMBackend(Backend):
                 per_req[rid.rsplit("-", 1)[0]] = counts
         results = []
         n = max(len(outs), 1)
-        for o in outs:
+        shared = None  # the V2 runner counts per batch, not per request
+        if selector is not None and not per_req and "iterations" in batch:
+            shared = share_batch_iterations(batch["iterations"], batch.get("emitted", 0),
+                                            [len(o.outputs[0].token_ids) for o in outs])
+        for i, o in enumerate(outs):
             comp = o.outputs[0]
             m = getattr(o, "metrics", None)
             stats = RequestStats(num_generated=len(comp.token_ids))
@@ -514,10 +518,33 @@ class VLLMBackend(Backend):
             if counts is not None:
                 stats.iterations, stats.num_drafted, stats.num_accepted = counts
                 stats.selection_seconds = batch.get("select_ms", 0.0) / 1e3 / n
+            elif shared is not None:
+                stats.iterations = shared[i]
+                stats.selection_seconds = batch.get("select_ms", 0.0) / 1e3 / n
             elif selector is None:
                 stats.iterations = max(stats.num_generated - 1, 0)
             results.append(RequestOutput(token_ids=list(comp.token_ids), text=comp.text, stats=stats))
         return results
+
+
+def share_batch_iterations(iterations: int, emitted: int, generated: list[int]) -> list[int]:
+    """Per-request iteration counts from a batch's totals (the V2 runner's speculator counts
+    per batch: :meth:`~vegas.vllm_plugin.runners.v2.VegasSpeculator.stats`).
+
+    Args:
+        iterations: verified steps of rows with drafts, summed over the batch.
+        emitted: tokens those steps emitted (accepted + bonus), summed over the batch.
+        generated: tokens each request generated (its first token comes from the prefill).
+
+    Returns:
+        One count per request: the batch's iterations plus its plain steps (generated tokens that
+        neither the prefill nor a drafting step emitted), shared out in proportion to the tokens
+        each request generated (at least 1 for a request with tokens). Exact for one request;
+        for more, each request gets the batch's acceptance length τ.
+    """
+    total = sum(generated)
+    steps = iterations + max(total - sum(1 for g in generated if g) - emitted, 0)
+    return [max(1, round(g * steps / total)) if g else 0 for g in generated] if total else [0] * len(generated)
 
 
 @hookimpl
