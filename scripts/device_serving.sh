@@ -114,25 +114,29 @@ case ${1:-} in
     esac
     ;;
   ablate23)  # issue 23 studies 1-4 on the HF backend (CUDA, float32, SmolLM2 from its GGUF as smollm2-135m
-             # loads it), resumable: the points live in $OUT/ablate, seeded from the checkout's copy, so that
-             # every bg-wait brings them back (copy out/ablate/ over benchmarks/results/ablate_h200_smollm2/);
-             # ABLATE_CONTEXTS (default 4096,8000; then 4096,8000,16000,32000), ABLATE_BUDGET seconds
-    R=benchmarks/results/ablate_h200_smollm2; mkdir -p "$OUT/ablate"; [ -d "$R" ] && cp -rn "$R"/. "$OUT/ablate"/
+             # loads it), resumable: the points live in $OUT/ablate, seeded from the checkout's copy in
+             # ABLATE_DIR (default benchmarks/results/ablate_h200_smollm2), so that every bg-wait brings them back
+             # (copy out/ablate/ over ABLATE_DIR); ABLATE_CONTEXTS (default 4096,8000; then 16000,32000),
+             # ABLATE_BATCH (default 32: at 8 rows the HF decode was host-bound, ~20-40 s a point on
+             # 2026-12-04; more rows per forward, fewer forwards), ABLATE_BUDGET seconds, ABLATE_ARGS (more vegas ablate options, e.g. --studies budget)
+    R=${ABLATE_DIR:-benchmarks/results/ablate_h200_smollm2}; mkdir -p "$OUT/ablate"; [ -d "$R" ] && cp -rn "$R"/. "$OUT/ablate"/
     GGUF=$(ls /tmp/smollm2/*.gguf 2>/dev/null | head -1)
     [ -n "$GGUF" ] || { echo "ablate23: no /tmp/smollm2/*.gguf (carry .device/smollm2 first)" >&2; exit 2; }
     t0=$(date +%s)
     timeout $(( ${ABLATE_BUDGET:-780} + 240 )) python3 -c "from vegas.cli import main; main()" ablate --model "$GGUF" \
-      --device cuda --dtype float32 --batch-size 8 --yarn-factor 4 --contexts ${ABLATE_CONTEXTS:-4096,8000} \
-      --time-budget ${ABLATE_BUDGET:-780} --out "$OUT/ablate" > "$OUT/ablate.log" 2>&1
-    echo "[ablate23] rc=$? $(( $(date +%s) - t0 )) s"; grep -v "it/s\]" "$OUT/ablate.log" | tail -12
+      --device cuda --dtype float32 --batch-size ${ABLATE_BATCH:-32} --yarn-factor 4 --contexts ${ABLATE_CONTEXTS:-4096,8000} \
+      --time-budget ${ABLATE_BUDGET:-780} --out "$OUT/ablate" ${ABLATE_ARGS:-} > "$OUT/ablate.log" 2>&1
+    echo "[ablate23] rc=$? $(( $(date +%s) - t0 )) s"; grep -v "it/s\]" "$OUT/ablate.log" | tr '\r' '\n' | grep -v "^ *$" | tail -12
     ;;
   tune23)  # issue 23 item 5: vegas tune for collect2 on the vLLM backend, SmolLM2 7,680 tokens, with plain vLLM
-           # in the same run; resumable like ablate23 ($OUT/tune, seeded from benchmarks/results/tune_h200_smollm2_vllm)
+           # in the same run; resumable like ablate23 ($OUT/tune, seeded from benchmarks/results/tune_h200_smollm2_vllm).
+           # vLLM builds an engine per point (~50 s: its full CUDA graphs hold the selection), so the grids are
+           # shorter than tune's defaults: 5 sparsities, γ 2,3,4,6, 1 fine step each side (14 points)
     R=benchmarks/results/tune_h200_smollm2_vllm; mkdir -p "$OUT/tune"; [ -d "$R" ] && cp -rn "$R"/. "$OUT/tune"/
     t0=$(date +%s)
     VLLM_WORKER_MULTIPROC_METHOD=spawn timeout $(( ${TUNE_BUDGET:-600} + 240 )) python3 -c "from vegas.cli import main; main()" tune --backend vllm \
       --model "$MODEL" --selectors collect2 --context 7680 --dtype bfloat16 --time-budget ${TUNE_BUDGET:-600} \
-      --out "$OUT/tune" > "$OUT/tune.log" 2>&1
+      --sparsities 0.01,0.02,0.05,0.1,0.2 --gammas 2,3,4,6 --fine-steps 1 --out "$OUT/tune" > "$OUT/tune.log" 2>&1
     echo "[tune23] rc=$? $(( $(date +%s) - t0 )) s"; grep -v "it/s\]" "$OUT/tune.log" | grep -v "^(EngineCore\|^INFO\|^WARNING" | tail -16
     ;;
   cute-e2e)  # issue 22 end to end: vegas bench, SmolLM2 7,680 tokens, batch CUTE_BATCH (128), collect2 with

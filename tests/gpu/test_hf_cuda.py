@@ -43,6 +43,9 @@ def test_hf_cuda_greedy_exact(cuda_pipe, selector):
     ref = cuda_pipe.backend.generate(prompts, max_new_tokens=32, sampling=greedy, selector=None, config=config)
     out = cuda_pipe.backend.generate(prompts, max_new_tokens=32, sampling=greedy, selector=selector, config=config)
     assert sum(o.stats.num_accepted for o in out) > 0
+    # the selection work is timed by the GPU's clock (SectionTimer), a part of the decode
+    for o in out:
+        assert 0 < o.stats.selection_seconds < o.stats.decode_seconds, o.stats
     dtype = cuda_pipe.backend.model.dtype
     for prompt, o, r in zip(prompts, out, ref):
         if dtype == torch.float32 or o.token_ids == r.token_ids:

@@ -35,7 +35,13 @@ from ..plugins import run_selector
 from ..sampling import SampleFn, SamplingParams
 from .base import Backend, RequestOutput, as_selector
 from .hf_architectures import refuse_unsupported
-from .hf_attention import ATTENTION_NAME, AttentionContext, clock, vegas_attention
+from .hf_attention import (
+    ATTENTION_NAME,
+    AttentionContext,
+    SectionTimer,
+    clock,
+    vegas_attention,
+)
 
 log = logging.getLogger(__name__)
 
@@ -84,11 +90,16 @@ class HFSession(Drafter, Verifier):
         self.layer_windows: dict[int, int | None] = {}  # learnt from the first forward
         self.selections: list[Selection | None] = []
         self.selection_len = 0
-        self.selection_seconds = 0.0
+        self.timer = SectionTimer(self.device)  # the selection work: scores, top-k, refinement
 
     # -- helpers ---------------------------------------------------------------------------
     def _tick(self) -> float:
         return clock(self.sync)
+
+    @property
+    def selection_seconds(self) -> float:
+        """Seconds of selection work so far (GPU seconds on CUDA: waits for the GPU)."""
+        return self.timer.seconds()
 
     def _forward(
         self, input_ids: torch.Tensor, input_valid: torch.Tensor, ctx: AttentionContext,
@@ -121,7 +132,6 @@ class HFSession(Drafter, Verifier):
         )
         self.valid, self.slot_pos = ctx.key_valid, ctx.key_pos
         self.pending += input_ids.shape[1]
-        self.selection_seconds += ctx.selection_seconds
         self.layer_windows.update(ctx.layer_windows)
         if num_logits < 0:
             return None
@@ -137,11 +147,11 @@ class HFSession(Drafter, Verifier):
     def _select(self, scores: dict[int, torch.Tensor]) -> None:
         """Index sets of every layer for the next drafting phase (on a sliding-window layer,
         among the slots inside ``x_last``'s window)."""
-        start = self._tick()
         num_slots = self.valid.shape[1]
         if num_slots == 0:  # one-token prompts only: nothing to select from yet
             self.selections, self.selection_len = [None] * self.num_layers, 0
             return
+        self.timer.start()
         counts = self.valid.sum(dim=1)  # [B]
         wanted = run_selector(self.selector, "budget", counts)  # [B] int64, as on the vLLM backend
         global FULL_BUDGET_LOGGED
@@ -173,7 +183,7 @@ class HFSession(Drafter, Verifier):
             )
             self.selections.append(run_selector(self.selector, "select", inputs))
         self.selection_len = num_slots
-        self.selection_seconds += self._tick() - start
+        self.timer.stop()
 
     def _full_context(self, chunk_len: int, num_new: int) -> AttentionContext:
         """Full-attention context collecting the selector's rows among the last ``chunk_len``
@@ -186,7 +196,7 @@ class HFSession(Drafter, Verifier):
             score_mode=self.config.score_mode,
             groups=self._groups(),
             per_row=bool(self.selector and self.selector.per_row_scores),
-            sync=self.sync,
+            timer=self.timer,
         )
 
     def _groups(self) -> int:
@@ -278,7 +288,7 @@ class HFSession(Drafter, Verifier):
                 selections=self.selections,
                 selection_len=self.selection_len,
                 selector=self.selector if self.selection_len else None,
-                sync=self.sync,
+                timer=self.timer,
             )
             logits = self._forward(x[:, None], ones, ctx, num_logits=1)[:, -1]  # [B, V]
             if ctx.attended is not None:

@@ -61,6 +61,46 @@ def clock(sync: bool) -> float:
     return time.perf_counter()
 
 
+class SectionTimer:
+    """Total time of the selection work of a decode (score collection, top-k, per-query
+    refinement), summed over sections bracketed by :meth:`start` and :meth:`stop` (not nested).
+
+    On the CPU: host seconds (``time.perf_counter``). On CUDA: GPU seconds by the GPU's own
+    clock (:class:`vegas.kernels.device_timer.DeviceTimer`, two one-thread kernels per
+    section), read once in :meth:`seconds`: timing a section never stalls the host, which runs
+    ahead of the GPU (a synchronisation per section would make every forward pay host time
+    plus GPU time).
+
+    Args:
+        device: where the decode runs.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._gpu = None
+        if device.type == "cuda":
+            from ..kernels.device_timer import DeviceTimer  # Triton: CUDA machines only
+
+            self._gpu = DeviceTimer(device)
+        self._host = 0.0
+        self._t0 = 0.0
+
+    def start(self) -> None:
+        if self._gpu is not None:
+            self._gpu.start()
+        else:
+            self._t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self._gpu is not None:
+            self._gpu.stop()
+        else:
+            self._host += time.perf_counter() - self._t0
+
+    def seconds(self) -> float:
+        """Seconds summed so far (on CUDA: waits for the GPU)."""
+        return self._gpu.read()[0] / 1e3 if self._gpu is not None else self._host
+
+
 @dataclass
 class AttentionContext:
     """Per-forward instructions and outputs of :func:`vegas_attention`.
@@ -81,13 +121,13 @@ class AttentionContext:
         selections: per layer, the drafting index sets (draft mode).
         selection_len: cache length at selection time; later slots are always attended.
         selector: the query-aware selector to refine selections per draft step, or None.
-        selection_seconds: time spent collecting / refining (seconds), accumulated.
+        timer: times the score collection and per-query refinement (:class:`SectionTimer`), or
+            None (untimed).
         attended: draft mode, filled per layer: ``(batch_size,)`` float32, the committed slots
             (before ``selection_len``) the draft query attended, summed over the layers run so
             far (each layer's count averaged over its groups); the slots appended since the
             selection (the drafting phase's own positions) are not counted.
         attended_layers: the layers summed into ``attended``.
-        sync: synchronise CUDA around timed sections (accurate timing on GPUs).
     """
 
     mode: str = "full"
@@ -104,14 +144,18 @@ class AttentionContext:
     selections: list[Selection | None] | None = None
     selection_len: int = 0
     selector: Selector | None = None
-    selection_seconds: float = 0.0
+    timer: SectionTimer | None = None
     attended: torch.Tensor | None = None
     attended_layers: int = 0
-    sync: bool = False
     _masks: dict = field(default_factory=dict, repr=False)
 
-    def _tick(self) -> float:
-        return clock(self.sync)
+    def _start(self) -> None:
+        if self.timer is not None:
+            self.timer.start()
+
+    def _stop(self) -> None:
+        if self.timer is not None:
+            self.timer.stop()
 
     def count_attended(self, mask: torch.Tensor) -> None:
         """Add one layer's attended committed slots to :attr:`attended`: ``mask``
@@ -195,9 +239,9 @@ def _draft_attention(module, query, key, value, scaling, ctx: AttentionContext, 
         ctx.count_attended(allowed[:, :, : max(n - start, 0)])  # q_len 1: [B, 1, committed slots seen]
         return _masked_attention(query, key, value, scaling, ctx, window, softcap)
     if ctx.selector is not None and ctx.selector.query_aware:
-        start = ctx._tick()
+        ctx._start()
         sel = run_selector(ctx.selector, "select_for_query", layer, query, sel, num_slots=n)
-        ctx.selection_seconds += ctx._tick() - start
+        ctx._stop()
     k = torch.cat([_gather_slots(key, sel), key[:, :, n:]], dim=2)
     v = torch.cat([_gather_slots(value, sel), value[:, :, n:]], dim=2)
     recent = sel.mask.new_ones(sel.mask.shape[0], sel.mask.shape[1], key.shape[2] - n)
@@ -274,12 +318,12 @@ def vegas_attention(
     else:
         out = _masked_attention(query, key, value, scaling, ctx, sliding_window, softcap)
         if ctx.score_rows:
-            start = ctx._tick()
+            ctx._start()
             first, allowed = ctx.mask(sliding_window)
             allowed = allowed[:, ctx.score_rows] & ctx.query_valid[:, ctx.score_rows, None]
             rows = query[:, :, ctx.score_rows]  # [B, H, m, D]
             scores = collect_scores(rows, key[:, :, first:], allowed, scaling, ctx.groups, ctx.score_mode, softcap,
                                     ctx.per_row)
             ctx.scores[layer] = torch.nn.functional.pad(scores, (first, 0))  # slots before the window: 0
-            ctx.selection_seconds += ctx._tick() - start
+            ctx._stop()
     return out.transpose(1, 2).contiguous(), None
