@@ -68,6 +68,26 @@ def test_chunked_prefill_of_a_padded_batch_equals_single_prompts(pipe, code_prom
     assert [o.token_ids for o in run(pipe, prompts, selector, **SMALL)] == alone
 
 
+def test_prefill_chunks_shrink_to_bound_the_attention_scores(pipe, code_prompts, monkeypatch):
+    """A long prompt in a large batch is prefilled in chunks whose float32 scores stay under
+    PREFILL_SCORE_BYTES (never fewer than γ + 1 rows), with the same tokens as one chunk."""
+    from vegas.backends import hf
+
+    assert hf.prefill_chunk_tokens(8, 9, 4096, 4) == 1024  # 1.2 GB of scores: the cap holds
+    assert hf.prefill_chunk_tokens(32, 9, 32000, 4) == (4 << 30) // (32 * 9 * 32000 * 4) == 116
+    assert hf.prefill_chunk_tokens(64, 32, 1 << 20, 4) == 5  # γ + 1 at least
+    prompts = [code_prompts[0][:400], code_prompts[1][:230]]
+    whole = run(pipe, prompts, "collect2", **SMALL)
+    heads = pipe.backend.model.config.num_attention_heads
+    monkeypatch.setattr(hf, "PREFILL_SCORE_BYTES", 2 * heads * 399 * 4 * 50)  # 50 rows a chunk
+    calls = []
+    forward = hf.HFSession._forward
+    monkeypatch.setattr(hf.HFSession, "_forward", lambda self, ids, *a, **k: calls.append(ids.shape[1])
+                        or forward(self, ids, *a, **k))
+    assert [o.token_ids for o in run(pipe, prompts, "collect2", **SMALL)] == [o.token_ids for o in whole]
+    assert calls[:8] == [49] + [50] * 7  # 399 prefill slots: the chunks end at the prompt's end
+
+
 @pytest.mark.parametrize("gamma", [1, 4])
 @pytest.mark.parametrize("selector", SELECTORS)
 def test_greedy_equals_plain_greedy(pipe, code_prompts, reference, selector, gamma):

@@ -53,6 +53,18 @@ AttentionInterface.register(ATTENTION_NAME, vegas_attention)
 #: prompt tokens per prefill forward: bounds the attention mask to (batch, chunk, context)
 #: booleans and the activations to one chunk, so memory grows linearly with the prompt
 PREFILL_CHUNK_TOKENS = 1024
+#: and fewer where one chunk's attention scores, ``batch x heads x chunk x context`` float32, would
+#: exceed this many bytes: PyTorch's SDPA runs its math kernel for a masked float32 GQA call, which
+#: holds the scores and their softmax (a batch of 32 at 32K tokens and 9 heads: 38 GB per 1,024 rows)
+PREFILL_SCORE_BYTES = 4 << 30
+
+
+def prefill_chunk_tokens(batch_size: int, num_heads: int, context: int, num_draft_tokens: int) -> int:
+    """Prompt tokens per prefill forward: at most :data:`PREFILL_CHUNK_TOKENS`, fewer where the
+    scores would pass :data:`PREFILL_SCORE_BYTES` at ``context`` keys, never fewer than γ + 1
+    (the last chunk holds the rows that stand in for a verified chunk)."""
+    rows = PREFILL_SCORE_BYTES // max(batch_size * num_heads * context * 4, 1)
+    return max(min(PREFILL_CHUNK_TOKENS, rows), num_draft_tokens + 1)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -207,8 +219,8 @@ class HFSession(Drafter, Verifier):
     # -- Verifier --------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]]) -> None:
-        """Prefill all but the last prompt token, in chunks of at most
-        ``max(PREFILL_CHUNK_TOKENS, γ + 1)`` tokens (no logits; masks ``(B, chunk, context)``)."""
+        """Prefill all but the last prompt token, in chunks of :func:`prefill_chunk_tokens`
+        tokens (no logits; masks ``(B, chunk, context)``)."""
         batch_size = len(prompts)
         width = max(len(p) for p in prompts) - 1
         input_ids = torch.zeros(batch_size, width, dtype=torch.long)
@@ -226,7 +238,8 @@ class HFSession(Drafter, Verifier):
         self.last_tokens = torch.tensor([p[-1] for p in prompts], device=self.device)
         # Chunks end at the prompt's end, so the last one holds every score row: the last
         # min(γ + 1, width) prompt positions stand in for a verified chunk.
-        chunk = max(PREFILL_CHUNK_TOKENS, self.config.num_draft_tokens + 1)
+        num_heads = self.model.config.get_text_config().num_attention_heads
+        chunk = prefill_chunk_tokens(batch_size, num_heads, width, self.config.num_draft_tokens)
         ctx = None
         for end in range(width % chunk or chunk, width + 1, chunk) if width else ():
             start = max(0, end - chunk)
