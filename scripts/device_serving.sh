@@ -126,7 +126,7 @@ case ${1:-} in
     timeout $(( ${ABLATE_BUDGET:-780} + 240 )) python3 -c "from vegas.cli import main; main()" ablate --model "$GGUF" \
       --device cuda --dtype float32 --batch-size ${ABLATE_BATCH:-32} --yarn-factor 4 --contexts ${ABLATE_CONTEXTS:-4096,8000} \
       --time-budget ${ABLATE_BUDGET:-780} --out "$OUT/ablate" ${ABLATE_ARGS:-} > "$OUT/ablate.log" 2>&1
-    echo "[ablate23] rc=$? $(( $(date +%s) - t0 )) s"; grep -v "it/s\]" "$OUT/ablate.log" | tr '\r' '\n' | grep -v "^ *$" | tail -12
+    echo "[ablate23] rc=$? $(( $(date +%s) - t0 )) s"; tr '\r' '\n' < "$OUT/ablate.log" | grep -v 'it/s\]\|s/it\]\|^ *$' | tail -12
     ;;
   tune23)  # issue 23 item 5: vegas tune for collect2 on the vLLM backend, SmolLM2 7,680 tokens, with plain vLLM
            # in the same run; resumable like ablate23 ($OUT/tune, seeded from benchmarks/results/tune_h200_smollm2_vllm).

@@ -184,9 +184,30 @@ def test_repeats_time_each_point_several_times(counted, tmp_path):
     points = json.loads((tmp_path / "points.json").read_text())["points"]
     assert len(points) == 5  # step 1: 1; step 2: plain + 1 γ; step 3: plain + 1
     assert all(len(p["tokens_per_second_runs"]) == 2 for p in points)
-    # a warm-up per configuration (plain; collect2 at step 1's γ and at step 2's) + 2 runs per point
-    configs = {(p['selector'], p['num_draft_tokens'], p['sparsity_ratio']) for p in points}
-    assert len(configs) == 3 and len(calls) == len(configs) + 2 * 5
+    # a warm-up whenever the configuration changes (collect2 at step 1's γ; plain, collect2 at step 2's γ;
+    # plain, collect2 at step 3's) + 2 runs per point
+    assert len(calls) == 5 + 2 * 5
+
+
+def test_no_timed_run_follows_a_change_of_configuration(pipe, monkeypatch, tmp_path):
+    """A backend may build an engine per configuration (vLLM keeps one, rebuilt on each change): the
+    first call after a change is a short untimed warm-up, never a timed run."""
+    calls = []
+    original = pipe.generate
+
+    def generate(prompts, max_new_tokens, selector=None, **kw):
+        cfg = pipe.config
+        calls.append((selector, cfg.num_draft_tokens if selector else 1, cfg.sparsity_ratio if selector else None,
+                      max_new_tokens))
+        return original(prompts, max_new_tokens=max_new_tokens, selector=selector, **kw)
+
+    monkeypatch.setattr(pipe, "generate", generate)
+    opts = TuneOptions(**{**vars(_tiny(tmp_path)), "gammas": [2, 3]})
+    run_tune(opts, Console(file=io.StringIO()), pipe=pipe)
+    timed = [i for i, c in enumerate(calls) if c[3] == opts.new_tokens]
+    assert timed and all(i > 0 and calls[i - 1][:3] == calls[i][:3] for i in timed)
+    warm_ups = [c for c in calls if c[3] == 2]
+    assert len(warm_ups) == len(calls) - len(timed)
 
 
 @pytest.mark.parametrize("args, message", [

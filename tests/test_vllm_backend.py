@@ -226,8 +226,14 @@ def test_batch_counts_of_the_v2_runner_give_each_request_the_batch_tau():
 
     # one request: 1 prefill token, 30 iterations emitting 120 tokens, 7 plain steps -> 37 iterations
     assert share_batch_iterations(30, 120, [128]) == [37]
-    # two requests share the batch's steps by their tokens; an empty output gets none
+    # requests share the batch's steps by their decoded tokens; an empty output gets none
     assert share_batch_iterations(30, 120, [64, 64, 0]) == [18, 18, 0]
+    # uneven shares add up to the batch's steps (largest remainder): the batch's τ is exact
+    for iterations, emitted, generated in ((43, 126, [64, 64]), (21, 62, [32, 32]), (50, 110, [90, 7, 33, 1])):
+        shares = share_batch_iterations(iterations, emitted, generated)
+        steps = iterations + sum(g - 1 for g in generated if g) - emitted
+        assert sum(shares) == steps, (shares, steps)
+    assert share_batch_iterations(0, 0, [1, 1]) == [0, 0]  # prefill tokens only: no decode step
     assert share_batch_iterations(0, 0, [0]) == [0]
     # plain steps only (every step skipped drafting): one token per step after the first
     assert share_batch_iterations(0, 0, [10]) == [9]

@@ -259,12 +259,11 @@ def run_tune(opts: TuneOptions, console: Console | None = None, pipe: Pipeline |
     sampled = dict(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)
     base = VegasConfig(min_kv_budget=opts.min_kv_budget, fallback=False)  # the selector's own τ, no plain steps
     n_sel, fine = len(opts.selectors), 2 * opts.fine_steps + 1
-    # each configuration (None: plain decoding) runs once before its first timing: a backend may build an
-    # engine per configuration (vLLM does, its full CUDA graphs hold the selection), whose first calls pay
-    # one-off costs
-    warmed: set[tuple] = set()
+    # a point whose configuration (None: plain decoding) differs from the last one run first runs once
+    # untimed: a backend may build an engine per configuration (vLLM keeps one engine, built again for each
+    # new one: its full CUDA graphs hold the selection), whose first calls pay one-off costs
     total = n_sel * len(opts.sparsities) + 2 + n_sel * len(opts.gammas) + n_sel * fine
-    state = {"last": 0.0, "reused": 0}
+    state = {"last": 0.0, "reused": 0, "config": ()}
     skipped = SelectorSkips(opts.skip_failing, plain_printer(console, "yellow"))
 
     def live() -> list[str]:
@@ -285,10 +284,10 @@ def run_tune(opts: TuneOptions, console: Console | None = None, pipe: Pipeline |
         cfg = replace(base, num_draft_tokens=gamma, sparsity_ratio=sparsity or base.sparsity_ratio)
         pipe.config = cfg
         try:
-            if (selector, gamma, sparsity) not in warmed:
+            if state["config"] != (selector, gamma, sparsity):
                 progress.update(task, description=f"warm-up: {label}")
                 pipe.generate([prompts[0][: min(64, opts.context)]], max_new_tokens=2, selector=selector)
-                warmed.add((selector, gamma, sparsity))
+                state["config"] = (selector, gamma, sparsity)
             progress.update(task, description=f"step {step}: {label}")
             t0 = time.monotonic()
             runs = [summarize(pipe.generate(prompts, max_new_tokens=opts.new_tokens, selector=selector,

@@ -65,40 +65,43 @@ class SectionTimer:
     """Total time of the selection work of a decode (score collection, top-k, per-query
     refinement), summed over sections bracketed by :meth:`start` and :meth:`stop` (not nested).
 
-    On the CPU: host seconds (``time.perf_counter``). On CUDA: GPU seconds by the GPU's own
-    clock (:class:`vegas.kernels.device_timer.DeviceTimer`, two one-thread kernels per
-    section), read once in :meth:`seconds`: timing a section never stalls the host, which runs
-    ahead of the GPU (a synchronisation per section would make every forward pay host time
-    plus GPU time).
+    On the CPU: host seconds (``time.perf_counter``). On CUDA: GPU seconds between two CUDA
+    events per section on the device's current stream, summed in :meth:`seconds`: timing a
+    section never stalls the host, which runs ahead of the GPU (a synchronisation per section
+    would make every forward pay host time plus GPU time).
 
     Args:
         device: where the decode runs.
     """
 
     def __init__(self, device: torch.device) -> None:
-        self._gpu = None
-        if device.type == "cuda":
-            from ..kernels.device_timer import DeviceTimer  # Triton: CUDA machines only
-
-            self._gpu = DeviceTimer(device)
-        self._host = 0.0
-        self._t0 = 0.0
+        self.device = device if device.type == "cuda" else None
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._total = 0.0
+        self._t0: float | torch.cuda.Event = 0.0
 
     def start(self) -> None:
-        if self._gpu is not None:
-            self._gpu.start()
-        else:
+        if self.device is None:
             self._t0 = time.perf_counter()
+            return
+        self._t0 = torch.cuda.Event(enable_timing=True)
+        self._t0.record(torch.cuda.current_stream(self.device))
 
     def stop(self) -> None:
-        if self._gpu is not None:
-            self._gpu.stop()
-        else:
-            self._host += time.perf_counter() - self._t0
+        if self.device is None:
+            self._total += time.perf_counter() - self._t0
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(torch.cuda.current_stream(self.device))
+        self._events.append((self._t0, end))
 
     def seconds(self) -> float:
         """Seconds summed so far (on CUDA: waits for the GPU)."""
-        return self._gpu.read()[0] / 1e3 if self._gpu is not None else self._host
+        if self._events:
+            self._events[-1][1].synchronize()
+            self._total += sum(a.elapsed_time(b) for a, b in self._events) / 1e3
+            self._events.clear()
+        return self._total
 
 
 @dataclass

@@ -504,7 +504,7 @@ class VLLMBackend(Backend):
         results = []
         n = max(len(outs), 1)
         shared = None  # the V2 runner counts per batch, not per request
-        if selector is not None and not per_req and "iterations" in batch:
+        if selector is not None and batch.get("runner") == "v2":
             shared = share_batch_iterations(batch["iterations"], batch.get("emitted", 0),
                                             [len(o.outputs[0].token_ids) for o in outs])
         for i, o in enumerate(outs):
@@ -539,12 +539,23 @@ def share_batch_iterations(iterations: int, emitted: int, generated: list[int]) 
     Returns:
         One count per request: the batch's iterations plus its plain steps (generated tokens that
         neither the prefill nor a drafting step emitted), shared out in proportion to the tokens
-        each request generated (at least 1 for a request with tokens). Exact for one request;
-        for more, each request gets the batch's acceptance length τ.
+        each request generated beyond its first, by largest remainder, so that the counts add up
+        to the batch's: the batch's τ is exact, each request's is the batch's (exact for one
+        request). Unlike the V1 runner's per-request counts, plain steps count as iterations.
+        ``emitted`` includes tokens sampled past a request's end in its last step, which vLLM
+        drops; that lowers the plain steps estimated (clamped at 0).
     """
-    total = sum(generated)
-    steps = iterations + max(total - sum(1 for g in generated if g) - emitted, 0)
-    return [max(1, round(g * steps / total)) if g else 0 for g in generated] if total else [0] * len(generated)
+    decoded = [max(g - 1, 0) for g in generated]
+    total = sum(decoded)
+    steps = iterations + max(total - emitted, 0)
+    if not total:
+        return [0] * len(generated)
+    exact = [d * steps / total for d in decoded]
+    shares = [int(x) for x in exact]
+    by_remainder = sorted(range(len(exact)), key=lambda i: shares[i] - exact[i])
+    for i in by_remainder[: steps - sum(shares)]:
+        shares[i] += 1
+    return shares
 
 
 @hookimpl
