@@ -248,7 +248,7 @@ def test_tiny_run_writes_schema_plots_tables_and_resumes(counted, tmp_path, clic
         auto = run_ablate(_tiny(tmp_path, source, device=None, studies=["budget"]), Console(file=io.StringIO()),
                           pipe=pipe)
         assert auto["measured"] == 0 and auto["reused"] == 2
-    with pytest.raises(VegasConfigError, match=r"other settings \(new_tokens: 4 -> 5\).*--fresh"):
+    with pytest.raises(VegasConfigError, match=r"other settings \(--new-tokens: 4 -> 5\).*--fresh"):
         run_ablate(_tiny(tmp_path, source, new_tokens=5), Console(file=io.StringIO()), pipe=pipe)
 
 

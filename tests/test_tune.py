@@ -162,7 +162,7 @@ def test_tiny_sweep_writes_points_plots_recommendation_and_resumes(counted, tmp_
     else:
         assert "VegasConfig(num_draft_tokens=2" in result.output and "--speculative-config" in result.output
 
-    with pytest.raises(VegasConfigError, match=r"other settings \(new_tokens: 4 -> 5\).*--fresh"):
+    with pytest.raises(VegasConfigError, match=r"other settings \(--new-tokens: 4 -> 5\).*--fresh"):
         run_tune(TuneOptions(**{**vars(_tiny(tmp_path)), "new_tokens": 5}), Console(file=io.StringIO()), pipe=pipe)
 
 
@@ -337,3 +337,43 @@ def test_a_plugin_selector_that_raises_is_skipped_under_all_and_fatal_when_named
     with pytest.raises(VegasPluginError, match="quest"):
         run_tune(TuneOptions(**{**vars(_tiny(tmp_path / "named")), "selectors": ["quest"], "sparsities": [0.5],
                                 "fine_steps": 0}), Console(file=io.StringIO()), pipe=pipe)
+
+
+def test_sources_are_matched_by_what_they_name_not_by_their_path(tmp_path, monkeypatch):
+    """A points file resumes from another checkout or machine: the model and the prompts are
+    compared by content where both sides know it, else by file name; other settings exactly."""
+    from vegas import models
+    from vegas.tune_points import PointStore, source_settings
+
+    here, there = tmp_path / "here", tmp_path / "there"
+    for d in (here, there):
+        d.mkdir()
+        (d / "heldout.jsonl").write_text("same text")
+        (d / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"GGUF same weights")
+    monkeypatch.setattr(models, "named_model_gguf", lambda name: here / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    points = tmp_path / "out" / "points.json"
+
+    def store(**settings):
+        return PointStore(points, source_settings({"batch_size": 8, **settings}), fresh=False, command="vegas ablate")
+
+    first = store(model=str(there / "SmolLM2-135M-Instruct.Q4_1.gguf"), prompts=str(there / "heldout.jsonl"))
+    first.add({"tau": 3.0})
+    # the model by name (its package's GGUF, the same content) and the prompts by a relative path
+    monkeypatch.chdir(here)
+    assert store(model="smollm2-135m", prompts="heldout.jsonl").points == [{"tau": 3.0}]
+    # a path absent here (another machine's): matched by its file name
+    assert store(model="/elsewhere/SmolLM2-135M-Instruct.Q4_1.gguf", prompts="/elsewhere/heldout.jsonl").points
+    # the same name with other content is refused, as is another value of an ordinary setting
+    (here / "heldout.jsonl").write_text("other text")
+    with pytest.raises(VegasConfigError, match=r"--prompts: .*heldout.jsonl"):
+        store(model="smollm2-135m", prompts="heldout.jsonl")
+    with pytest.raises(VegasConfigError, match=r"--batch-size: 8 -> 4"):
+        PointStore(points, source_settings({"batch_size": 4, "model": "smollm2-135m",
+                                            "prompts": str(there / "heldout.jsonl")}), fresh=False, command="x")
+
+
+def test_the_default_model_matches_its_name():
+    from vegas.tune_points import _same_setting
+
+    assert _same_setting("model", {"model": None}, {"model": "vegas-tiny-code"})
+    assert not _same_setting("model", {"model": None}, {"model": "smollm2-135m"})

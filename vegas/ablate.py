@@ -63,7 +63,7 @@ from .prompts import (
 )
 from .sampling import SamplingParams
 from .strategies import OracleSelector
-from .tune_points import PointStore, round_sparsity, settings_device
+from .tune_points import PointStore, round_sparsity, settings_device, source_settings
 
 __all__ = ["AblateOptions", "run_ablate", "plan", "spread", "rope_for", "STUDIES", "VARIANTS", "QUICK"]
 
@@ -349,8 +349,10 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
     if source is None:
         console.print("[yellow]prompts: installed click source; the held-out set (benchmarks/data/"
                       "heldout_code_dev.jsonl.xz) is not here: run from a checkout or pass --prompts[/yellow]")
-    settings = {**{k: getattr(opts, k) for k in MEASUREMENT_SETTINGS}, "prompts": source or "package:click",
-                "device": settings_device(opts.device)}
+    settings = source_settings({**{k: getattr(opts, k) for k in MEASUREMENT_SETTINGS},
+                                "prompts": source or "package:click", "device": settings_device(opts.device),
+                                # the rows a batch really holds: a larger --batch-size measures the same
+                                "batch_size": min(opts.batch_size, opts.num_prompts)})
     store = PointStore(out / POINTS_FILE, settings, opts.fresh, "vegas ablate")
     skipped = SelectorSkips(opts.selectors is None, plain_printer(console, "yellow"))  # "all": one that raises is left out
     selectors = opts.selectors or selector_names() + [ORACLE]

@@ -249,19 +249,27 @@ def _require_gguf_packages(what: str) -> None:
 CACHE_KEY_BYTES = 4 << 20
 
 
-def _cache_dir_for(path: Path, root: Path) -> Path:
-    """The cache directory of a GGUF's conversion, keyed by its content: size and a hash of its
-    first and last :data:`CACHE_KEY_BYTES` (header, tensor index and data; fast for any size), so
-    that a copy of the same file in another place, a new virtual environment for instance, finds
-    the conversion instead of adding another."""
+def content_key(path: str | os.PathLike, salt: str = "") -> str:
+    """A key of a file's content, the same for a copy of it anywhere: 16 hex digits of a SHA-256
+    of its size, ``salt`` and its first and last :data:`CACHE_KEY_BYTES` (header, index and data;
+    fast for any size)."""
+    path = Path(path)
     size = path.stat().st_size
-    digest = hashlib.sha256(f"{size}\0{CHECKPOINT_FORMAT}\0".encode())
+    digest = hashlib.sha256(f"{size}\0{salt}".encode())
     with open(path, "rb") as f:
         digest.update(f.read(CACHE_KEY_BYTES))
         f.seek(max(size - CACHE_KEY_BYTES, 0))
         digest.update(f.read(CACHE_KEY_BYTES))
+    return digest.hexdigest()[:16]
+
+
+def _cache_dir_for(path: Path, root: Path) -> Path:
+    """The cache directory of a GGUF's conversion, keyed by its content (:func:`content_key`), so
+    that a copy of the same file in another place, a new virtual environment for instance, finds
+    the conversion instead of adding another."""
     stem = re.sub(r"[^\w.-]+", "_", path.stem)[:64]
-    return root / "models" / f"{stem}-{digest.hexdigest()[:16]}"
+    key = content_key(path, salt=f"{CHECKPOINT_FORMAT}\0")
+    return root / "models" / f"{stem}-{key}"
 
 
 def convert_gguf(path: str | os.PathLike, *, cache: str | os.PathLike | None = None) -> Path:

@@ -59,7 +59,7 @@ from .pipeline import Pipeline
 from .plugins import PLAIN, SelectorSkips, selector_names
 from .progress import LoggedProgress, plain_printer
 from .prompts import cut_contexts, package_source, read_text_source
-from .tune_points import PointStore, points_of, round_sparsity, settings_device
+from .tune_points import PointStore, points_of, round_sparsity, settings_device, source_settings
 from .sampling import SamplingParams
 
 __all__ = ["TuneOptions", "run_tune", "knee", "best_by_throughput", "vllm_settings", "QUICK", "FULL"]
@@ -245,7 +245,8 @@ def run_tune(opts: TuneOptions, console: Console | None = None, pipe: Pipeline |
     out = Path(opts.out)
     if out.exists() and not out.is_dir():
         raise VegasConfigError(f"out (--out) {str(out)!r} exists and is not a directory")
-    settings = {**{k: getattr(opts, k) for k in MEASUREMENT_SETTINGS}, "device": settings_device(opts.device)}
+    settings = source_settings({**{k: getattr(opts, k) for k in MEASUREMENT_SETTINGS},
+                                "device": settings_device(opts.device)})
     store = PointStore(out / POINTS_FILE, settings, opts.fresh, "vegas tune")
     if pipe is None:
         pipe = Pipeline(opts.model, selector=None, backend=opts.backend, dtype=opts.dtype, device=opts.device,

@@ -11,9 +11,75 @@ from pathlib import Path
 
 from .config import VegasConfigError
 
-__all__ = ["PointStore", "points_of", "round_sparsity", "settings_device"]
+__all__ = ["PointStore", "points_of", "round_sparsity", "settings_device", "source_settings"]
 
 FORMAT_VERSION = 1
+
+#: settings that name a source (a model, a prompt set): compared by what they name, not by how
+#: (an absolute path on another machine, a relative path, a model name or its GGUF file)
+SOURCE_SETTINGS = ("model", "prompts")
+
+
+def _source_file(key: str, value) -> Path | None:
+    """The file a source setting names here, or None (a directory, a hub id, a package source,
+    a path absent on this machine, a named model whose package is not installed)."""
+    from .models import NAMED_MODELS, named_model_gguf
+
+    if not isinstance(value, str):
+        return None
+    if key == "model" and value in NAMED_MODELS:
+        try:
+            return named_model_gguf(value)
+        except VegasConfigError:
+            return None
+    path = Path(value).expanduser()
+    return path if path.is_file() else None
+
+
+def source_name(key: str, value) -> str | None:
+    """A source setting as it reads on any machine: a file's or directory's name (a named model:
+    its GGUF file's name where its package is installed), ``vegas-tiny-code`` for the default model;
+    other values (``package:click``) as they are."""
+    from .models import DEFAULT_MODEL, EMBEDDED_MODEL_NAME
+
+    if key == "model" and value in (None, EMBEDDED_MODEL_NAME, DEFAULT_MODEL):
+        return EMBEDDED_MODEL_NAME
+    if key == "prompts" and value is None:
+        return "package:click"
+    found = _source_file(key, value)
+    if found is not None:
+        return found.name
+    return Path(value).name if isinstance(value, str) and "/" in value else value
+
+
+def source_settings(settings: dict) -> dict:
+    """``settings`` with ``<source>_content`` (:func:`vegas.models.content_key` of the file each
+    source setting names here, or None) beside each of :data:`SOURCE_SETTINGS`, so that a rerun
+    from another place or machine is matched by content."""
+    from .models import content_key
+
+    out = dict(settings)
+    for key in SOURCE_SETTINGS:
+        if key in settings:
+            found = _source_file(key, settings[key])
+            out[f"{key}_content"] = content_key(found) if found is not None else None
+    return out
+
+
+def _same_setting(key: str, old: dict, new: dict) -> bool:
+    """Whether ``old[key]`` and ``new[key]`` measure alike: equal, or for a source setting the same
+    content (both keys known) or else the same :func:`source_name`."""
+    if old.get(key) == new.get(key):
+        return True
+    base = key[: -len("_content")] if key.endswith("_content") else None
+    if base in SOURCE_SETTINGS:
+        return True  # judged with its source setting
+    if key in SOURCE_SETTINGS:
+        a, b = old.get(f"{key}_content"), new.get(f"{key}_content")
+        if a and b:
+            return a == b
+        return source_name(key, old.get(key)) == source_name(key, new.get(key))
+    return False
 
 
 def round_sparsity(s: float) -> float:
@@ -61,9 +127,9 @@ class PointStore:
                     f"{self.path} is not a {command} points file ({exc}); pass --fresh to overwrite it "
                     "or choose another --out"
                 ) from None
-            changed = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
+            changed = sorted(k for k in set(old) | set(settings) if not _same_setting(k, old, settings))
             if changed:
-                diff = "; ".join(f"{k}: {old.get(k)!r} -> {settings.get(k)!r}" for k in changed)
+                diff = "; ".join(f"--{k.replace('_', '-')}: {old.get(k)!r} -> {settings.get(k)!r}" for k in changed)
                 raise VegasConfigError(
                     f"{self.path} holds points measured with other settings ({diff}); rerun with the same "
                     "settings to resume, pass --fresh to discard them, or choose another --out"
