@@ -12,7 +12,8 @@
 #                                            # large files such as torch-profiler traces out of a queued job)
 #   bash scripts/device_serving.sh tests21 [NAMES]  # issue 21's GPU tests, one after another, each with its own
 #                                            # time limit (seeds seeds-invariant seeds-v2 plugin softcap serve invariant
-#                                            # invariant-smollm2 faults; default all; also probe: scripts/invariance_probe.py)
+#                                            # invariant-smollm2 faults; default all; also probe: scripts/invariance_probe.py,
+#                                            # and hf: the HF backend on CUDA, tests/gpu/test_hf_cuda.py)
 #   bash scripts/device_serving.sh cute-tests [NAMES]  # issue 22: tests/gpu/test_cute_probe_cuda.py (kernel engine)
 #   bash scripts/device_serving.sh cute      # issue 22: the CuTe-DSL attention (+ score writer) against FA3 and
 #                                            # FA3 + the separate score pass (scripts/cute_decode_bench.py); needs
@@ -185,7 +186,9 @@ case ${1:-} in
         # where a verification row's arithmetic differs from a decode step's (FA3 by query length, matmul by rows, decode vs prefill)
         probe) cmd="python3 scripts/invariance_probe.py --model $MODEL --json $OUT/invariance_probe.json"; lim=300 ;;
         faults) cmd="python3 -m pytest -s -q -rs -p no:cacheprovider tests/gpu/test_vllm_serving_faults.py"; lim=560 ;;  # nine engines, ~45 s each (8 started in 360 s, 2026-12-03)
-        *) echo "tests21: unknown test group $t (seeds seeds-invariant seeds-v2 plugin softcap serve invariant invariant-smollm2 probe faults)" >&2; exit 2 ;;
+        # the HF backend on CUDA (greedy Vegas = plain greedy, float32 and bf16; the selection timed by CUDA events)
+        hf) cmd="python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_hf_cuda.py"; lim=240 ;;
+        *) echo "tests21: unknown test group $t (seeds seeds-invariant seeds-v2 plugin softcap serve invariant invariant-smollm2 probe faults hf)" >&2; exit 2 ;;
       esac
       t0=$(date +%s)
       timeout $lim $cmd > "$OUT/t21_$t.log" 2>&1; rc=$?
