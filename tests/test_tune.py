@@ -2,6 +2,7 @@
 
 import io
 import json
+import re
 
 import pytest
 from click.testing import CliRunner
@@ -156,7 +157,17 @@ def test_tiny_sweep_writes_points_plots_recommendation_and_resumes(counted, tmp_
         "--gammas", "2", "--fine-steps", "1", "--device", "cpu", "--repeats", "1", "--out", str(tmp_path),
     ])
     assert result.exit_code == 0, result.output
-    assert "8 points (8 reused from an earlier run)" in result.output and " done in " not in result.output
+    assert "8 points (0 measured now, 8 reused from an earlier run; 8 in points.json)" in result.output
+    assert " done in " not in result.output
+    result = CliRunner().invoke(main, [  # another grid: its own points counted, not the file's
+        "tune", "--context", "128", "--new-tokens", "4", "--batch-size", "1", "--sparsities", "0.05",
+        "--gammas", "2", "--fine-steps", "0", "--device", "cpu", "--repeats", "1", "--out", str(tmp_path),
+    ])
+    found = re.search(r"5 points \((\d) measured now, (\d) reused from an earlier run; (\d+) in points.json\)",
+                      result.output)
+    assert found, result.output
+    measured_now, reused, in_file = map(int, found.groups())
+    assert measured_now + reused == 5 and reused >= 2 and in_file == 8 + measured_now
     if rec["recommended"] == "none":  # plain decoding was as fast on this machine
         assert "recommended: plain decoding (selector 'none')" in result.output
     else:

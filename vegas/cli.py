@@ -431,8 +431,10 @@ def tune(selectors, **kwargs) -> None:
         raise _click_error(exc) from exc
     for line in describe(results):
         click.echo(line)
-    click.echo(f"{results['points']} points ({results['reused_points']} reused from an earlier run), "
-               f"recommendation and plots ({', '.join(results['plots'])}) in {kwargs['out']}")
+    run = results["measured_points"] + results["reused_points"]
+    click.echo(f"{run} points ({results['measured_points']} measured now, {results['reused_points']} reused from an "
+               f"earlier run; {results['points']} in points.json), recommendation and plots "
+               f"({', '.join(results['plots'])}) in {kwargs['out']}")
 
 
 def _ablate_options(fn):

@@ -264,7 +264,7 @@ def run_tune(opts: TuneOptions, console: Console | None = None, pipe: Pipeline |
     # untimed: a backend may build an engine per configuration (vLLM keeps one engine, built again for each
     # new one: its full CUDA graphs hold the selection), whose first calls pay one-off costs
     total = n_sel * len(opts.sparsities) + 2 + n_sel * len(opts.gammas) + n_sel * fine
-    state = {"last": 0.0, "reused": 0, "config": ()}
+    state = {"last": 0.0, "reused": 0, "measured": 0, "config": ()}
     skipped = SelectorSkips(opts.skip_failing, plain_printer(console, "yellow"))
 
     def live() -> list[str]:
@@ -308,6 +308,7 @@ def run_tune(opts: TuneOptions, console: Console | None = None, pipe: Pipeline |
             **median_row(runs), "wall_seconds": state["last"], "measured_at": time.time(),
         }
         store.add(point)
+        state["measured"] += 1
         progress.advance(task, note=f"τ {point['acceptance_length']:.2f}, {point['tokens_per_second']:.2f} tok/s")
         return point
 
@@ -343,6 +344,7 @@ def run_tune(opts: TuneOptions, console: Console | None = None, pipe: Pipeline |
     recommendation["stopped"] = stopped
     recommendation["elapsed_seconds"] = time.monotonic() - started
     recommendation["reused_points"] = state["reused"]
+    recommendation["measured_points"] = state["measured"]
     out.mkdir(parents=True, exist_ok=True)  # only now: every check passed (the first point makes it too)
     (out / RECOMMENDATION_FILE).write_text(json.dumps(recommendation, indent=2))
     from .plots import plot_tune
