@@ -187,7 +187,7 @@ case ${1:-} in
         probe) cmd="python3 scripts/invariance_probe.py --model $MODEL --json $OUT/invariance_probe.json"; lim=300 ;;
         faults) cmd="python3 -m pytest -s -q -rs -p no:cacheprovider tests/gpu/test_vllm_serving_faults.py"; lim=560 ;;  # nine engines, ~45 s each (8 started in 360 s, 2026-12-03)
         # the HF backend on CUDA (greedy Vegas = plain greedy, float32 and bf16; the selection timed by CUDA events)
-        hf) cmd="python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_hf_cuda.py"; lim=240 ;;
+        hf) cmd="python3 -m pytest -s -q -rs -p no:cacheprovider tests/gpu/test_hf_cuda.py"; lim=240 ;;
         *) echo "tests21: unknown test group $t (seeds seeds-invariant seeds-v2 plugin softcap serve invariant invariant-smollm2 probe faults hf)" >&2; exit 2 ;;
       esac
       t0=$(date +%s)

@@ -355,3 +355,10 @@ def test_a_prompt_source_shorter_than_the_context_names_both_flags():
     with pytest.raises(VegasConfigError, match=r"context \(--context\) of 256 tokens is longer than the prompt "
                                                r"source \(3 tokens\).*--prompts"):
         cut_contexts([1, 2, 3], 256, 1)
+
+
+def test_batch_size_is_compared_as_the_rows_a_batch_holds():
+    from vegas.ablate import _same_setting
+
+    assert _same_setting("batch_size", {"batch_size": 8, "num_prompts": 4}, {"batch_size": 32, "num_prompts": 4})
+    assert not _same_setting("batch_size", {"batch_size": 8, "num_prompts": 32}, {"batch_size": 32, "num_prompts": 32})

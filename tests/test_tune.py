@@ -372,8 +372,6 @@ def test_sources_are_matched_by_what_they_name_not_by_their_path(tmp_path, monke
     # the model by name (its package's GGUF, the same content) and the prompts by a relative path
     monkeypatch.chdir(here)
     assert store(model="smollm2-135m", prompts="heldout.jsonl").points == [{"tau": 3.0}]
-    # a path absent here (another machine's): matched by its file name
-    assert store(model="/elsewhere/SmolLM2-135M-Instruct.Q4_1.gguf", prompts="/elsewhere/heldout.jsonl").points
     # the same name with other content is refused, as is another value of an ordinary setting
     (here / "heldout.jsonl").write_text("other text")
     with pytest.raises(VegasConfigError, match=r"--prompts: .*heldout.jsonl"):
@@ -383,8 +381,33 @@ def test_sources_are_matched_by_what_they_name_not_by_their_path(tmp_path, monke
                                             "prompts": str(there / "heldout.jsonl")}), fresh=False, command="x")
 
 
-def test_the_default_model_matches_its_name():
-    from vegas.tune_points import _same_setting
+def test_sources_never_match_by_a_shared_last_name(tmp_path, monkeypatch):
+    from vegas.tune_points import same_setting
 
-    assert _same_setting("model", {"model": None}, {"model": "vegas-tiny-code"})
-    assert not _same_setting("model", {"model": None}, {"model": "smollm2-135m"})
+    def same(a, b, key="model", **extra):
+        return same_setting(key, {key: a, **extra}, {key: b})
+
+    assert not same("meta-llama/Llama-3.2-1B", "someone/Llama-3.2-1B")  # hub ids compare whole
+    (tmp_path / "a" / "model").mkdir(parents=True)
+    (tmp_path / "b" / "model").mkdir(parents=True)
+    assert not same(str(tmp_path / "a" / "model"), str(tmp_path / "b" / "model"))  # directories too
+    assert not same("Qwen/Qwen2.5-0.5B", "/models/Qwen2.5-0.5B")
+    # a file measured elsewhere (absent here, no content stored) matches a file here of its name only
+    (tmp_path / "x.gguf").write_bytes(b"GGUF")
+    assert same("/elsewhere/x.gguf", str(tmp_path / "x.gguf"))
+    assert not same("/elsewhere/x.gguf", str(tmp_path / "x.gguf"), model_content="0123456789abcdef")
+    assert not same("/elsewhere/x.gguf", str(tmp_path / "a" / "model"))
+    # the same path whose file changed is refused
+    from vegas.models import content_key
+
+    old_key = content_key(tmp_path / "x.gguf")
+    (tmp_path / "x.gguf").write_bytes(b"GGUF changed")
+    assert not same(str(tmp_path / "x.gguf"), str(tmp_path / "x.gguf"), model_content=old_key)
+    assert same(None, "package:click", key="prompts")  # tune's None is the installed click source
+
+
+def test_the_default_model_matches_its_name():
+    from vegas.tune_points import same_setting
+
+    assert same_setting("model", {"model": None}, {"model": "vegas-tiny-code"})
+    assert not same_setting("model", {"model": None}, {"model": "smollm2-135m"})

@@ -63,7 +63,7 @@ from .prompts import (
 )
 from .sampling import SamplingParams
 from .strategies import OracleSelector
-from .tune_points import PointStore, round_sparsity, settings_device, source_settings
+from .tune_points import PointStore, round_sparsity, same_setting, settings_device, source_settings
 
 __all__ = ["AblateOptions", "run_ablate", "plan", "spread", "rope_for", "STUDIES", "VARIANTS", "QUICK"]
 
@@ -211,6 +211,17 @@ def plan(opts: AblateOptions, selectors: list[str]) -> list[dict]:
     return out
 
 
+def _same_setting(key: str, old: dict, new: dict) -> bool:
+    """:class:`~vegas.tune_points.PointStore`'s rule, with ``batch_size`` compared as the rows a
+    batch really holds (at most ``num_prompts``: a larger ``--batch-size`` measures the same)."""
+    if key == "batch_size":
+        def rows(settings):
+            return min(settings.get("batch_size") or 0, settings.get("num_prompts") or 0)
+
+        return rows(old) == rows(new)
+    return same_setting(key, old, new)
+
+
 def point_key(spec: dict) -> dict:
     """The fields that identify a point in ``points.json``."""
     return {k: v for k, v in spec.items() if k != "study"}
@@ -350,10 +361,8 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
         console.print("[yellow]prompts: installed click source; the held-out set (benchmarks/data/"
                       "heldout_code_dev.jsonl.xz) is not here: run from a checkout or pass --prompts[/yellow]")
     settings = source_settings({**{k: getattr(opts, k) for k in MEASUREMENT_SETTINGS},
-                                "prompts": source or "package:click", "device": settings_device(opts.device),
-                                # the rows a batch really holds: a larger --batch-size measures the same
-                                "batch_size": min(opts.batch_size, opts.num_prompts)})
-    store = PointStore(out / POINTS_FILE, settings, opts.fresh, "vegas ablate")
+                                "prompts": source or "package:click", "device": settings_device(opts.device)})
+    store = PointStore(out / POINTS_FILE, settings, opts.fresh, "vegas ablate", same=_same_setting)
     skipped = SelectorSkips(opts.selectors is None, plain_printer(console, "yellow"))  # "all": one that raises is left out
     selectors = opts.selectors or selector_names() + [ORACLE]
     specs = plan(opts, selectors)

@@ -284,13 +284,13 @@ def run_tune(opts: TuneOptions, console: Console | None = None, pipe: Pipeline |
             raise _OutOfTime(f"step {step}: {label}")
         cfg = replace(base, num_draft_tokens=gamma, sparsity_ratio=sparsity or base.sparsity_ratio)
         pipe.config = cfg
+        t0 = time.monotonic()  # the warm-up counts: the time budget judges the next point by this one
         try:
             if state["config"] != (selector, gamma, sparsity):
                 progress.update(task, description=f"warm-up: {label}")
                 pipe.generate([prompts[0][: min(64, opts.context)]], max_new_tokens=2, selector=selector)
                 state["config"] = (selector, gamma, sparsity)
             progress.update(task, description=f"step {step}: {label}")
-            t0 = time.monotonic()
             runs = [summarize(pipe.generate(prompts, max_new_tokens=opts.new_tokens, selector=selector,
                                             **{**sampled, "seed": opts.seed + r}))
                     for r in range(opts.repeats)]

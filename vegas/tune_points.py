@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .config import VegasConfigError
 
-__all__ = ["PointStore", "points_of", "round_sparsity", "settings_device", "source_settings"]
+__all__ = ["PointStore", "points_of", "round_sparsity", "same_setting", "settings_device", "source_settings"]
 
 FORMAT_VERSION = 1
 
@@ -20,9 +20,10 @@ FORMAT_VERSION = 1
 SOURCE_SETTINGS = ("model", "prompts")
 
 
-def _source_file(key: str, value) -> Path | None:
+def _source_file(key: str, value, strict: bool = False) -> Path | None:
     """The file a source setting names here, or None (a directory, a hub id, a package source,
-    a path absent on this machine, a named model whose package is not installed)."""
+    a path absent on this machine, a named model whose package is not installed: with ``strict``,
+    that raises :class:`~vegas.config.VegasConfigError` with the install command)."""
     from .models import NAMED_MODELS, named_model_gguf
 
     if not isinstance(value, str):
@@ -31,55 +32,70 @@ def _source_file(key: str, value) -> Path | None:
         try:
             return named_model_gguf(value)
         except VegasConfigError:
+            if strict:
+                raise
             return None
     path = Path(value).expanduser()
     return path if path.is_file() else None
 
 
-def source_name(key: str, value) -> str | None:
-    """A source setting as it reads on any machine: a file's or directory's name (a named model:
-    its GGUF file's name where its package is installed), ``vegas-tiny-code`` for the default model;
-    other values (``package:click``) as they are."""
-    from .models import DEFAULT_MODEL, EMBEDDED_MODEL_NAME
+def _content(key: str, value) -> str | None:
+    from .models import content_key
 
-    if key == "model" and value in (None, EMBEDDED_MODEL_NAME, DEFAULT_MODEL):
-        return EMBEDDED_MODEL_NAME
-    if key == "prompts" and value is None:
-        return "package:click"
     found = _source_file(key, value)
-    if found is not None:
-        return found.name
-    return Path(value).name if isinstance(value, str) and "/" in value else value
+    return content_key(found) if found is not None else None
 
 
 def source_settings(settings: dict) -> dict:
     """``settings`` with ``<source>_content`` (:func:`vegas.models.content_key` of the file each
     source setting names here, or None) beside each of :data:`SOURCE_SETTINGS`, so that a rerun
-    from another place or machine is matched by content."""
+    from another place or machine is matched by content.
+
+    Raises:
+        VegasConfigError: a named model whose package is not installed (the install command).
+    """
     from .models import content_key
 
     out = dict(settings)
     for key in SOURCE_SETTINGS:
         if key in settings:
-            found = _source_file(key, settings[key])
+            found = _source_file(key, settings[key], strict=True)
             out[f"{key}_content"] = content_key(found) if found is not None else None
     return out
 
 
-def _same_setting(key: str, old: dict, new: dict) -> bool:
-    """Whether ``old[key]`` and ``new[key]`` measure alike: equal, or for a source setting the same
-    content (both keys known) or else the same :func:`source_name`."""
-    if old.get(key) == new.get(key):
+def _same_source(key: str, old: dict, new: dict) -> bool:
+    """Whether two source settings name the same source: the same content where both are known
+    (stored, or read here from the file the value names); else the same value; else, for a file
+    of an older points file measured elsewhere (an absolute path absent here, no content stored),
+    a file here of the same name. Hub ids, directories and package sources compare whole."""
+    from .models import DEFAULT_MODEL, EMBEDDED_MODEL_NAME
+
+    a, b = old.get(key), new.get(key)
+    if key == "model" and {a, b} <= {None, EMBEDDED_MODEL_NAME, DEFAULT_MODEL}:
         return True
+    if key == "prompts":  # tune's None: the installed click source, as ablate writes it
+        a, b = a or "package:click", b or "package:click"
+    ca = old.get(f"{key}_content") or _content(key, a)
+    cb = new.get(f"{key}_content") or _content(key, b)
+    if ca and cb:
+        return ca == cb
+    if a == b:
+        return True
+    elsewhere = isinstance(a, str) and a.startswith("/") and not Path(a).exists()
+    found = _source_file(key, b)
+    return bool(elsewhere and ca is None and found is not None and Path(a).name == found.name)
+
+
+def same_setting(key: str, old: dict, new: dict) -> bool:
+    """Whether ``old[key]`` and ``new[key]`` measure alike: equal; for a source setting,
+    :func:`_same_source` (its ``_content`` key is judged with it)."""
     base = key[: -len("_content")] if key.endswith("_content") else None
     if base in SOURCE_SETTINGS:
-        return True  # judged with its source setting
+        return True
     if key in SOURCE_SETTINGS:
-        a, b = old.get(f"{key}_content"), new.get(f"{key}_content")
-        if a and b:
-            return a == b
-        return source_name(key, old.get(key)) == source_name(key, new.get(key))
-    return False
+        return _same_source(key, old, new)
+    return old.get(key) == new.get(key)
 
 
 def round_sparsity(s: float) -> float:
@@ -105,13 +121,15 @@ class PointStore:
         settings: the options whose change alters what a point measures.
         fresh: discard the points already in ``path``.
         command: names the command in error messages (e.g. ``"vegas tune"``).
+        same: ``same(key, old, new) -> bool``, whether the stored and the new settings agree on
+            ``key`` (default: equal values, sources by :func:`_same_source`).
 
     Raises:
         VegasConfigError: ``path`` is not a file (a directory), not a points file, or holds points measured with other
             settings (the message lists them and says how to resume or start over).
     """
 
-    def __init__(self, path: Path, settings: dict, fresh: bool, command: str) -> None:
+    def __init__(self, path: Path, settings: dict, fresh: bool, command: str, same=None) -> None:
         self.path = path
         self.settings = settings
         self.points: list[dict] = []
@@ -127,14 +145,17 @@ class PointStore:
                     f"{self.path} is not a {command} points file ({exc}); pass --fresh to overwrite it "
                     "or choose another --out"
                 ) from None
-            changed = sorted(k for k in set(old) | set(settings) if not _same_setting(k, old, settings))
+            same = same or same_setting
+            changed = sorted(k for k in set(old) | set(settings) if not same(k, old, settings))
             if changed:
-                diff = "; ".join(f"--{k.replace('_', '-')}: {old.get(k)!r} -> {settings.get(k)!r}" for k in changed)
+                diff = "; ".join(f"--{k.replace('_', '-')}: {old.get(k)!r} -> {settings.get(k)!r}"
+                                 + (" (other content)" if old.get(k) == settings.get(k) else "") for k in changed)
                 raise VegasConfigError(
                     f"{self.path} holds points measured with other settings ({diff}); rerun with the same "
                     "settings to resume, pass --fresh to discard them, or choose another --out"
                 )
             self.points = points
+            self.settings = {**settings, **old}  # the points' own settings stay (the paths they were measured with)
 
     def find(self, **key) -> dict | None:
         """The first point whose fields equal ``key`` (values as stored), or None."""

@@ -55,7 +55,8 @@ AttentionInterface.register(ATTENTION_NAME, vegas_attention)
 PREFILL_CHUNK_TOKENS = 1024
 #: and fewer where one chunk's attention scores, ``batch x heads x chunk x context`` float32, would
 #: exceed this many bytes: PyTorch's SDPA runs its math kernel for a masked float32 GQA call, which
-#: holds the scores and their softmax (a batch of 32 at 32K tokens and 9 heads: 38 GB per 1,024 rows)
+#: holds the scores and their softmax (a batch of 32 at 32K tokens and 9 heads: 38 GB per 1,024 rows).
+#: The peak is 2-3 such buffers (scores, softmax, the mask as floats; soft-capped layers one more)
 PREFILL_SCORE_BYTES = 4 << 30
 
 
