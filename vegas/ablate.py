@@ -63,7 +63,13 @@ from .prompts import (
 )
 from .sampling import SamplingParams
 from .strategies import OracleSelector
-from .tune_points import PointStore, round_sparsity, same_setting, settings_device, source_settings
+from .tune_points import (
+    PointStore,
+    round_sparsity,
+    same_setting,
+    settings_device,
+    source_settings,
+)
 
 __all__ = ["AblateOptions", "run_ablate", "plan", "spread", "rope_for", "STUDIES", "VARIANTS", "QUICK"]
 

@@ -59,8 +59,14 @@ from .pipeline import Pipeline
 from .plugins import PLAIN, SelectorSkips, selector_names
 from .progress import LoggedProgress, plain_printer
 from .prompts import cut_contexts, package_source, read_text_source
-from .tune_points import PointStore, points_of, round_sparsity, settings_device, source_settings
 from .sampling import SamplingParams
+from .tune_points import (
+    PointStore,
+    points_of,
+    round_sparsity,
+    settings_device,
+    source_settings,
+)
 
 __all__ = ["TuneOptions", "run_tune", "knee", "best_by_throughput", "vllm_settings", "QUICK", "FULL"]
 
