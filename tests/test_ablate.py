@@ -362,3 +362,25 @@ def test_batch_size_is_compared_as_the_rows_a_batch_holds():
 
     assert _same_setting("batch_size", {"batch_size": 8, "num_prompts": 4}, {"batch_size": 32, "num_prompts": 4})
     assert not _same_setting("batch_size", {"batch_size": 8, "num_prompts": 32}, {"batch_size": 32, "num_prompts": 32})
+
+
+def test_tables_pair_selectors_over_the_same_prompts(tmp_path):
+    from vegas.plots import paired_difference, write_ablate_tables
+    from vegas.tune_points import spread
+
+    def point(sel, taus, s=0.02):
+        return {"study": "budget", "prompt_kind": "heldout", "selector": sel, "context": 4096, "sparsity_ratio": s,
+                "num_draft_tokens": 4, "variant": "default", "kv_budget": 82, "tau": spread(taus),
+                "tau_per_prompt": taus}
+
+    base = [3.0, 2.0, 4.0, 3.0]
+    c2, window = point("collect2", [t + 0.3 for t in base]), point("sliding_window", base)
+    # the same 0.3 gain on every prompt: a +10 % difference, its interval a single point
+    d = paired_difference(c2, window)
+    assert abs(d["mean"] - 10.0) < 1e-9 and all(abs(c - 10.0) < 1e-9 for c in d["ci95"])
+    assert paired_difference(c2, point("x", base[:3])) is None  # not the same prompts
+    noisy = point("aggregated", [3.6, 1.9, 4.2, 3.4])
+    write_ablate_tables([c2, window, noisy, point("oracle", [4.0, 4.0, 4.0, 4.0])], tmp_path / "t.md")
+    text = (tmp_path / "t.md").read_text()
+    assert "| collect2 − sliding_window | **+10.0 % [+10.0, +10.0]** |" in text
+    assert "| collect2 − aggregated | " in text and "| oracle − collect2 | +21.2 % [" in text  # n.s.: not bold

@@ -40,7 +40,6 @@ settings skips them, so a study can be extended (more contexts, budgets) or run 
 from __future__ import annotations
 
 import math
-import random
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -69,6 +68,7 @@ from .tune_points import (
     same_setting,
     settings_device,
     source_settings,
+    spread,
 )
 
 __all__ = ["AblateOptions", "run_ablate", "plan", "spread", "rope_for", "STUDIES", "VARIANTS", "QUICK"]
@@ -160,15 +160,6 @@ def raise_if_bad_options(opts: AblateOptions) -> None:
     if opts.time_budget is not None and not opts.time_budget > 0:
         raise VegasConfigError(f"time_budget (--time-budget) must be seconds > 0, got {opts.time_budget!r}")
     SamplingParams(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)
-
-
-def spread(values: list[float], seed: int = 0, resamples: int = 2000) -> dict:
-    """Mean of ``values`` with a 95 % percentile-bootstrap interval and the min and max."""
-    mean = sum(values) / len(values)
-    rng = random.Random(seed)
-    means = sorted(sum(rng.choices(values, k=len(values))) / len(values) for _ in range(resamples))
-    return {"mean": mean, "ci95": [means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]],
-            "min": min(values), "max": max(values), "n": len(values)}
 
 
 def rope_for(context: int, room: int, max_context: int, factor: float | None = None) -> dict | None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["plot_tune", "plot_bench", "plot_ablate", "write_ablate_tables"]
+__all__ = ["plot_tune", "plot_bench", "plot_ablate", "write_ablate_tables", "paired_difference"]
 
 THROUGHPUT = "throughput (generated tokens / decode second)"
 
@@ -363,6 +363,51 @@ def _tau_header(columns: list[str]) -> list[str]:
             "|---" * (2 * len(columns) + 1) + "|"]
 
 
+#: the selector the paired differences are taken against (the method's), and the upper bound
+PAIRED_BASE, PAIRED_BOUND = "collect2", "oracle"
+
+
+def paired_difference(a: dict, b: dict, seed: int = 0) -> dict | None:
+    """τ of point ``a`` minus τ of point ``b`` over the same prompts (``tau_per_prompt``, in the
+    same order: points of one prompt kind and context), in % of ``b``'s mean τ: ``{"mean", "ci95"}``
+    (a 95 % percentile bootstrap of the mean difference, :func:`vegas.tune_points.spread`), or None
+    where the prompts differ in number or a point lacks them."""
+    from .tune_points import spread
+
+    x, y = a.get("tau_per_prompt"), b.get("tau_per_prompt")
+    if not x or not y or len(x) != len(y):
+        return None
+    d = spread([u - v for u, v in zip(x, y)], seed)
+    ref = sum(y) / len(y)
+    return {"mean": 100 * d["mean"] / ref, "ci95": [100 * c / ref for c in d["ci95"]]}
+
+
+def _paired_cell(diff: dict | None) -> str:
+    """``+9.5 % [+3.6, +14.8]``, bold where the interval excludes 0; "–" where missing."""
+    if diff is None:
+        return "–"
+    lo, hi = diff["ci95"]
+    cell = f"{diff['mean']:+.1f} % [{lo:+.1f}, {hi:+.1f}]"
+    return f"**{cell}**" if lo > 0 or hi < 0 else cell
+
+
+def _paired_rows(here: list[dict], budgets: list[float]) -> list[str]:
+    """Rows of paired differences for one prompt kind, context and γ: collect2 − each other
+    selector, and oracle − collect2 (empty without collect2)."""
+    def at(sel, s):
+        return next((p for p in here if p["selector"] == sel and p["sparsity_ratio"] == s), None)
+
+    sels = sorted({p["selector"] for p in here} - {PAIRED_BASE, PAIRED_BOUND})
+    pairs = [(PAIRED_BASE, other) for other in sels] + [(PAIRED_BOUND, PAIRED_BASE)]
+    rows = []
+    for a, b in pairs:
+        cells = [_paired_cell(paired_difference(at(a, s), at(b, s)) if at(a, s) and at(b, s) else None)
+                 for s in budgets]
+        if any(c != "–" for c in cells):
+            rows.append(f"| {a} − {b} | " + " | ".join(cells) + " |")
+    return rows
+
+
 def write_ablate_tables(points: list[dict], path: Path, source: str = "held-out code") -> None:
     """Markdown tables of every ``vegas ablate`` point: τ mean [95 % CI] and the KV entries
     attended (``kv_attended``) per selector × sparsity for each prompt kind, context and γ; the
@@ -383,6 +428,12 @@ def write_ablate_tables(points: list[dict], path: Path, source: str = "held-out 
                      for c in _tau_cells(next((p for p in here if p["selector"] == sel and p["sparsity_ratio"] == s),
                                               None))]
             lines.append(f"| {sel} | " + " | ".join(cells) + " |")
+        paired = _paired_rows(here, budgets)
+        if paired:
+            lines += ["", "paired over the same prompts: mean difference of τ in % of the second's mean τ "
+                      "[95 % bootstrap interval, in %]; bold: the interval excludes 0", "",
+                      "| difference | " + " | ".join(f"{s:g}" for s in budgets) + " |",
+                      "|---" * (len(budgets) + 1) + "|", *paired]
         if kind == "retrieval":
             lines += ["", "tokens copied exactly before the first difference from the passage (mean over prompts; "
                       f"passage ~{here[0].get('distance_tokens', 0):.0f} tokens back; the output is the target "

@@ -7,11 +7,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 from pathlib import Path
 
 from .config import VegasConfigError
 
-__all__ = ["PointStore", "points_of", "round_sparsity", "same_setting", "settings_device", "source_settings"]
+__all__ = ["PointStore", "points_of", "round_sparsity", "same_setting", "settings_device", "source_settings",
+           "spread"]
 
 FORMAT_VERSION = 1
 
@@ -96,6 +98,15 @@ def same_setting(key: str, old: dict, new: dict) -> bool:
     if key in SOURCE_SETTINGS:
         return _same_source(key, old, new)
     return old.get(key) == new.get(key)
+
+
+def spread(values: list[float], seed: int = 0, resamples: int = 2000) -> dict:
+    """Mean of ``values`` with a 95 % percentile-bootstrap interval and the min and max."""
+    mean = sum(values) / len(values)
+    rng = random.Random(seed)
+    means = sorted(sum(rng.choices(values, k=len(values))) / len(values) for _ in range(resamples))
+    return {"mean": mean, "ci95": [means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]],
+            "min": min(values), "max": max(values), "n": len(values)}
 
 
 def round_sparsity(s: float) -> float:
