@@ -41,10 +41,12 @@ def _source_file(key: str, value, strict: bool = False) -> Path | None:
     return path if path.is_file() else None
 
 
-def _content(key: str, value) -> str | None:
+def _content(key: str, value, strict: bool = False) -> str | None:
+    """:func:`vegas.models.content_key` of the file a source setting names here (:func:`_source_file`),
+    or None."""
     from .models import content_key
 
-    found = _source_file(key, value)
+    found = _source_file(key, value, strict)
     return content_key(found) if found is not None else None
 
 
@@ -56,13 +58,10 @@ def source_settings(settings: dict) -> dict:
     Raises:
         VegasConfigError: a named model whose package is not installed (the install command).
     """
-    from .models import content_key
-
     out = dict(settings)
     for key in SOURCE_SETTINGS:
         if key in settings:
-            found = _source_file(key, settings[key], strict=True)
-            out[f"{key}_content"] = content_key(found) if found is not None else None
+            out[f"{key}_content"] = _content(key, settings[key], strict=True)
     return out
 
 

@@ -502,7 +502,7 @@ class VLLMBackend(Backend):
             for rid, counts in batch.get("requests", {}).items():
                 per_req[rid.rsplit("-", 1)[0]] = counts
         results = []
-        n = max(len(outs), 1)
+        select_seconds = batch.get("select_ms", 0.0) / 1e3 / max(len(outs), 1)  # a request's share of the batch's
         shared = None  # the V2 runner counts per batch, not per request
         if selector is not None and batch.get("runner") == "v2":
             shared = share_batch_iterations(batch["iterations"], batch.get("emitted", 0),
@@ -517,10 +517,10 @@ class VLLMBackend(Backend):
             counts = per_req.get(o.request_id)
             if counts is not None:
                 stats.iterations, stats.num_drafted, stats.num_accepted = counts
-                stats.selection_seconds = batch.get("select_ms", 0.0) / 1e3 / n
+                stats.selection_seconds = select_seconds
             elif shared is not None:
                 stats.iterations = shared[i]
-                stats.selection_seconds = batch.get("select_ms", 0.0) / 1e3 / n
+                stats.selection_seconds = select_seconds
             elif selector is None:
                 stats.iterations = max(stats.num_generated - 1, 0)
             results.append(RequestOutput(token_ids=list(comp.token_ids), text=comp.text, stats=stats))
