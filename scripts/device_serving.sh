@@ -132,12 +132,14 @@ case ${1:-} in
   tune23)  # issue 23 item 5: vegas tune for collect2 on the vLLM backend, SmolLM2 7,680 tokens, with plain vLLM
            # in the same run; resumable like ablate23 ($OUT/tune, seeded from benchmarks/results/tune_h200_smollm2_vllm).
            # vLLM builds an engine per point (~50 s: its full CUDA graphs hold the selection), so the grids are
-           # shorter than tune's defaults: 5 sparsities, γ 2,3,4,6, 1 fine step each side (14 points)
+           # shorter than tune's defaults: TUNE_SPARSITIES (default 5 sparsities), TUNE_GAMMAS (default 2,4,6),
+           # 1 fine step each side (13 points with plain: ~15 min)
     R=benchmarks/results/tune_h200_smollm2_vllm; mkdir -p "$OUT/tune"; [ -d "$R" ] && cp -rn "$R"/. "$OUT/tune"/
     t0=$(date +%s)
     VLLM_WORKER_MULTIPROC_METHOD=spawn timeout $(( ${TUNE_BUDGET:-600} + 240 )) python3 -c "from vegas.cli import main; main()" tune --backend vllm \
       --model "$MODEL" --selectors collect2 --context 7680 --dtype bfloat16 --time-budget ${TUNE_BUDGET:-600} \
-      --sparsities 0.01,0.02,0.05,0.1,0.2 --gammas 2,3,4,6 --fine-steps 1 --out "$OUT/tune" > "$OUT/tune.log" 2>&1
+      --sparsities ${TUNE_SPARSITIES:-0.01,0.02,0.05,0.1,0.2} --gammas ${TUNE_GAMMAS:-2,4,6} --fine-steps 1 \
+      --out "$OUT/tune" > "$OUT/tune.log" 2>&1
     echo "[tune23] rc=$? $(( $(date +%s) - t0 )) s"; grep -v "it/s\]" "$OUT/tune.log" | grep -v "^(EngineCore\|^INFO\|^WARNING" | tail -16
     ;;
   cute-e2e)  # issue 22 end to end: vegas bench, SmolLM2 7,680 tokens, batch CUTE_BATCH (128), collect2 with

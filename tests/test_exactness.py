@@ -16,7 +16,7 @@ import warnings
 import pytest
 import torch
 
-from vegas import VegasConfig
+from vegas import VegasConfig, VegasConfigError
 from vegas.sampling import SamplingParams
 
 SELECTORS = ["collect2", "aggregated", "sliding_window", "quest", "last_token"]
@@ -86,6 +86,36 @@ def test_prefill_chunks_shrink_to_bound_the_attention_scores(pipe, code_prompts,
                         or forward(self, ids, *a, **k))
     assert [o.token_ids for o in run(pipe, prompts, "collect2", **SMALL)] == [o.token_ids for o in whole]
     assert calls[:8] == [49] + [50] * 7  # 399 prefill slots: the chunks end at the prompt's end
+
+
+def test_a_reused_prefill_gives_what_a_full_prefill_gives(code_prompts, monkeypatch):
+    """``reuse_prefill``: the same prompts again start from the kept prefix (one prefill chunk, the
+    last, runs) and give the tokens and τ of a full prefill, sampled, for every selector and plain
+    decoding; other prompts are prefilled in full (and become the kept prefix)."""
+    from vegas import Pipeline
+    from vegas.backends import hf
+
+    monkeypatch.setattr(hf, "PREFILL_CHUNK_TOKENS", 96)  # 399 prefill slots: 5 chunks
+    full = Pipeline(selector=None, dtype="float32", device="cpu")
+    reusing = Pipeline(selector=None, dtype="float32", device="cpu", backend_options={"reuse_prefill": True})
+    chunks = []
+    forward = hf.HFSession._forward
+    monkeypatch.setattr(hf.HFSession, "_forward", lambda self, ids, *a, **k: (
+        chunks.append(ids.shape[1]) if k.get("num_logits") == -1 and self.prefixes is not None else None)
+        or forward(self, ids, *a, **k))
+    sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=3)
+    prompts = [code_prompts[0][:400], code_prompts[1][:230]]
+    other = [code_prompts[1][:400], code_prompts[0][:230]]
+    for i, (batch, selector) in enumerate([(prompts, "collect2"), (prompts, "quest"), (prompts, None),
+                                           (other, "sliding_window"), (other, "aggregated")]):
+        chunks.clear()
+        got, want = (p.backend.generate(batch, max_new_tokens=NEW_TOKENS, sampling=sampling, selector=selector,
+                                        config=VegasConfig(**SMALL)) for p in (reusing, full))
+        assert [o.token_ids for o in got] == [o.token_ids for o in want], (i, selector)
+        assert [o.stats.acceptance_length for o in got] == [o.stats.acceptance_length for o in want], (i, selector)
+        assert chunks == ([15, 96, 96, 96, 96] if i in (0, 3) else [96]), (i, chunks)
+    with pytest.raises(VegasConfigError, match="reuse_prefill"):
+        Pipeline(selector=None, device="cpu", backend_options={"reuse_prefill": "yes"})
 
 
 @pytest.mark.parametrize("gamma", [1, 4])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -70,6 +71,25 @@ def prefill_chunk_tokens(batch_size: int, num_heads: int, context: int, num_draf
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+@dataclass
+class PrefillPrefix:
+    """A batch's prompts in the KV cache up to the last prefill chunk: what every selector's
+    prefill of the same prompts shares (the last chunk collects the selector's score rows, so it
+    always runs). Kept by an :class:`HFBackend` made with ``reuse_prefill=True``.
+
+    ``key``: (chunk length, the prompts' token ids); ``layers``: per layer ``(keys, values)``
+    ``(B, num_kv_heads, num_slots, head_dim)`` of the model's dtype (the cache's own tensors, never
+    written in place: ``DynamicCache`` appends by concatenation); ``valid`` / ``slot_pos``
+    ``(B, num_slots)`` bool / int64; ``layer_windows``: the sliding window per layer.
+    """
+
+    key: tuple
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    valid: torch.Tensor
+    slot_pos: torch.Tensor
+    layer_windows: dict[int, int | None]
+
+
 class HFSession(Drafter, Verifier):
     """One batch of sequences on a transformers model: the HF Drafter and Verifier.
 
@@ -80,10 +100,14 @@ class HFSession(Drafter, Verifier):
         model: a transformers causal LM loaded with ``attn_implementation="vegas"``.
         config: Vegas hyperparameters.
         selector: the selector, or None for plain decoding.
+        prefixes: where a :class:`PrefillPrefix` is kept between sessions (the backend's
+            one-slot list), or None to prefill every batch in full.
     """
 
-    def __init__(self, model: Any, config: VegasConfig, selector: Selector | None) -> None:
+    def __init__(self, model: Any, config: VegasConfig, selector: Selector | None,
+                 prefixes: list[PrefillPrefix] | None = None) -> None:
         self.model = model
+        self.prefixes = prefixes
         self.config = config
         self.selector = selector
         self.device = model.device
@@ -241,16 +265,31 @@ class HFSession(Drafter, Verifier):
         # min(γ + 1, width) prompt positions stand in for a verified chunk.
         num_heads = self.model.config.get_text_config().num_attention_heads
         chunk = prefill_chunk_tokens(batch_size, num_heads, width, self.config.num_draft_tokens)
+        ends = list(range(width % chunk or chunk, width + 1, chunk)) if width else []
+        key = (chunk, tuple(map(tuple, prompts)))
+        reused = len(ends) > 1 and bool(self.prefixes) and self.prefixes[0].key == key
+        if reused:
+            self._restore(self.prefixes[0])
         ctx = None
-        for end in range(width % chunk or chunk, width + 1, chunk) if width else ():
+        for i, end in enumerate(ends[len(ends) - 1:] if reused else ends):
             start = max(0, end - chunk)
             last = end == width
             ctx = self._full_context(min(self.config.num_draft_tokens + 1, width) if last else 0, end - start)
             self._forward(input_ids[:, start:end], input_valid[:, start:end], ctx, num_logits=-1)
+            if self.prefixes is not None and not reused and i == len(ends) - 2:  # the prefix, before the last chunk
+                self.prefixes[:] = [PrefillPrefix(key, [(layer.keys, layer.values) for layer in self.cache.layers],
+                                                  self.valid, self.slot_pos, dict(self.layer_windows))]
         self.num_committed = input_valid.sum(dim=1)
         self.pending = 0
         if self.selector is not None:
             self._select(ctx.scores if ctx is not None else {})
+
+    def _restore(self, prefix: PrefillPrefix) -> None:
+        """Start from ``prefix`` (its tensors are copied into this session's cache)."""
+        for layer, (keys, values) in enumerate(prefix.layers):
+            self.cache.update(keys, values, layer)
+        self.valid, self.slot_pos = prefix.valid.clone(), prefix.slot_pos.clone()
+        self.layer_windows.update(prefix.layer_windows)
 
     @torch.inference_mode()
     def verify(self, draft_tokens: torch.Tensor) -> torch.Tensor:
@@ -345,6 +384,11 @@ class HFBackend(Backend):
             (:func:`vegas.models.resolve_model`).
         rope_scaling: RoPE scaling applied before loading
             (:func:`vegas.models.rope_scaled_config`), or None.
+        reuse_prefill: keep the last batch's prompts in the KV cache up to its last prefill
+            chunk (:class:`PrefillPrefix`) and start from there when the same prompts come again
+            (``vegas ablate`` decodes one prompt set with every selector and budget): the same
+            tokens, a fraction of the prefill, at the cost of a second copy of that KV cache
+            (46 KB a token for SmolLM2-135M in float32). Off by default.
 
     Raises:
         VegasConfigError: unknown ``dtype`` or ``device``, CUDA asked for but not available,
@@ -362,7 +406,11 @@ class HFBackend(Backend):
         device: str | None = None,
         trust_remote_code: bool = False,
         rope_scaling: dict | None = None,
+        reuse_prefill: bool = False,
     ) -> None:
+        if not isinstance(reuse_prefill, bool):
+            raise VegasConfigError.bad("reuse_prefill", f"must be True or False, got {reuse_prefill!r}")
+        self._prefill_prefixes: list[PrefillPrefix] | None = [] if reuse_prefill else None
         if dtype not in DTYPES:
             raise VegasConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         device = _checked_device(device)
@@ -407,7 +455,7 @@ class HFBackend(Backend):
     @torch.inference_mode()
     def generate(self, prompts, *, max_new_tokens, sampling: SamplingParams, selector, config):
         selector_obj = as_selector(selector, config)
-        session = HFSession(self.model, config, selector_obj)
+        session = HFSession(self.model, config, selector_obj, self._prefill_prefixes)
         generator = torch.Generator(device=self.model.device).manual_seed(sampling.seed)
         common = dict(
             max_new_tokens=max_new_tokens,
