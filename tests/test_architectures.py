@@ -424,3 +424,33 @@ def test_soft_capped_vegas_attention_without_a_context_equals_eager(zoo):
         torch.testing.assert_close(vegas_model(ids).logits, want, rtol=1e-4, atol=1e-4)
         _no_softcap(vegas_model)
         assert not torch.allclose(vegas_model(ids).logits, want, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma2"])
+def test_a_reused_prefill_gives_what_a_full_prefill_gives(zoo, arch, monkeypatch):
+    """``reuse_prefill`` on sliding-window layers (the kept slots' positions decide what each query
+    sees) and soft-capping, with a left-padded batch: every selector, γ and plain decoding after the
+    first call start from the kept prefix and give the tokens, τ and attended entries of a full
+    prefill, sampled."""
+    from vegas.backends import hf
+
+    monkeypatch.setattr(hf, "PREFILL_CHUNK_TOKENS", 40)  # 299 prefill slots: 8 chunks
+    reusing = Pipeline(model=str(zoo.dir(arch)), selector=None, dtype="float32", device="cpu",
+                       backend_options={"reuse_prefill": True})
+    chunks = []
+    forward = hf.HFSession._forward
+    monkeypatch.setattr(hf.HFSession, "_forward", lambda self, ids, *a, **k: (
+        chunks.append(ids.shape[1]) if k.get("num_logits") == -1 and self.reuse_prefill else None)
+        or forward(self, ids, *a, **k))
+    sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=1)
+    for i, (selector, gamma) in enumerate([("collect2", 4), ("quest", 4), (None, 1), ("sliding_window", 1),
+                                           ("aggregated", 4)]):
+        config = VegasConfig(num_draft_tokens=gamma, **(QUEST_SMALL if selector == "quest" else SMALL))
+        chunks.clear()
+        got, want = (p.backend.generate(BATCH, max_new_tokens=NEW_TOKENS, sampling=sampling, selector=selector,
+                                        config=config) for p in (reusing, zoo.pipe(arch)))
+        assert chunks == ([19] + [40] * 7 if i == 0 else [40]), (selector, chunks)
+        for g, w in zip(got, want):
+            assert g.token_ids == w.token_ids, (selector, gamma, _first_divergence(g.token_ids, w.token_ids))
+            assert (g.stats.acceptance_length, g.stats.kv_attended) == (w.stats.acceptance_length,
+                                                                        w.stats.kv_attended), (selector, gamma)

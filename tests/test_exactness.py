@@ -101,7 +101,7 @@ def test_a_reused_prefill_gives_what_a_full_prefill_gives(code_prompts, monkeypa
     chunks = []
     forward = hf.HFSession._forward
     monkeypatch.setattr(hf.HFSession, "_forward", lambda self, ids, *a, **k: (
-        chunks.append(ids.shape[1]) if k.get("num_logits") == -1 and self.prefixes is not None else None)
+        chunks.append(ids.shape[1]) if k.get("num_logits") == -1 and self.reuse_prefill else None)
         or forward(self, ids, *a, **k))
     sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=3)
     prompts = [code_prompts[0][:400], code_prompts[1][:230]]
@@ -114,6 +114,17 @@ def test_a_reused_prefill_gives_what_a_full_prefill_gives(code_prompts, monkeypa
         assert [o.token_ids for o in got] == [o.token_ids for o in want], (i, selector)
         assert [o.stats.acceptance_length for o in got] == [o.stats.acceptance_length for o in want], (i, selector)
         assert chunks == ([15, 96, 96, 96, 96] if i in (0, 3) else [96]), (i, chunks)
+    monkeypatch.setattr(hf, "PREFILL_CHUNK_TOKENS", 128)  # other chunks: the kept prefix does not fit
+    chunks.clear()
+    got, want = (p.backend.generate(other, max_new_tokens=NEW_TOKENS, sampling=sampling, selector="collect2",
+                                    config=VegasConfig(**SMALL)) for p in (reusing, full))
+    assert [o.token_ids for o in got] == [o.token_ids for o in want] and chunks == [15, 128, 128, 128]
+    assert len(hf.KEPT_PREFILL) == 1
+    del reusing, got
+    import gc
+
+    gc.collect()
+    assert not hf.KEPT_PREFILL  # dropped with its model
     with pytest.raises(VegasConfigError, match="reuse_prefill"):
         Pipeline(selector=None, device="cpu", backend_options={"reuse_prefill": "yes"})
 

@@ -202,23 +202,25 @@ def test_repeats_time_each_point_several_times(counted, tmp_path):
 
 def test_no_timed_run_follows_a_change_of_configuration(pipe, monkeypatch, tmp_path):
     """A backend may build an engine per configuration (vLLM keeps one, rebuilt on each change): the
-    first call after a change is a short untimed warm-up, never a timed run."""
+    first call after a change is an untimed warm-up on the same prompts with fewer new tokens, never
+    a timed run."""
     calls = []
     original = pipe.generate
 
     def generate(prompts, max_new_tokens, selector=None, **kw):
         cfg = pipe.config
         calls.append((selector, cfg.num_draft_tokens if selector else 1, cfg.sparsity_ratio if selector else None,
-                      max_new_tokens))
+                      max_new_tokens, [len(p) for p in prompts]))
         return original(prompts, max_new_tokens=max_new_tokens, selector=selector, **kw)
 
     monkeypatch.setattr(pipe, "generate", generate)
-    opts = TuneOptions(**{**vars(_tiny(tmp_path)), "gammas": [2, 3]})
+    opts = TuneOptions(**{**vars(_tiny(tmp_path)), "gammas": [1, 3], "new_tokens": 12, "batch_size": 2})
     run_tune(opts, Console(file=io.StringIO()), pipe=pipe)
     timed = [i for i, c in enumerate(calls) if c[3] == opts.new_tokens]
     assert timed and all(i > 0 and calls[i - 1][:3] == calls[i][:3] for i in timed)
-    warm_ups = [c for c in calls if c[3] == 2]
-    assert len(warm_ups) == len(calls) - len(timed)
+    warm_ups = [c for i, c in enumerate(calls) if i not in timed]
+    assert warm_ups and all(c[3] == 2 * (c[1] + 1) for c in warm_ups)  # γ = 1 (and plain): 4 tokens
+    assert all(c[4] == [opts.context] * 2 for c in calls)  # the timed runs' prompts, warm-ups included
 
 
 @pytest.mark.parametrize("args, message", [

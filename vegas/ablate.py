@@ -90,10 +90,11 @@ VARIANTS = {
 QUICK = {"contexts": [1024], "budgets": [0.02, 0.1], "gammas": [2, 4], "num_prompts": 4, "batch_size": 4,
          "new_tokens": 32,
          "time_budget": 570.0}  # seconds: --quick ends within 10 minutes whatever the load (rerun resumes), as tune's
-#: the HF backend keeps the last batch's prompts prefilled (:class:`~vegas.backends.hf.PrefillPrefix`): every
-#: point decodes the same prompts, so with one batch for all of them (``batch_size`` >= ``num_prompts``) a
-#: context's prompts are prefilled once, not once per point (the same tokens; the prefill of 32 prompts of
-#: 32K tokens is ~1e15 float32 FLOPs)
+#: with one batch for all prompts (``batch_size`` >= ``num_prompts``) the HF backend keeps that batch
+#: prefilled (``reuse_prefill``, :class:`~vegas.backends.hf.PrefillPrefix`): every point decodes the same
+#: prompts, so a context's prompts are prefilled once, not once per point (the same tokens; the prefill of
+#: 32 prompts of 32K tokens is ~1e15 float32 FLOPs, ~2 minutes on the H200). With several batches a point
+#: never meets the batch the last one ended with, so nothing is kept
 REUSE = {"reuse_prefill": True}
 #: options whose change alters what a point measures: a rerun must match them to resume
 MEASUREMENT_SETTINGS = ("model", "prompts", "new_tokens", "batch_size", "num_prompts", "temperature", "top_p",
@@ -372,12 +373,13 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
     pipes: dict[str, Pipeline] = {}
     state = {"measured": 0, "reused": 0, "last": 0.0}
     room = opts.new_tokens + max(opts.gammas + [opts.num_draft_tokens]) + 1
+    reuse = REUSE if opts.batch_size >= opts.num_prompts else None
 
     def pipeline_for(context: int) -> tuple[Pipeline, dict | None]:
         native = pipe or pipes.get("native")
         if native is None:
             native = pipes["native"] = Pipeline(opts.model, selector=None, dtype=opts.dtype, device=opts.device,
-                                                backend_options=REUSE)
+                                                backend_options=reuse)
         rope = rope_for(context, room, native.backend.max_context, opts.yarn_factor)
         if rope is None:
             return native, None
@@ -386,7 +388,7 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
             for k in [k for k in pipes if k != "native"]:  # one scaled model at a time
                 del pipes[k]
             pipes[key] = Pipeline(opts.model, selector=None, dtype=opts.dtype, device=opts.device, rope_scaling=rope,
-                                  backend_options=REUSE)
+                                  backend_options=reuse)
         return pipes[key], rope
 
     if pipe is None and any(store.find(**point_key(s)) is None for s in specs):

@@ -267,8 +267,11 @@ def run_tune(opts: TuneOptions, console: Console | None = None, pipe: Pipeline |
     base = VegasConfig(min_kv_budget=opts.min_kv_budget, fallback=False)  # the selector's own τ, no plain steps
     n_sel, fine = len(opts.selectors), 2 * opts.fine_steps + 1
     # a point whose configuration (None: plain decoding) differs from the last one run first runs once
-    # untimed: a backend may build an engine per configuration (vLLM keeps one engine, built again for each
-    # new one: its full CUDA graphs hold the selection), whose first calls pay one-off costs
+    # untimed, on the same prompts (the batch and the context shape what is compiled and captured) with
+    # fewer new tokens: a backend may build an engine per configuration (vLLM keeps one engine, built again
+    # for each new one: its full CUDA graphs hold the selection), whose first calls pay one-off costs (on
+    # the H200, 2026-12-04, a warm-up of one 64-token prompt left the first timed run at 50 tok/s, 4 % of the
+    # next two)
     total = n_sel * len(opts.sparsities) + 2 + n_sel * len(opts.gammas) + n_sel * fine
     state = {"last": 0.0, "reused": 0, "measured": 0, "config": ()}
     skipped = SelectorSkips(opts.skip_failing, plain_printer(console, "yellow"))
@@ -294,7 +297,8 @@ def run_tune(opts: TuneOptions, console: Console | None = None, pipe: Pipeline |
         try:
             if state["config"] != (selector, gamma, sparsity):
                 progress.update(task, description=f"warm-up: {label}")
-                pipe.generate([prompts[0][: min(64, opts.context)]], max_new_tokens=2, selector=selector)
+                pipe.generate(prompts, max_new_tokens=min(opts.new_tokens, 2 * (gamma + 1)), selector=selector,
+                              **sampled)
                 state["config"] = (selector, gamma, sparsity)
             progress.update(task, description=f"step {step}: {label}")
             runs = [summarize(pipe.generate(prompts, max_new_tokens=opts.new_tokens, selector=selector,

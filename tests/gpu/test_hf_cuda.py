@@ -55,3 +55,23 @@ def test_hf_cuda_greedy_exact(cuda_pipe, selector):
         gap = top2_gap(cuda_pipe.backend.model, prompt + r.token_ids[:i])
         print(f"{selector}: bf16 divergence at token {i}, plain top-2 logit gap {gap:.4f}")
         assert gap <= BF16_TIE, f"divergence at token {i} is not a near-tie (gap {gap})"
+
+
+def test_hf_cuda_reused_prefill_gives_the_same_tokens(monkeypatch):
+    """``reuse_prefill`` (what ``vegas ablate`` runs with) on CUDA, float32, sampled: after the first
+    call, a selector starts from the kept prefix and gives the tokens and τ of a full prefill."""
+    from vegas.backends import hf
+
+    monkeypatch.setattr(hf, "PREFILL_CHUNK_TOKENS", 256)  # 2,047 prefill slots: 8 chunks
+    full = Pipeline(selector=None, dtype="float32", device="cuda")
+    reusing = Pipeline(selector=None, dtype="float32", device="cuda", backend_options={"reuse_prefill": True})
+    ids = full.tokenizer(package_source(), add_special_tokens=False).input_ids
+    prompts = cut_contexts(ids, 2048, 4)
+    sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=2)
+    config = VegasConfig(num_draft_tokens=4, kv_budget=64, recent_window=16)
+    for selector in ["collect2", "quest", "collect2"]:  # the last two start from the kept prefix
+        got, want = (p.backend.generate(prompts, max_new_tokens=32, sampling=sampling, selector=selector,
+                                        config=config) for p in (reusing, full))
+        assert [o.token_ids for o in got] == [o.token_ids for o in want], selector
+        assert [o.stats.acceptance_length for o in got] == [o.stats.acceptance_length for o in want], selector
+    assert len(hf.KEPT_PREFILL) == 1

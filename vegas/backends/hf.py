@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,19 +76,34 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class PrefillPrefix:
     """A batch's prompts in the KV cache up to the last prefill chunk: what every selector's
     prefill of the same prompts shares (the last chunk collects the selector's score rows, so it
-    always runs). Kept by an :class:`HFBackend` made with ``reuse_prefill=True``.
+    always runs). One is kept per process (:data:`KEPT_PREFILL`), by the sessions of every
+    :class:`HFBackend` made with ``reuse_prefill=True``.
 
-    ``key``: (chunk length, the prompts' token ids); ``layers``: per layer ``(keys, values)``
-    ``(B, num_kv_heads, num_slots, head_dim)`` of the model's dtype (the cache's own tensors, never
-    written in place: ``DynamicCache`` appends by concatenation); ``valid`` / ``slot_pos``
-    ``(B, num_slots)`` bool / int64; ``layer_windows``: the sliding window per layer.
+    ``model``: a weak reference to the model that computed it; ``key``: (chunk length, the prompts'
+    token ids); ``layers``: per layer ``(keys, values)`` ``(B, num_kv_heads, num_slots, head_dim)`` of
+    the model's dtype (the cache's own tensors, never written in place: ``DynamicCache`` appends by
+    concatenation); ``valid`` / ``slot_pos`` ``(B, num_slots)`` bool / int64; ``layer_windows``: the
+    sliding window per layer.
     """
 
+    model: weakref.ref
     key: tuple
     layers: list[tuple[torch.Tensor, torch.Tensor]]
     valid: torch.Tensor
     slot_pos: torch.Tensor
     layer_windows: dict[int, int | None]
+
+    def matches(self, model: Any, key: tuple) -> bool:
+        return self.model() is model and self.key == key
+
+
+#: the kept :class:`PrefillPrefix` (at most one per process, so that a study moving from one model, or
+#: RoPE scaling, to another holds one batch's prefix, not one per model; dropped with its model)
+KEPT_PREFILL: list[PrefillPrefix] = []
+
+
+def _drop_prefill_of(model_ref: weakref.ref) -> None:
+    KEPT_PREFILL[:] = [p for p in KEPT_PREFILL if p.model is not model_ref]
 
 
 class HFSession(Drafter, Verifier):
@@ -100,14 +116,14 @@ class HFSession(Drafter, Verifier):
         model: a transformers causal LM loaded with ``attn_implementation="vegas"``.
         config: Vegas hyperparameters.
         selector: the selector, or None for plain decoding.
-        prefixes: where a :class:`PrefillPrefix` is kept between sessions (the backend's
-            one-slot list), or None to prefill every batch in full.
+        reuse_prefill: start from :data:`KEPT_PREFILL` when it holds these prompts' prefix,
+            and keep this batch's prefix there otherwise (``HFBackend(reuse_prefill=True)``).
     """
 
     def __init__(self, model: Any, config: VegasConfig, selector: Selector | None,
-                 prefixes: list[PrefillPrefix] | None = None) -> None:
+                 reuse_prefill: bool = False) -> None:
         self.model = model
-        self.prefixes = prefixes
+        self.reuse_prefill = reuse_prefill
         self.config = config
         self.selector = selector
         self.device = model.device
@@ -267,18 +283,21 @@ class HFSession(Drafter, Verifier):
         chunk = prefill_chunk_tokens(batch_size, num_heads, width, self.config.num_draft_tokens)
         ends = list(range(width % chunk or chunk, width + 1, chunk)) if width else []
         key = (chunk, tuple(map(tuple, prompts)))
-        reused = len(ends) > 1 and bool(self.prefixes) and self.prefixes[0].key == key
+        reused = self.reuse_prefill and len(ends) > 1 and bool(KEPT_PREFILL) and KEPT_PREFILL[0].matches(self.model, key)
         if reused:
-            self._restore(self.prefixes[0])
+            self._restore(KEPT_PREFILL[0])
+        elif self.reuse_prefill:
+            KEPT_PREFILL.clear()  # not held while another batch is prefilled
         ctx = None
         for i, end in enumerate(ends[len(ends) - 1:] if reused else ends):
             start = max(0, end - chunk)
             last = end == width
             ctx = self._full_context(min(self.config.num_draft_tokens + 1, width) if last else 0, end - start)
             self._forward(input_ids[:, start:end], input_valid[:, start:end], ctx, num_logits=-1)
-            if self.prefixes is not None and not reused and i == len(ends) - 2:  # the prefix, before the last chunk
-                self.prefixes[:] = [PrefillPrefix(key, [(layer.keys, layer.values) for layer in self.cache.layers],
-                                                  self.valid, self.slot_pos, dict(self.layer_windows))]
+            if self.reuse_prefill and not reused and i == len(ends) - 2:  # the prefix, before the last chunk
+                KEPT_PREFILL[:] = [PrefillPrefix(weakref.ref(self.model, _drop_prefill_of), key,
+                                                 [(layer.keys, layer.values) for layer in self.cache.layers],
+                                                 self.valid, self.slot_pos, dict(self.layer_windows))]
         self.num_committed = input_valid.sum(dim=1)
         self.pending = 0
         if self.selector is not None:
@@ -388,7 +407,8 @@ class HFBackend(Backend):
             chunk (:class:`PrefillPrefix`) and start from there when the same prompts come again
             (``vegas ablate`` decodes one prompt set with every selector and budget): the same
             tokens, a fraction of the prefill, at the cost of a second copy of that KV cache
-            (46 KB a token for SmolLM2-135M in float32). Off by default.
+            (46 KB a token for SmolLM2-135M in float32), held until another batch is prefilled
+            (:data:`KEPT_PREFILL`: one per process). Off by default.
 
     Raises:
         VegasConfigError: unknown ``dtype`` or ``device``, CUDA asked for but not available,
@@ -410,7 +430,7 @@ class HFBackend(Backend):
     ) -> None:
         if not isinstance(reuse_prefill, bool):
             raise VegasConfigError.bad("reuse_prefill", f"must be True or False, got {reuse_prefill!r}")
-        self._prefill_prefixes: list[PrefillPrefix] | None = [] if reuse_prefill else None
+        self.reuse_prefill = reuse_prefill
         if dtype not in DTYPES:
             raise VegasConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         device = _checked_device(device)
@@ -455,7 +475,7 @@ class HFBackend(Backend):
     @torch.inference_mode()
     def generate(self, prompts, *, max_new_tokens, sampling: SamplingParams, selector, config):
         selector_obj = as_selector(selector, config)
-        session = HFSession(self.model, config, selector_obj, self._prefill_prefixes)
+        session = HFSession(self.model, config, selector_obj, self.reuse_prefill)
         generator = torch.Generator(device=self.model.device).manual_seed(sampling.seed)
         common = dict(
             max_new_tokens=max_new_tokens,
