@@ -31,6 +31,15 @@ def _figure(ncols: int = 1, width: float = 6.4):
     return fig, axes
 
 
+def _with_runs(ax, x: list, curve: list[dict], key: str, **style) -> None:
+    """``key`` of each point (its median run) against ``x``, with the min–max of the point's repeats
+    (``<key>_runs``, where recorded) as error bars."""
+    y = [p[key] for p in curve]
+    runs = [p.get(f"{key}_runs") or [p[key]] for p in curve]
+    err = [[max(v - min(r), 0.0) for v, r in zip(y, runs)], [max(max(r) - v, 0.0) for v, r in zip(y, runs)]]
+    ax.errorbar(x, y, yerr=err, marker="o", capsize=3, **style)
+
+
 def plot_tune(points: list[dict], recommendation: dict, opts, out: Path) -> list[str]:
     """Write the tune plots into ``out`` and return their file names.
 
@@ -42,7 +51,8 @@ def plot_tune(points: list[dict], recommendation: dict, opts, out: Path) -> list
     * ``throughput_vs_sparsity.png``: step 3, tokens/s against sparsity at each selector's
       chosen γ, plain decoding of that step dashed.
 
-    The recommended point is a star where it lies on a drawn curve.
+    Each point is its median run, with the min–max of its repeats as error bars. The
+    recommended point is a star where it lies on a drawn curve.
     """
     from .tune_points import points_of
 
@@ -72,11 +82,13 @@ def plot_tune(points: list[dict], recommendation: dict, opts, out: Path) -> list
 
     # 1: τ against the KV budget
     fig, (ax,) = _figure()
+    budgets = set()
     for sel in opts.selectors:
         curve = sorted(points_of(points, 1, sel, opts.num_draft_tokens), key=lambda p: p["sparsity_ratio"])
         if not curve:
             continue
-        ax.plot([p["kv_budget"] for p in curve], [p["acceptance_length"] for p in curve], marker="o", label=sel)
+        budgets.update(p["kv_budget"] for p in curve)
+        _with_runs(ax, [p["kv_budget"] for p in curve], curve, "acceptance_length", label=sel)
         if sel in per:
             k = per[sel]["knee"]
             ax.plot([k["kv_budget"]], [k["acceptance_length"]], marker="o", markersize=14, fillstyle="none",
@@ -85,7 +97,9 @@ def plot_tune(points: list[dict], recommendation: dict, opts, out: Path) -> list
         ax.axvline(best["kv_budget"], color="goldenrod", linestyle=":",
                    label=f"chosen: {best['selector']}, budget {best['kv_budget']}, γ={best['num_draft_tokens']}")
     ax.set_xscale("log")
-    _plain_ticks(ax.xaxis)
+    if budgets:  # the grid's budgets, not log-scale minor ticks (which crowd: 700800900)
+        ax.set_xticks(sorted(budgets))
+    _plain_ticks(ax.xaxis, minor=False)
     top = ax.secondary_xaxis("top", functions=(lambda b: b / context, lambda s: s * context))
     top.set_xlabel("sparsity (KV budget / context)")
     _plain_ticks(top.xaxis, minor=False)
@@ -99,8 +113,8 @@ def plot_tune(points: list[dict], recommendation: dict, opts, out: Path) -> list
                        key=lambda p: p["num_draft_tokens"])
         curve = [p for p in curve if p["num_draft_tokens"] in opts.gammas]
         if curve:
-            ax.plot([p["num_draft_tokens"] for p in curve], [p["tokens_per_second"] for p in curve], marker="o",
-                    label=f"{sel}, sparsity {rec['knee']['sparsity_ratio']:g}")
+            _with_runs(ax, [p["num_draft_tokens"] for p in curve], curve, "tokens_per_second",
+                       label=f"{sel}, sparsity {rec['knee']['sparsity_ratio']:g}")
         if sel == (best or {}).get("selector"):
             on = [p for p in curve if p["num_draft_tokens"] == best["num_draft_tokens"]]
             if on:
@@ -112,16 +126,20 @@ def plot_tune(points: list[dict], recommendation: dict, opts, out: Path) -> list
 
     # 3: throughput against sparsity at the chosen γ
     fig, (ax,) = _figure()
+    ticks = set()
     for sel, rec in per.items():
         curve = sorted(points_of(points, 3, sel, rec["num_draft_tokens"]), key=lambda p: p["sparsity_ratio"])
         if curve:
-            ax.plot([p["sparsity_ratio"] for p in curve], [p["tokens_per_second"] for p in curve], marker="o",
-                    label=f"{sel}, γ={rec['num_draft_tokens']}")
+            _with_runs(ax, [p["sparsity_ratio"] for p in curve], curve, "tokens_per_second",
+                       label=f"{sel}, γ={rec['num_draft_tokens']}")
+            ticks.update(p["sparsity_ratio"] for p in curve)
     plain_line(ax, "3")
     if best and best["step"] == 3:
         star(ax, best["sparsity_ratio"], best["tokens_per_second"])
     ax.set_xscale("log")
-    _plain_ticks(ax.xaxis)
+    if ticks:  # the fine steps' sparsities (0.1333, 0.2, 0.3) are not round numbers
+        ax.set_xticks(sorted(ticks))
+    _plain_ticks(ax.xaxis, minor=False)
     save(fig, ax, "throughput_vs_sparsity.png", "sparsity (KV budget / context)", THROUGHPUT,
          "step 3: throughput against sparsity at the chosen γ")
     return written
