@@ -5,7 +5,7 @@
 # cuda-pathfinder, einops and torch-c-dlpack-ext,
 # for python 3.12 on x86_64. Used by scripts/cute_decode_bench.py (issue 22).
 # Usage (here): scripts/cute_dsl_bundle.sh DEST        (DEST: an ignored folder, e.g. .device/cute)
-# Result: DEST/p0 … DEST/pN, PART_MB (default 21) each. On the device, carry ONE part per call, in calls made
+# Result: DEST/p0 … DEST/pN, PART_MB (default 18) each. On the device, carry ONE part per call, in calls made
 # back to back, after the vLLM bundle's parts, and run `bash DEST/pN/unpack.sh` for the part carried; the
 # last one installs the wheels into /tmp/site (export PYTHONPATH=/tmp/site, as for vLLM).
 set -euo pipefail
@@ -21,7 +21,7 @@ python3 -m pip download -q --no-deps $PLAT -d "$W/whl" nvidia-cutlass-dsl==4.5.2
 ls -l "$W/whl"
 tar -C "$W/whl" -cf "$W/cute.tar" .
 rm -rf "$DEST"; mkdir -p "$DEST"
-split -b "${PART_MB:-21}M" -d -a 1 "$W/cute.tar" "$W/cd.part"
+split -b "${PART_MB:-18}M" -d -a 1 "$W/cute.tar" "$W/cd.part"
 n=0; for f in "$W"/cd.part*; do mkdir -p "$DEST/p$n"; mv "$f" "$DEST/p$n/"; n=$((n+1)); done
 for d in "$DEST"/p*; do
   echo "$n" > "$d/NPARTS"

