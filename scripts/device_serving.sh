@@ -126,8 +126,9 @@ case ${1:-} in
     t0=$(date +%s)
     timeout $(( ${ABLATE_BUDGET:-780} + 240 )) python3 -c "from vegas.cli import main; main()" ablate --model "$GGUF" \
       --device cuda --dtype float32 --batch-size ${ABLATE_BATCH:-32} --yarn-factor 4 --contexts ${ABLATE_CONTEXTS:-4096,8000} \
-      --time-budget ${ABLATE_BUDGET:-780} --out "$OUT/ablate" ${ABLATE_ARGS:-} > "$OUT/ablate.log" 2>&1
-    echo "[ablate23] rc=$? $(( $(date +%s) - t0 )) s"; tr '\r' '\n' < "$OUT/ablate.log" | grep -v 'it/s\]\|s/it\]\|^ *$' | tail -12
+      --time-budget ${ABLATE_BUDGET:-780} --out "$OUT/ablate" ${ABLATE_ARGS:-} > "$OUT/ablate.log" 2>&1; rc=$?
+    echo "[ablate23] rc=$rc $(( $(date +%s) - t0 )) s"; tr '\r' '\n' < "$OUT/ablate.log" | grep -v 'it/s\]\|s/it\]\|^ *$' | tail -12
+    exit $rc  # bg-run's "end (rc N)" line then says how vegas ablate ended
     ;;
   tune23)  # issue 23 item 5: vegas tune for collect2 on the vLLM backend, SmolLM2 7,680 tokens, with plain vLLM
            # in the same run; resumable like ablate23 ($OUT/tune, seeded from benchmarks/results/tune_h200_smollm2_vllm).
@@ -139,8 +140,9 @@ case ${1:-} in
     VLLM_WORKER_MULTIPROC_METHOD=spawn timeout $(( ${TUNE_BUDGET:-600} + 240 )) python3 -c "from vegas.cli import main; main()" tune --backend vllm \
       --model "$MODEL" --selectors collect2 --context 7680 --dtype bfloat16 --time-budget ${TUNE_BUDGET:-600} \
       --sparsities ${TUNE_SPARSITIES:-0.01,0.02,0.05,0.1,0.2} --gammas ${TUNE_GAMMAS:-2,4,6} --fine-steps 1 \
-      --out "$OUT/tune" > "$OUT/tune.log" 2>&1
-    echo "[tune23] rc=$? $(( $(date +%s) - t0 )) s"; grep -v "it/s\]" "$OUT/tune.log" | grep -v "^(EngineCore\|^INFO\|^WARNING" | tail -16
+      --out "$OUT/tune" > "$OUT/tune.log" 2>&1; rc=$?
+    echo "[tune23] rc=$rc $(( $(date +%s) - t0 )) s"; grep -v "it/s\]" "$OUT/tune.log" | grep -v "^(EngineCore\|^INFO\|^WARNING" | tail -16
+    exit $rc
     ;;
   cute-e2e)  # issue 22 end to end: vegas bench, SmolLM2 7,680 tokens, batch CUTE_BATCH (128), collect2 with
              # today's score path, then with vllm.score_path="cute" (each run has its own plain rows)

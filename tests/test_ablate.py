@@ -252,6 +252,31 @@ def test_tiny_run_writes_schema_plots_tables_and_resumes(counted, tmp_path, clic
         run_ablate(_tiny(tmp_path, source, new_tokens=5), Console(file=io.StringIO()), pipe=pipe)
 
 
+def test_a_gpu_folder_replots_without_a_gpu_or_names_what_is_unmeasured(counted, tmp_path, click_ids, monkeypatch):
+    """A folder measured with ``--device cuda``, rerun where no GPU is: with every planned point
+    measured it replots (no model loaded); with points missing (a selector installed since, such as a
+    plugin under the default "all") it names them and the --selectors that replot what is there, before
+    any model is converted or loaded."""
+    pipe, _ = counted
+    source = tmp_path / "src.py"
+    source.write_text(pipe.tokenizer.decode(click_ids[:3000]))
+    run_ablate(_tiny(tmp_path, source, studies=["budget"]), Console(file=io.StringIO()), pipe=pipe)
+    points = tmp_path / "out" / "points.json"
+    data = json.loads(points.read_text())
+    data["settings"]["device"] = "cuda"
+    points.write_text(json.dumps(data))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    import vegas.ablate
+
+    monkeypatch.setattr(vegas.ablate, "Pipeline", lambda *a, **k: pytest.fail("no model may load"))
+    with pytest.raises(VegasConfigError, match=r"device 'cuda' needs a CUDA GPU.*1 point\(s\).*selectors "
+                                               r"sliding_window\); to replot .* --selectors collect2,oracle"):
+        run_ablate(_tiny(tmp_path, source, studies=["budget"], device="cuda",
+                         selectors=["collect2", "oracle", "sliding_window"]), Console(file=io.StringIO()))
+    res = run_ablate(_tiny(tmp_path, source, studies=["budget"], device="cuda"), Console(file=io.StringIO()))
+    assert res["measured"] == 0 and res["reused"] == 2 and res["plots"] == ["tau_by_budget.png"]
+
+
 def test_time_budget_stops_before_measuring_and_still_plots(counted, tmp_path, click_ids):
     pipe, calls = counted
     source = tmp_path / "src.py"

@@ -336,6 +336,21 @@ def _columns(per_prompt: list[list[float | None]]) -> dict:
     return out
 
 
+def _raise_if_device_missing(device: str | None, missing: list[dict], points: list[dict]) -> None:
+    """A ``--device cuda`` run without a GPU that still has points to measure: name them, and the
+    ``--selectors`` that would only replot what is measured (before a model is converted or loaded)."""
+    import torch
+
+    if not (device or "").startswith("cuda") or torch.cuda.is_available():
+        return
+    need = sorted({s["selector"] for s in missing})
+    have = sorted({p["selector"] for p in points} - set(need))
+    replot = (f"; to replot what is measured without one, pass --selectors {','.join(have)}" if have else "")
+    raise VegasConfigError.bad(
+        "device", f"{device!r} needs a CUDA GPU, and this torch build sees none: {len(missing)} point(s) of the "
+                  f"plan are not in points.json yet (selectors {', '.join(need)}){replot}")
+
+
 def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeline | None = None) -> dict:
     """Measure every planned point not yet in ``opts.out/points.json``, then draw the plots.
 
@@ -391,7 +406,9 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
                                   backend_options=reuse)
         return pipes[key], rope
 
-    if pipe is None and any(store.find(**point_key(s)) is None for s in specs):
+    missing = [s for s in specs if store.find(**point_key(s)) is None]
+    if pipe is None and missing:
+        _raise_if_device_missing(opts.device, missing, store.points)
         pipeline_for(opts.contexts[0])  # the model loads (or a bad --model / --device is named) before the progress bar
     stopped = None
     with LoggedProgress(console=console, transient=True) as progress:
