@@ -54,3 +54,21 @@ def load_script(name: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+@pytest.fixture
+def reused_prefill_chunks(monkeypatch) -> list[int]:
+    """The prefill chunk lengths (tokens) that sessions with ``reuse_prefill`` run, in order (clear
+    it between calls); other sessions' chunks are not recorded."""
+    from vegas.backends import hf
+
+    chunks: list[int] = []
+    forward = hf.HFSession._forward
+
+    def counted(self, ids, *args, **kwargs):
+        if kwargs.get("num_logits") == -1 and self.reuse_prefill:
+            chunks.append(ids.shape[1])
+        return forward(self, ids, *args, **kwargs)
+
+    monkeypatch.setattr(hf.HFSession, "_forward", counted)
+    return chunks

@@ -427,7 +427,7 @@ def test_soft_capped_vegas_attention_without_a_context_equals_eager(zoo):
 
 
 @pytest.mark.parametrize("arch", ["mistral", "gemma2"])
-def test_a_reused_prefill_gives_what_a_full_prefill_gives(zoo, arch, monkeypatch):
+def test_a_reused_prefill_gives_what_a_full_prefill_gives(zoo, arch, monkeypatch, reused_prefill_chunks):
     """``reuse_prefill`` on sliding-window layers (the kept slots' positions decide what each query
     sees) and soft-capping, with a left-padded batch: every selector, γ and plain decoding after the
     first call start from the kept prefix and give the tokens, τ and attended entries of a full
@@ -437,11 +437,7 @@ def test_a_reused_prefill_gives_what_a_full_prefill_gives(zoo, arch, monkeypatch
     monkeypatch.setattr(hf, "PREFILL_CHUNK_TOKENS", 40)  # 299 prefill slots: 8 chunks
     reusing = Pipeline(model=str(zoo.dir(arch)), selector=None, dtype="float32", device="cpu",
                        backend_options={"reuse_prefill": True})
-    chunks = []
-    forward = hf.HFSession._forward
-    monkeypatch.setattr(hf.HFSession, "_forward", lambda self, ids, *a, **k: (
-        chunks.append(ids.shape[1]) if k.get("num_logits") == -1 and self.reuse_prefill else None)
-        or forward(self, ids, *a, **k))
+    chunks = reused_prefill_chunks
     sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=1)
     for i, (selector, gamma) in enumerate([("collect2", 4), ("quest", 4), (None, 1), ("sliding_window", 1),
                                            ("aggregated", 4)]):

@@ -88,7 +88,7 @@ def test_prefill_chunks_shrink_to_bound_the_attention_scores(pipe, code_prompts,
     assert calls[:8] == [49] + [50] * 7  # 399 prefill slots: the chunks end at the prompt's end
 
 
-def test_a_reused_prefill_gives_what_a_full_prefill_gives(code_prompts, monkeypatch):
+def test_a_reused_prefill_gives_what_a_full_prefill_gives(code_prompts, monkeypatch, reused_prefill_chunks):
     """``reuse_prefill``: the same prompts again start from the kept prefix (one prefill chunk, the
     last, runs) and give the tokens and τ of a full prefill, sampled, for every selector and plain
     decoding; other prompts are prefilled in full (and become the kept prefix)."""
@@ -98,11 +98,7 @@ def test_a_reused_prefill_gives_what_a_full_prefill_gives(code_prompts, monkeypa
     monkeypatch.setattr(hf, "PREFILL_CHUNK_TOKENS", 96)  # 399 prefill slots: 5 chunks
     full = Pipeline(selector=None, dtype="float32", device="cpu")
     reusing = Pipeline(selector=None, dtype="float32", device="cpu", backend_options={"reuse_prefill": True})
-    chunks = []
-    forward = hf.HFSession._forward
-    monkeypatch.setattr(hf.HFSession, "_forward", lambda self, ids, *a, **k: (
-        chunks.append(ids.shape[1]) if k.get("num_logits") == -1 and self.reuse_prefill else None)
-        or forward(self, ids, *a, **k))
+    chunks = reused_prefill_chunks
     sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=3)
     prompts = [code_prompts[0][:400], code_prompts[1][:230]]
     other = [code_prompts[1][:400], code_prompts[0][:230]]

@@ -40,6 +40,14 @@ def _with_runs(ax, x: list, curve: list[dict], key: str, **style) -> None:
     ax.errorbar(x, y, yerr=err, marker="o", capsize=3, **style)
 
 
+def _grid_ticks(axis, values: set) -> None:
+    """Ticks at the grid's own values (budgets, sparsities such as 0.1333), plainly labelled; without
+    values, the log axis's own major ticks (its minor ones crowd: 700800900)."""
+    if values:
+        axis.set_ticks(sorted(values))
+    _plain_ticks(axis, minor=False)
+
+
 def plot_tune(points: list[dict], recommendation: dict, opts, out: Path) -> list[str]:
     """Write the tune plots into ``out`` and return their file names.
 
@@ -97,9 +105,7 @@ def plot_tune(points: list[dict], recommendation: dict, opts, out: Path) -> list
         ax.axvline(best["kv_budget"], color="goldenrod", linestyle=":",
                    label=f"chosen: {best['selector']}, budget {best['kv_budget']}, γ={best['num_draft_tokens']}")
     ax.set_xscale("log")
-    if budgets:  # the grid's budgets, not log-scale minor ticks (which crowd: 700800900)
-        ax.set_xticks(sorted(budgets))
-    _plain_ticks(ax.xaxis, minor=False)
+    _grid_ticks(ax.xaxis, budgets)
     top = ax.secondary_xaxis("top", functions=(lambda b: b / context, lambda s: s * context))
     top.set_xlabel("sparsity (KV budget / context)")
     _plain_ticks(top.xaxis, minor=False)
@@ -137,9 +143,7 @@ def plot_tune(points: list[dict], recommendation: dict, opts, out: Path) -> list
     if best and best["step"] == 3:
         star(ax, best["sparsity_ratio"], best["tokens_per_second"])
     ax.set_xscale("log")
-    if ticks:  # the fine steps' sparsities (0.1333, 0.2, 0.3) are not round numbers
-        ax.set_xticks(sorted(ticks))
-    _plain_ticks(ax.xaxis, minor=False)
+    _grid_ticks(ax.xaxis, ticks)
     save(fig, ax, "throughput_vs_sparsity.png", "sparsity (KV budget / context)", THROUGHPUT,
          "step 3: throughput against sparsity at the chosen γ")
     return written

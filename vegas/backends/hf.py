@@ -282,7 +282,7 @@ class HFSession(Drafter, Verifier):
         num_heads = self.model.config.get_text_config().num_attention_heads
         chunk = prefill_chunk_tokens(batch_size, num_heads, width, self.config.num_draft_tokens)
         ends = list(range(width % chunk or chunk, width + 1, chunk)) if width else []
-        key = (chunk, tuple(map(tuple, prompts)))
+        key = (chunk, tuple(map(tuple, prompts))) if self.reuse_prefill else None  # only kept prefixes need it
         reused = self.reuse_prefill and len(ends) > 1 and bool(KEPT_PREFILL) and KEPT_PREFILL[0].matches(self.model, key)
         if reused:
             self._restore(KEPT_PREFILL[0])
