@@ -426,10 +426,11 @@ def test_soft_capped_vegas_attention_without_a_context_equals_eager(zoo):
         assert not torch.allclose(vegas_model(ids).logits, want, rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("arch", ["mistral", "gemma2"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "phi3", "gemma3", "gemma2"])
 def test_a_reused_prefill_gives_what_a_full_prefill_gives(zoo, arch, monkeypatch, reused_prefill_chunks):
-    """``reuse_prefill`` on sliding-window layers (the kept slots' positions decide what each query
-    sees) and soft-capping, with a left-padded batch: every selector, γ and plain decoding after the
+    """``reuse_prefill`` on Llama, Phi-3 (fused qkv, partial rotary), sliding-window layers (Mistral,
+    Gemma 3: the kept slots' positions decide what each query sees) and soft-capping (Gemma 2), with a
+    left-padded batch: every selector, γ and plain decoding after the
     first call start from the kept prefix and give the tokens, τ and attended entries of a full
     prefill, sampled."""
     from vegas.backends import hf
