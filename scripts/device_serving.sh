@@ -124,6 +124,9 @@ case ${1:-} in
     GGUF=$(ls /tmp/smollm2/*.gguf 2>/dev/null | head -1)
     [ -n "$GGUF" ] || { echo "ablate23: no /tmp/smollm2/*.gguf (carry .device/smollm2 first)" >&2; exit 2; }
     t0=$(date +%s)
+    # the 32K oracle point ran out of memory on 2026-12-04 with 31 GiB reserved but unallocated (the reused
+    # prefix and the growing cache are two copies): expandable segments keep the allocator from fragmenting
+    PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} \
     timeout $(( ${ABLATE_BUDGET:-780} + 240 )) python3 -c "from vegas.cli import main; main()" ablate --model "$GGUF" \
       --device cuda --dtype float32 --batch-size ${ABLATE_BATCH:-32} --yarn-factor 4 --contexts ${ABLATE_CONTEXTS:-4096,8000} \
       --time-budget ${ABLATE_BUDGET:-780} --out "$OUT/ablate" ${ABLATE_ARGS:-} > "$OUT/ablate.log" 2>&1; rc=$?
