@@ -409,3 +409,37 @@ def test_tables_pair_selectors_over_the_same_prompts(tmp_path):
     text = (tmp_path / "t.md").read_text()
     assert "| collect2 − sliding_window | **+10.0 % [+10.0, +10.0]** |" in text
     assert "| collect2 − aggregated | " in text and "| oracle − collect2 | +21.2 % [" in text  # n.s.: not bold
+
+
+def test_a_point_out_of_device_memory_stops_the_run_keeps_what_was_measured_and_names_the_remedies(
+        counted, tmp_path, click_ids, monkeypatch):
+    """The 32K oracle point ran out of H200 memory on 2026-12-04 and ended vegas ablate in a
+    traceback. Now the run stops at that point, keeps and tabulates the points before it, and
+    says which point and what to change; the CLI exits 1 with that line."""
+    import vegas.ablate as ab
+
+    pipe, _ = counted
+    source = tmp_path / "src.py"
+    source.write_text(pipe.tokenizer.decode(click_ids[:3000]))
+    real = ab.measure
+
+    def measure(p, rows, spec, opts):
+        if spec["selector"] == "oracle":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 750.00 MiB.\nmore")
+        return real(p, rows, spec, opts)
+
+    monkeypatch.setattr(ab, "measure", measure)
+    log = io.StringIO()
+    res = run_ablate(_tiny(tmp_path, source, studies=["budget"]), Console(file=log, width=400), pipe=pipe)
+    out = tmp_path / "out"
+    points = json.loads((out / "points.json").read_text())["points"]
+    assert [p["selector"] for p in points] == ["collect2"] and res["measured"] == 1
+    assert not res["complete"] and res["failed"] == res["stopped"]
+    for words in ("out of cpu memory at budget: oracle ctx 128", "Tried to allocate 750.00 MiB.);",
+                  "expandable_segments:True", "--batch-size", "--out"):
+        assert words in res["failed"], words
+    assert "more" not in res["failed"] and (out / "tables.md").is_file()
+
+    monkeypatch.setattr(ab, "run_ablate", lambda opts, console: {**res, "plots": []})
+    result = CliRunner().invoke(main, ["ablate", "--out", str(out)])
+    assert result.exit_code == 1 and "incomplete: out of cpu memory at budget: oracle" in result.output

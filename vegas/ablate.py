@@ -44,6 +44,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+import torch
 from rich.console import Console
 
 from .config import VegasConfig, VegasConfigError, VegasPluginError, kv_budget_for
@@ -273,6 +274,10 @@ class _OutOfTime(Exception):
     pass
 
 
+class _OutOfMemory(Exception):
+    """A point ran out of device memory: ``(point name, the allocator's first line)``."""
+
+
 def measure(pipe: Pipeline, rows: list[dict], spec: dict, opts: AblateOptions) -> dict:
     """One point: ``rows`` (prompts, and for retrieval their expected continuations) decoded in
     batches of ``opts.batch_size`` with the spec's selector and config (see :func:`plan`).
@@ -362,7 +367,9 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
 
     Returns:
         ``{"points": count, "measured": count, "reused": count, "complete": bool, "stopped":
-        reason or None, "plots": [file names], "tables": "tables.md"}``.
+        reason or None, "failed": reason or None, "plots": [file names], "tables": "tables.md"}``;
+        ``failed`` (also in ``stopped``) when a point ran out of device memory
+        (``torch.OutOfMemoryError``): the run stops there, keeps and plots what was measured.
 
     Raises:
         VegasConfigError: a bad option (named), or ``points.json`` from other settings.
@@ -410,7 +417,7 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
     if pipe is None and missing:
         _raise_if_device_missing(opts.device, missing, store.points)
         pipeline_for(opts.contexts[0])  # the model loads (or a bad --model / --device is named) before the progress bar
-    stopped = None
+    stopped = failed = None
     with LoggedProgress(console=console, transient=True) as progress:
         task = progress.add_task("vegas ablate", total=len(specs))
         try:
@@ -435,6 +442,8 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
                     skipped.skip(spec["selector"], exc)
                     progress.advance(task)
                     continue
+                except torch.OutOfMemoryError as exc:
+                    raise _OutOfMemory(point_name, str(exc).splitlines()[0]) from exc
                 state["last"] = point["wall_seconds"]
                 store.add(point)
                 state["measured"] += 1
@@ -443,6 +452,13 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
         except _OutOfTime as exc:
             stopped = f"time budget of {opts.time_budget:g} s reached before {exc.args[0]}"
             console.print(f"[yellow]{stopped}; plotting what was measured (rerun to resume)[/yellow]")
+        except _OutOfMemory as exc:
+            failed = stopped = (
+                f"out of {opts.device} memory at {exc.args[0]} ({exc.args[1]}); the points measured so far are kept. "
+                "Free the device's memory (on CUDA also PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True against "
+                "fragmentation) and rerun the same command, or measure with a smaller --batch-size into another --out "
+                "(the batch size is a measurement setting)")
+            console.print(f"[red]{stopped}; plotting what was measured[/red]")
     out.mkdir(parents=True, exist_ok=True)  # only now: every check passed (the first point makes it too)
     from .plots import plot_ablate, write_ablate_tables
 
@@ -454,5 +470,6 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
         console.print(f"[yellow]plots not drawn ({exc}): install matplotlib and rerun the same command to draw "
                       f"them; {out / 'points.json'} and {out / 'tables.md'} are written[/yellow]")
     return {"points": len(store.points), "measured": state["measured"], "reused": state["reused"],
-            "complete": stopped is None and not skipped, "stopped": stopped, "skipped": dict(skipped), "plots": plots,
+            "complete": stopped is None and not skipped, "stopped": stopped, "failed": failed,
+            "skipped": dict(skipped), "plots": plots,
             "tables": "tables.md", "options": asdict(opts)}

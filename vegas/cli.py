@@ -495,6 +495,8 @@ def ablate(studies, selectors, quick, **kwargs) -> None:
                f"{results['tables']} and plots ({', '.join(results['plots'])}) in {kwargs['out']}")
     for name in results["skipped"]:
         click.echo(f"skipped selector {name} (plugin error, above); name the selectors with --selectors to leave it out")
+    if results.get("failed"):
+        raise click.ClickException(f"incomplete: {results['failed']}")
     if results["stopped"]:
         click.echo(f"incomplete: {results['stopped']}; rerun the same command to resume")
 
