@@ -331,6 +331,23 @@ def test_failed_ablate_leaves_no_out_directory(tmp_path):
         assert not (tmp_path / "parent").exists(), args
 
 
+def _failing_measure(monkeypatch, tmp_path, pipe, click_ids, selector, exc):
+    """A prompt source for :func:`_tiny`; ``vegas.ablate.measure`` raises ``exc`` for ``selector``'s points."""
+    import vegas.ablate as ab
+
+    source = tmp_path / "src.py"
+    source.write_text(pipe.tokenizer.decode(click_ids[:3000]))
+    real = ab.measure
+
+    def measure(p, rows, spec, opts):
+        if spec["selector"] == selector:
+            raise exc
+        return real(p, rows, spec, opts)
+
+    monkeypatch.setattr(ab, "measure", measure)
+    return source
+
+
 def test_a_plugin_selector_that_raises_is_skipped_under_all_and_fatal_when_named(counted, tmp_path, click_ids,
                                                                                 monkeypatch):
     """As vegas bench: with every selector (the default), a plugin selector that raises while
@@ -339,16 +356,8 @@ def test_a_plugin_selector_that_raises_is_skipped_under_all_and_fatal_when_named
     from vegas.config import VegasPluginError
 
     pipe, _ = counted
-    source = tmp_path / "src.py"
-    source.write_text(pipe.tokenizer.decode(click_ids[:3000]))
-    real = ab.measure
-
-    def measure(p, rows, spec, opts):
-        if spec["selector"] == "boom":
-            raise VegasPluginError("selector 'boom' (plugin 'bad') raised in select(): RuntimeError: boom")
-        return real(p, rows, spec, opts)
-
-    monkeypatch.setattr(ab, "measure", measure)
+    source = _failing_measure(monkeypatch, tmp_path, pipe, click_ids, "boom", VegasPluginError(
+        "selector 'boom' (plugin 'bad') raised in select(): RuntimeError: boom"))
     monkeypatch.setattr(ab, "selector_names", lambda: ["collect2", "boom"])
     monkeypatch.setattr(ab, "ORACLE", "collect2")  # keep the run to two selectors
     log = io.StringIO()
@@ -419,16 +428,8 @@ def test_a_point_out_of_device_memory_stops_the_run_keeps_what_was_measured_and_
     import vegas.ablate as ab
 
     pipe, _ = counted
-    source = tmp_path / "src.py"
-    source.write_text(pipe.tokenizer.decode(click_ids[:3000]))
-    real = ab.measure
-
-    def measure(p, rows, spec, opts):
-        if spec["selector"] == "oracle":
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 750.00 MiB.\nmore")
-        return real(p, rows, spec, opts)
-
-    monkeypatch.setattr(ab, "measure", measure)
+    source = _failing_measure(monkeypatch, tmp_path, pipe, click_ids, "oracle",
+                              torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 750.00 MiB.\nmore"))
     log = io.StringIO()
     res = run_ablate(_tiny(tmp_path, source, studies=["budget"]), Console(file=log, width=400), pipe=pipe)
     out = tmp_path / "out"
