@@ -420,27 +420,43 @@ def test_tables_pair_selectors_over_the_same_prompts(tmp_path):
     assert "| collect2 − aggregated | " in text and "| oracle − collect2 | +21.2 % [" in text  # n.s.: not bold
 
 
+CUDA_OOM = ("CUDA out of memory. Tried to allocate 750.00 MiB. GPU 0 has a total capacity of 139.80 GiB of which "
+            "37.12 MiB is free. Of the allocated memory 107.85 GiB is allocated by PyTorch, and 31.24 GiB is reserved "
+            "by PyTorch but unallocated. If reserved but unallocated memory is large try setting "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for Memory "
+            "Management  (https://docs.pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-cuda)")
+
+
+@pytest.mark.parametrize("message, summary", [(CUDA_OOM, "(CUDA out of memory. Tried to allocate 750.00 MiB);"),
+                                              ("", "(OutOfMemoryError);")])
+@pytest.mark.parametrize("alloc_conf", [None, "expandable_segments:True"])
 def test_a_point_out_of_device_memory_stops_the_run_keeps_what_was_measured_and_names_the_remedies(
-        counted, tmp_path, click_ids, monkeypatch):
+        counted, tmp_path, click_ids, monkeypatch, message, summary, alloc_conf):
     """The 32K oracle point ran out of H200 memory on 2026-12-04 and ended vegas ablate in a
     traceback. Now the run stops at that point, keeps and tabulates the points before it, and
-    says which point and what to change; the CLI exits 1 with that line."""
+    says in one line which point, what the allocator asked for and what to change (the
+    fragmentation setting only where it is not set already); the CLI exits 1 with that line."""
     import vegas.ablate as ab
 
     pipe, _ = counted
-    source = _failing_measure(monkeypatch, tmp_path, pipe, click_ids, "oracle",
-                              torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 750.00 MiB.\nmore"))
+    source = _failing_measure(monkeypatch, tmp_path, pipe, click_ids, "oracle", torch.OutOfMemoryError(message))
+    if alloc_conf is None:
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    else:
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", alloc_conf)
     log = io.StringIO()
-    res = run_ablate(_tiny(tmp_path, source, studies=["budget"]), Console(file=log, width=400), pipe=pipe)
+    res = run_ablate(_tiny(tmp_path, source, studies=["budget"], device="cuda"), Console(file=log), pipe=pipe)
     out = tmp_path / "out"
     points = json.loads((out / "points.json").read_text())["points"]
     assert [p["selector"] for p in points] == ["collect2"] and res["measured"] == 1
-    assert not res["complete"] and res["failed"] == res["stopped"]
-    for words in ("out of cpu memory at budget: oracle ctx 128", "Tried to allocate 750.00 MiB.);",
-                  "expandable_segments:True", "--batch-size", "--out"):
-        assert words in res["failed"], words
-    assert "more" not in res["failed"] and (out / "tables.md").is_file()
+    assert not res["complete"] and res["failed"] == res["stopped"] and (out / "tables.md").is_file()
+    failed = res["failed"]
+    assert failed.startswith("out of cuda memory at budget: oracle ctx 128 s=0.1 γ=2 default " + summary)
+    assert "--batch-size" in failed and "--out" in failed and "\n" not in failed and "GPU 0" not in failed
+    assert ("expandable_segments:True" in failed) == (alloc_conf is None)
+    said = [line for line in log.getvalue().splitlines() if "memory" in line or "plotting" in line]
+    assert said == ["out of memory at budget: oracle ctx 128 s=0.1 γ=2 default; plotting what was measured"]
 
     monkeypatch.setattr(ab, "run_ablate", lambda opts, console: {**res, "plots": []})
     result = CliRunner().invoke(main, ["ablate", "--out", str(out)])
-    assert result.exit_code == 1 and "incomplete: out of cpu memory at budget: oracle" in result.output
+    assert result.exit_code == 1 and f"Error: incomplete: {failed}" in result.output

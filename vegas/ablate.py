@@ -40,6 +40,8 @@ settings skips them, so a study can be extended (more contexts, budgets) or run 
 from __future__ import annotations
 
 import math
+import os
+import re
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -275,7 +277,25 @@ class _OutOfTime(Exception):
 
 
 class _OutOfMemory(Exception):
-    """A point ran out of device memory: ``(point name, the allocator's first line)``."""
+    """A point ran out of device memory: ``(point name, the allocator's message in short)``."""
+
+
+def _allocator_summary(exc: BaseException) -> str:
+    """The allocator's message up to its request (CUDA's runs ~600 characters on one line and
+    repeats advice given in :func:`_out_of_memory_advice`)."""
+    line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    request = re.match(r".*?Tried to allocate [\d.]+ [KMGT]?i?B", line)
+    return request.group(0) if request else line[:200]
+
+
+def _out_of_memory_advice(device: str, point_name: str, summary: str) -> str:
+    """One line: the point that ran out of ``device`` memory, the allocator's ``summary``, what to change."""
+    fragmentation = ("; set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True against fragmentation"
+                     if device.startswith("cuda")
+                     and "expandable_segments:True" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") else "")
+    return (f"out of {device} memory at {point_name} ({summary}); the points measured before it are kept in "
+            f"points.json. Free the device's memory{fragmentation}; then rerun the same command, or measure with a "
+            "smaller --batch-size into another --out (the batch size is a measurement setting)")
 
 
 def measure(pipe: Pipeline, rows: list[dict], spec: dict, opts: AblateOptions) -> dict:
@@ -434,16 +454,16 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
                 if opts.time_budget is not None and time.monotonic() - started + state["last"] > opts.time_budget:
                     raise _OutOfTime(point_name)
                 progress.update(task, description=point_name)
-                p, rope = pipeline_for(spec["context"])
-                rows = prompts.get(p, spec["prompt_kind"], spec["context"])
-                try:
+                try:  # a point's model (another RoPE scaling) may load here: out of memory too
+                    p, rope = pipeline_for(spec["context"])
+                    rows = prompts.get(p, spec["prompt_kind"], spec["context"])
                     point = {**measure(p, rows, spec, opts), "rope_scaling": rope}
                 except VegasPluginError as exc:
                     skipped.skip(spec["selector"], exc)
                     progress.advance(task)
                     continue
                 except torch.OutOfMemoryError as exc:
-                    raise _OutOfMemory(point_name, str(exc).splitlines()[0]) from exc
+                    raise _OutOfMemory(point_name, _allocator_summary(exc)) from exc
                 state["last"] = point["wall_seconds"]
                 store.add(point)
                 state["measured"] += 1
@@ -453,12 +473,9 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
             stopped = f"time budget of {opts.time_budget:g} s reached before {exc.args[0]}"
             console.print(f"[yellow]{stopped}; plotting what was measured (rerun to resume)[/yellow]")
         except _OutOfMemory as exc:
-            failed = stopped = (
-                f"out of {opts.device} memory at {exc.args[0]} ({exc.args[1]}); the points measured so far are kept. "
-                "Free the device's memory (on CUDA also PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True against "
-                "fragmentation) and rerun the same command, or measure with a smaller --batch-size into another --out "
-                "(the batch size is a measurement setting)")
-            console.print(f"[red]{stopped}; plotting what was measured[/red]")
+            failed = stopped = _out_of_memory_advice(opts.device, *exc.args)
+            console.print(f"out of memory at {exc.args[0]}; plotting what was measured", style="red", markup=False,
+                          soft_wrap=True)
     out.mkdir(parents=True, exist_ok=True)  # only now: every check passed (the first point makes it too)
     from .plots import plot_ablate, write_ablate_tables
 
