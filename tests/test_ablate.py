@@ -252,29 +252,38 @@ def test_tiny_run_writes_schema_plots_tables_and_resumes(counted, tmp_path, clic
         run_ablate(_tiny(tmp_path, source, new_tokens=5), Console(file=io.StringIO()), pipe=pipe)
 
 
-def test_a_gpu_folder_replots_without_a_gpu_or_names_what_is_unmeasured(counted, tmp_path, click_ids, monkeypatch):
-    """A folder measured with ``--device cuda``, rerun where no GPU is: with every planned point
-    measured it replots (no model loaded); with points missing (a selector installed since, such as a
-    plugin under the default "all") it names them and the --selectors that replot what is there, before
-    any model is converted or loaded."""
+def test_a_gpu_folder_replots_without_a_gpu_and_names_what_is_unmeasured(counted, tmp_path, click_ids, monkeypatch):
+    """A folder measured with ``--device cuda``, rerun where no GPU is (the H200 folders, which
+    time budgets leave partial): it replots what is measured and names what is not, without
+    converting or loading a model; with nothing measured it refuses, naming --device."""
     pipe, _ = counted
     source = tmp_path / "src.py"
     source.write_text(pipe.tokenizer.decode(click_ids[:3000]))
     run_ablate(_tiny(tmp_path, source, studies=["budget"]), Console(file=io.StringIO()), pipe=pipe)
-    points = tmp_path / "out" / "points.json"
-    data = json.loads(points.read_text())
+    out = tmp_path / "out"
+    data = json.loads((out / "points.json").read_text())
     data["settings"]["device"] = "cuda"
-    points.write_text(json.dumps(data))
+    (out / "points.json").write_text(json.dumps(data))
+    (out / "tau_by_budget.png").unlink()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     import vegas.ablate
 
     monkeypatch.setattr(vegas.ablate, "Pipeline", lambda *a, **k: pytest.fail("no model may load"))
-    with pytest.raises(VegasConfigError, match=r"device 'cuda' needs a CUDA GPU.*1 point\(s\).*selectors "
-                                               r"sliding_window\); to replot .* --selectors collect2,oracle"):
-        run_ablate(_tiny(tmp_path, source, studies=["budget"], device="cuda",
-                         selectors=["collect2", "oracle", "sliding_window"]), Console(file=io.StringIO()))
-    res = run_ablate(_tiny(tmp_path, source, studies=["budget"], device="cuda"), Console(file=io.StringIO()))
+    log = io.StringIO()
+    res = run_ablate(_tiny(tmp_path, source, studies=["budget", "retrieval"], device="cuda",
+                           selectors=["collect2", "oracle", "sliding_window"]), Console(file=log, width=300))
     assert res["measured"] == 0 and res["reused"] == 2 and res["plots"] == ["tau_by_budget.png"]
+    assert (out / "tau_by_budget.png").is_file() and not res["complete"] and res["failed"] is None
+    assert res["stopped"].startswith("4 point(s) of the plan are not in points.json (studies budget, retrieval; "
+                                     "contexts 128) and --device 'cuda' needs a CUDA GPU")
+    assert "4 point(s) need a CUDA GPU; plotting what was measured" in log.getvalue()
+    assert res["resume"] == "rerun the same command on a machine with a CUDA GPU to resume"
+    res = run_ablate(_tiny(tmp_path, source, studies=["budget"], device="cuda"), Console(file=io.StringIO()))
+    assert res["complete"] and res["measured"] == 0 and res["reused"] == 2
+    with pytest.raises(VegasConfigError, match=r"device .*'cuda' needs a CUDA GPU, and this torch build sees none"):
+        run_ablate(_tiny(tmp_path, source, studies=["budget"], device="cuda", out=str(tmp_path / "empty")),
+                   Console(file=io.StringIO()))
+    assert not (tmp_path / "empty").exists()
 
 
 def test_time_budget_stops_before_measuring_and_still_plots(counted, tmp_path, click_ids):
@@ -283,6 +292,7 @@ def test_time_budget_stops_before_measuring_and_still_plots(counted, tmp_path, c
     source.write_text(pipe.tokenizer.decode(click_ids[:3000]))
     res = run_ablate(_tiny(tmp_path, source, time_budget=1e-6), Console(file=io.StringIO()), pipe=pipe)
     assert calls == [] and res["complete"] is False and res["plots"] == []
+    assert res["resume"] == "rerun the same command to resume"
 
 
 def test_without_matplotlib_the_points_and_tables_are_written(counted, tmp_path, click_ids, monkeypatch):
@@ -309,11 +319,16 @@ def test_without_matplotlib_the_points_and_tables_are_written(counted, tmp_path,
     (["--studies", "budget,nope"], "--studies"),
     (["--selectors", "nope"], "--selectors"),
     (["--budgets", "0.1,2"], "--budgets"),
+    (["--budgets", "0.02,,0.1"], "Invalid value for '--budgets': must be comma-separated floats, got '0.02,,0.1'"),
     (["--gammas", "0"], "--gammas"),
     (["--num-prompts", "0"], "--num-prompts"),
     (["--ablation-sparsity", "2"], "ablation_sparsity (--ablation-sparsity) must be a number in (0, 1], got 2.0"),
     (["--device", "bogus"], "Invalid value for '--device': must be 'cpu', 'cuda' or 'cuda:N', got 'bogus'"),
     (["--contexts", "10,2048"], "contexts (--contexts) must be integers >= 64 with the retrieval study"),
+    (["--contexts", "2048,200000", "--yarn-factor", "2", "--studies", "budget"],
+     "contexts (--contexts): 200,000 tokens and 73 more (new tokens, γ + 1 verification slots) do not fit the "
+     "model's 32,768 tokens with YaRN ×2 (--yarn-factor); give contexts of at most 65,463 tokens, or a "
+     "--yarn-factor of at least 8"),
 ])
 def test_cli_refuses_bad_options(args, message, tmp_path):
     result = CliRunner().invoke(main, ["ablate", "--out", str(tmp_path / "o"), *args])

@@ -180,6 +180,27 @@ def rope_for(context: int, room: int, max_context: int, factor: float | None = N
     return {"rope_type": "yarn", "factor": float(factor)}
 
 
+def _raise_if_a_context_does_not_fit(opts: AblateOptions, room: int, max_context: int) -> None:
+    """Before the first point: every context of ``opts.contexts`` plus ``room`` (new tokens and
+    the verification slots) fits ``max_context`` tokens, scaled by YaRN where :func:`rope_for`
+    scales it.
+
+    Raises:
+        VegasConfigError: naming --contexts and --yarn-factor, and the largest context that fits.
+    """
+    for context in opts.contexts:
+        rope = rope_for(context, room, max_context, opts.yarn_factor)
+        factor = rope["factor"] if rope else 1.0
+        if context + room > max_context * factor:
+            fits = int(max_context * factor) - room
+            raise VegasConfigError(
+                f"contexts (--contexts): {context:,} tokens and {room} more (new tokens, γ + 1 verification slots) "
+                f"do not fit the model's {max_context:,} tokens with YaRN ×{factor:g} (--yarn-factor); give contexts "
+                f"of at most {fits:,} tokens, or a --yarn-factor of at least "
+                f"{2 ** math.ceil(math.log2((context + room) / max_context)):g} (or none: the smallest power of two "
+                "that fits)")
+
+
 def plan(opts: AblateOptions, selectors: list[str]) -> list[dict]:
     """Every point of ``opts.studies``, as ``{study, prompt_kind, selector, context,
     sparsity_ratio, num_draft_tokens, variant}``, duplicates (shared points) dropped, in the
@@ -361,19 +382,18 @@ def _columns(per_prompt: list[list[float | None]]) -> dict:
     return out
 
 
-def _raise_if_device_missing(device: str | None, missing: list[dict], points: list[dict]) -> None:
-    """A ``--device cuda`` run without a GPU that still has points to measure: name them, and the
-    ``--selectors`` that would only replot what is measured (before a model is converted or loaded)."""
+def _unmeasurable_here(device: str | None, missing: list[dict]) -> str | None:
+    """Why the ``missing`` points cannot be measured here: ``--device cuda`` where torch sees no
+    GPU (a folder measured on a GPU machine, replotted elsewhere); None when they can."""
     import torch
 
     if not (device or "").startswith("cuda") or torch.cuda.is_available():
-        return
-    need = sorted({s["selector"] for s in missing})
-    have = sorted({p["selector"] for p in points} - set(need))
-    replot = (f"; to replot what is measured without one, pass --selectors {','.join(have)}" if have else "")
-    raise VegasConfigError.bad(
-        "device", f"{device!r} needs a CUDA GPU, and this torch build sees none: {len(missing)} point(s) of the "
-                  f"plan are not in points.json yet (selectors {', '.join(need)}){replot}")
+        return None
+    contexts = ", ".join(f"{c:,}" for c in sorted({s["context"] for s in missing}))
+    studies = ", ".join(sorted({s["study"] for s in missing}))
+    return (f"{len(missing)} point(s) of the plan are not in points.json (studies {studies}; contexts {contexts}) "
+            f"and --device {device!r} needs a CUDA GPU, which this torch build does not see (tables and plots hold "
+            "what is measured)")
 
 
 def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeline | None = None) -> dict:
@@ -387,7 +407,8 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
 
     Returns:
         ``{"points": count, "measured": count, "reused": count, "complete": bool, "stopped":
-        reason or None, "failed": reason or None, "plots": [file names], "tables": "tables.md"}``;
+        reason or None, "failed": reason or None, "resume": how to go on, "plots": [file names],
+        "tables": "tables.md"}``;
         ``failed`` (also in ``stopped``) when a point ran out of device memory
         (``torch.OutOfMemoryError``): the run stops there, keeps and plots what was measured.
 
@@ -413,7 +434,7 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
     specs = plan(opts, selectors)
     prompts = _Prompts(read_text_source(source) if source else package_source("click"), opts)
     pipes: dict[str, Pipeline] = {}
-    state = {"measured": 0, "reused": 0, "last": 0.0}
+    state = {"measured": 0, "reused": 0, "last": 0.0, "fits": False}
     room = opts.new_tokens + max(opts.gammas + [opts.num_draft_tokens]) + 1
     reuse = REUSE if opts.batch_size >= opts.num_prompts else None
 
@@ -422,6 +443,9 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
         if native is None:
             native = pipes["native"] = Pipeline(opts.model, selector=None, dtype=opts.dtype, device=opts.device,
                                                 backend_options=reuse)
+        if not state["fits"]:  # before any model with RoPE scaling loads
+            _raise_if_a_context_does_not_fit(opts, room, native.backend.max_context)
+            state["fits"] = True
         rope = rope_for(context, room, native.backend.max_context, opts.yarn_factor)
         if rope is None:
             return native, None
@@ -434,10 +458,16 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
         return pipes[key], rope
 
     missing = [s for s in specs if store.find(**point_key(s)) is None]
-    if pipe is None and missing:
-        _raise_if_device_missing(opts.device, missing, store.points)
+    failed, where = None, ""
+    stopped = _unmeasurable_here(opts.device, missing) if pipe is None and missing else None
+    if stopped and not store.points:
+        raise VegasConfigError.bad("device", f"{opts.device!r} needs a CUDA GPU, and this torch build sees none")
+    if stopped:
+        state["reused"], specs = len(specs) - len(missing), []  # replot only: no model is converted or loaded
+        where = " on a machine with a CUDA GPU"
+        console.print(f"[yellow]{len(missing)} point(s) need a CUDA GPU; plotting what was measured[/yellow]")
+    elif pipe is None and missing:
         pipeline_for(opts.contexts[0])  # the model loads (or a bad --model / --device is named) before the progress bar
-    stopped = failed = None
     with LoggedProgress(console=console, transient=True) as progress:
         task = progress.add_task("vegas ablate", total=len(specs))
         try:
@@ -488,5 +518,6 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
                       f"them; {out / 'points.json'} and {out / 'tables.md'} are written[/yellow]")
     return {"points": len(store.points), "measured": state["measured"], "reused": state["reused"],
             "complete": stopped is None and not skipped, "stopped": stopped, "failed": failed,
+            "resume": f"rerun the same command{where} to resume",
             "skipped": dict(skipped), "plots": plots,
             "tables": "tables.md", "options": asdict(opts)}

@@ -83,7 +83,10 @@ def _number_list(kind):
         if value is None:
             return None
         try:
-            return [kind(v) for v in value.split(",") if v.strip()]
+            items = [v.strip() for v in value.split(",")]
+            if "" in items:  # "0.02,,0.1": a missing item is said, not dropped
+                raise ValueError
+            return [kind(v) for v in items]
         except ValueError:
             raise click.BadParameter(f"must be comma-separated {kind.__name__}s, got {value!r}") from None
 
@@ -498,7 +501,7 @@ def ablate(studies, selectors, quick, **kwargs) -> None:
     if results.get("failed"):
         raise click.ClickException(f"incomplete: {results['failed']}")
     if results["stopped"]:
-        click.echo(f"incomplete: {results['stopped']}; rerun the same command to resume")
+        click.echo(f"incomplete: {results['stopped']}; {results['resume']}")
 
 
 class OneLineError(click.ClickException):
