@@ -475,3 +475,36 @@ def test_a_point_out_of_device_memory_stops_the_run_keeps_what_was_measured_and_
     monkeypatch.setattr(ab, "run_ablate", lambda opts, console: {**res, "plots": []})
     result = CliRunner().invoke(main, ["ablate", "--out", str(out)])
     assert result.exit_code == 1 and f"Error: incomplete: {failed}" in result.output
+
+
+def test_budget_and_context_panels_share_one_tau_axis_one_legend_and_wrap(tmp_path, monkeypatch):
+    """The H200 figures: panels of different contexts on one τ scale (separate scales made 2.6–3.8
+    look like 3.0–4.5), one legend outside the panels (per-panel legends covered the oracle), at
+    most three panels a row, and a selector's markers dodged so that equal points stay visible."""
+    from matplotlib.figure import Figure
+
+    from vegas.plots import DODGE, _budget_panels, _context_panels
+    from vegas.tune_points import spread
+
+    def point(sel, ctx, s, tau):
+        return {"study": "budget", "prompt_kind": "heldout", "selector": sel, "context": ctx, "sparsity_ratio": s,
+                "num_draft_tokens": 4, "variant": "default", "kv_budget": int(ctx * s), "tau": spread([tau, tau + 0.2]),
+                "tau_per_prompt": [tau, tau + 0.2], "rope_scaling": {"factor": 4.0} if ctx > 8192 else None}
+
+    points = [point(sel, ctx, s, base + 10 * s + (ctx > 8192))
+              for sel, base in (("collect2", 2.0), ("quest", 2.0), ("oracle", 3.0))
+              for ctx in (4096, 16000) for s in (0.01, 0.02, 0.05, 0.1, 0.2)]
+    drawn = {}
+    monkeypatch.setattr(Figure, "savefig", lambda fig, path, **k: drawn.setdefault(path.name, fig))
+    assert _budget_panels(points, "heldout", 4, "t", tmp_path / "b.png")
+    assert _context_panels(points, 4, "t", tmp_path / "c.png")
+    budget, context = drawn["b.png"], drawn["c.png"]
+    assert len(budget.axes) == 2 and len(context.axes) == 5
+    assert len({ax.get_position().y0 for ax in context.axes}) == 2  # two rows: 3 + 2
+    for fig in (budget, context):
+        assert len({ax.get_ylim() for ax in fig.axes}) == 1  # one τ scale
+        assert all(ax.get_legend() is None for ax in fig.axes) and len(fig.legends) == 1
+        assert [t.get_text() for t in fig.legends[0].get_texts()] == ["collect2", "oracle", "quest"]
+    # collect2 and quest have equal τ at every point: their markers sit apart (oracle between them), not on each other
+    xs = {c.get_label(): c.lines[0].get_xdata() for c in budget.axes[0].containers}
+    assert abs(xs["quest"][0] / xs["collect2"][0] - DODGE ** 2) < 1e-9

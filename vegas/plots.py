@@ -31,6 +31,37 @@ def _figure(ncols: int = 1, width: float = 6.4):
     return fig, axes
 
 
+def _panels(count: int, width: float = 4.6, per_row: int = 3):
+    """A figure of ``count`` panels, at most ``per_row`` a row, sharing one τ axis (so that the
+    panels compare), the unused ones removed; one legend goes below them (:func:`_legend`)."""
+    from matplotlib.figure import Figure
+
+    cols = min(count, per_row)
+    rows = -(-count // per_row)
+    fig = Figure(figsize=(max(width * cols, 6.4), 3.9 * rows + 0.6), layout="constrained")
+    axes = list(fig.subplots(rows, cols, squeeze=False, sharey=True).flat)
+    for ax in axes[count:]:
+        ax.remove()
+    for ax in axes[:count]:
+        ax.yaxis.set_tick_params(labelleft=True)
+    return fig, axes[:count]
+
+
+def _legend(fig, axes) -> None:
+    """One legend for every panel, outside them (per-panel legends covered the curves), and the
+    τ label on each row's first panel."""
+    for ax in axes:
+        if ax.get_subplotspec().is_first_col():
+            ax.set_ylabel("τ (tokens / iteration), mean and 95 % CI")
+    seen = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(label, handle)
+    fig.legend(list(seen.values()), list(seen), loc="outside lower center",
+               ncols=min(len(seen), 7 if fig.get_figwidth() >= 10 else 4),
+               fontsize="small")
+
+
 def _with_runs(ax, x: list, curve: list[dict], key: str, **style) -> None:
     """``key`` of each point (its median run) against ``x``, with the min–max of the point's repeats
     (``<key>_runs``, where recorded) as error bars."""
@@ -193,12 +224,27 @@ def _tau_errorbar(ax, curve: list[dict], x: list, **style) -> None:
     ax.errorbar(x, y, yerr=err, marker="o", capsize=3, **style)
 
 
-def _selector_lines(ax, points: list[dict], x: str) -> None:
-    """One τ line per selector of ``points`` against the field ``x`` (oracle dashed black)."""
-    for sel in sorted({p["selector"] for p in points}):
+#: a selector's markers sit this factor apart from the next one's on a log x axis, so that equal
+#: points and overlapping intervals stay visible (the ticks name the measured values)
+DODGE = 1.025
+
+
+def _selector_lines(ax, points: list[dict], x: str, selectors: list[str]) -> None:
+    """One τ line per selector of ``points`` against the field ``x`` (log axis; oracle dashed
+    black), each selector dodged by its place in ``selectors`` (the same colour and offset in
+    every panel)."""
+    from matplotlib import rcParams
+
+    colours = rcParams["axes.prop_cycle"].by_key()["color"]
+    plain = [sel for sel in selectors if sel != "oracle"]
+    for i, sel in enumerate(selectors):
         curve = sorted((p for p in points if p["selector"] == sel), key=lambda p: p[x])
-        style = {"color": "black", "linestyle": "--"} if sel == "oracle" else {}
-        _tau_errorbar(ax, curve, [p[x] for p in curve], label=sel, **style)
+        if not curve:
+            continue
+        style = ({"color": "black", "linestyle": "--"} if sel == "oracle"
+                 else {"color": colours[plain.index(sel) % len(colours)]})
+        shift = DODGE ** (i - (len(selectors) - 1) / 2)
+        _tau_errorbar(ax, curve, [p[x] * shift for p in curve], label=sel, **style)
 
 
 def _budget_panels(points: list[dict], kind: str, gamma: int, title: str, path: Path) -> bool:
@@ -208,10 +254,11 @@ def _budget_panels(points: list[dict], kind: str, gamma: int, title: str, path: 
     contexts = sorted({p["context"] for p in chosen})
     if not contexts:
         return False
-    fig, axes = _figure(ncols=len(contexts), width=5.0)
+    fig, axes = _panels(len(contexts))
+    selectors = sorted({p["selector"] for p in chosen})
     for ax, ctx in zip(axes, contexts):
         here = [p for p in chosen if p["context"] == ctx]
-        _selector_lines(ax, here, "sparsity_ratio")
+        _selector_lines(ax, here, "sparsity_ratio", selectors)
         rope = here[0].get("rope_scaling")
         extra = f", YaRN ×{rope['factor']:g}" if rope else ""
         if kind == "retrieval":
@@ -221,9 +268,8 @@ def _budget_panels(points: list[dict], kind: str, gamma: int, title: str, path: 
         _plain_ticks(ax.xaxis, minor=False)  # minor labels run together within a decade (0.07 0.08 0.09)
         ax.set_xticks(sorted({p["sparsity_ratio"] for p in here}))  # the measured sparsities, labelled
         ax.set_xlabel("sparsity (KV budget / context)")
-        ax.set_ylabel("τ (tokens / iteration), mean and 95 % CI")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize="small")
+    _legend(fig, axes)
     fig.suptitle(title)
     fig.savefig(path, dpi=100)
     return True
@@ -239,20 +285,20 @@ def _context_panels(points: list[dict], gamma: int, title: str, path: Path) -> b
                         if len({p["context"] for p in chosen if p["sparsity_ratio"] == s}) > 1)
     if not sparsities:
         return False
-    fig, axes = _figure(ncols=len(sparsities), width=5.0)
+    fig, axes = _panels(len(sparsities))
+    selectors = sorted({p["selector"] for p in chosen})
     for ax, s in zip(axes, sparsities):
         here = [p for p in chosen if p["sparsity_ratio"] == s]
-        _selector_lines(ax, here, "context")
+        _selector_lines(ax, here, "context", selectors)
         contexts = sorted({p["context"] for p in here})
         ax.set_xscale("log", base=2)
-        ax.set_xticks(contexts, [f"{c:,}" + (" (YaRN)" if any(p.get("rope_scaling") for p in here if p["context"] == c)
+        ax.set_xticks(contexts, [f"{c:,}" + ("\n(YaRN)" if any(p.get("rope_scaling") for p in here if p["context"] == c)
                                              else "") for c in contexts])
         ax.minorticks_off()
         ax.set_title(f"sparsity {s:g}", fontsize="medium")
         ax.set_xlabel("context (prompt tokens)")
-        ax.set_ylabel("τ (tokens / iteration), mean and 95 % CI")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize="small")
+    _legend(fig, axes)
     fig.suptitle(title)
     fig.savefig(path, dpi=100)
     return True
@@ -329,6 +375,8 @@ def plot_ablate(points: list[dict], opts, out: Path, source: str = "held-out cod
     probe = [p for p in points if p["selector"] == "overlap_probe" and "jaccard" in p]
     if probe:
         p = probe[0]
+        from matplotlib.ticker import MaxNLocator
+
         fig, (ax_d, ax_p) = _figure(ncols=2, width=5.6)
         for series, ax in (("within", ax_d), ("across", ax_d), ("proxy_last_token", ax_p),
                            ("proxy_collect2", ax_p), ("proxy_aggregated", ax_p)):
@@ -345,6 +393,7 @@ def plot_ablate(points: list[dict], opts, out: Path, source: str = "held-out cod
         ax_p.set_ylabel("Jaccard with the proxy's set")
         ax_p.set_title("the set a selector drafts with vs. each next query's own", fontsize="medium")
         for ax in (ax_d, ax_p):
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # distances and draft steps
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize="small")
             ax.set_ylim(0, 1)
