@@ -31,13 +31,22 @@ class LoggedProgress(Progress):
 
     The line names the task's description at the time of the call (the step that finished),
     e.g. ``vegas: collect2 γ=4 s=0.05 done in 12.3 s (3/9, elapsed 45 s) τ=3.41``; ``note``
-    adds a result to it. On a terminal only the bar is drawn.
+    adds a result to it. The first description set by :meth:`update` is also said when set
+    (``… started``), so that a log shows what a long first step is doing. On a terminal only
+    the bar is drawn.
     """
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._started = time.monotonic()
         self._last = self._started
+        self._working = False  # a step has started (said once off a terminal: the first may take minutes)
+
+    def update(self, task_id, *args, description: str | None = None, **kwargs) -> None:  # noqa: D102
+        super().update(task_id, *args, description=description, **kwargs)
+        if description is not None and not self._working and not self.console.is_terminal:
+            self.console.print(f"{description} started", markup=False, highlight=False, soft_wrap=True)
+        self._working = self._working or description is not None
 
     def advance(self, task_id, advance: float = 1, note: str = "") -> None:  # noqa: D102
         super().advance(task_id, advance)
