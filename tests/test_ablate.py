@@ -508,3 +508,19 @@ def test_budget_and_context_panels_share_one_tau_axis_one_legend_and_wrap(tmp_pa
     # collect2 and quest have equal τ at every point: their markers sit apart (oracle between them), not on each other
     xs = {c.get_label(): c.lines[0].get_xdata() for c in budget.axes[0].containers}
     assert abs(xs["quest"][0] / xs["collect2"][0] - DODGE ** 2) < 1e-9
+
+
+def test_an_interrupted_run_keeps_tabulates_and_says_how_to_resume(counted, tmp_path, click_ids, monkeypatch):
+    """Ctrl-C in a point: the points before it are kept and tabulated (before, only points.json was),
+    and the run says where it stopped and to rerun; the next run resumes from there."""
+    pipe, _ = counted
+    source = _failing_measure(monkeypatch, tmp_path, pipe, click_ids, "oracle", KeyboardInterrupt())
+    log = io.StringIO()
+    res = run_ablate(_tiny(tmp_path, source, studies=["budget"]), Console(file=log, width=300), pipe=pipe)
+    assert res["measured"] == 1 and not res["complete"] and (tmp_path / "out" / "tables.md").is_file()
+    assert res["failed"] == ("interrupted at budget: oracle ctx 128 s=0.1 γ=2 default; the points measured before "
+                             "it are kept in points.json: rerun the same command to resume")
+    assert "interrupted at budget: oracle" in log.getvalue()
+    monkeypatch.undo()
+    res = run_ablate(_tiny(tmp_path, source, studies=["budget"]), Console(file=io.StringIO()), pipe=pipe)
+    assert res["complete"] and res["measured"] == 1 and res["reused"] == 1

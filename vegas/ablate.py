@@ -410,7 +410,8 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
         reason or None, "failed": reason or None, "resume": how to go on, "plots": [file names],
         "tables": "tables.md"}``;
         ``failed`` (also in ``stopped``) when a point ran out of device memory
-        (``torch.OutOfMemoryError``): the run stops there, keeps and plots what was measured.
+        (``torch.OutOfMemoryError``) or the run was interrupted (Ctrl-C): the run stops there,
+        keeps and plots what was measured.
 
     Raises:
         VegasConfigError: a bad option (named), or ``points.json`` from other settings.
@@ -470,6 +471,7 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
         pipeline_for(opts.contexts[0])  # the model loads (or a bad --model / --device is named) before the progress bar
     with LoggedProgress(console=console, transient=True) as progress:
         task = progress.add_task("vegas ablate", total=len(specs))
+        point_name = "the first point"
         try:
             for spec in specs:
                 if store.find(**point_key(spec)) is not None:
@@ -502,6 +504,11 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
         except _OutOfTime as exc:
             stopped = f"time budget of {opts.time_budget:g} s reached before {exc.args[0]}"
             console.print(f"[yellow]{stopped}; plotting what was measured (rerun to resume)[/yellow]")
+        except KeyboardInterrupt:  # Ctrl-C: what was measured is tabulated and plotted, as at a time budget
+            failed = stopped = (f"interrupted at {point_name}; the points measured before it are kept in points.json: "
+                                "rerun the same command to resume")
+            console.print(f"interrupted at {point_name}; plotting what was measured", style="red", markup=False,
+                          soft_wrap=True)
         except _OutOfMemory as exc:
             failed = stopped = _out_of_memory_advice(opts.device, *exc.args)
             console.print(f"out of memory at {exc.args[0]}; plotting what was measured", style="red", markup=False,

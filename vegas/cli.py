@@ -495,7 +495,8 @@ def ablate(studies, selectors, quick, **kwargs) -> None:
     except VegasConfigError as exc:
         raise _click_error(exc) from exc
     click.echo(f"{results['points']} points ({results['measured']} measured now, {results['reused']} reused); "
-               f"{results['tables']} and plots ({', '.join(results['plots'])}) in {kwargs['out']}")
+               f"{results['tables']}" + (f" and plots ({', '.join(results['plots'])})" if results["plots"] else
+                                         " (no plots)") + f" in {kwargs['out']}")
     for name in results["skipped"]:
         click.echo(f"skipped selector {name} (plugin error, above); name the selectors with --selectors to leave it out")
     if results.get("failed"):
