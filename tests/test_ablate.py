@@ -275,7 +275,8 @@ def test_a_gpu_folder_replots_without_a_gpu_and_names_what_is_unmeasured(counted
     assert res["measured"] == 0 and res["reused"] == 2 and res["plots"] == ["tau_by_budget.png"]
     assert (out / "tau_by_budget.png").is_file() and not res["complete"] and res["failed"] is None
     assert res["stopped"].startswith("4 point(s) of the plan are not in points.json (studies budget, retrieval; "
-                                     "contexts 128) and --device 'cuda' needs a CUDA GPU")
+                                     "contexts 128; selectors collect2,oracle,sliding_window: --selectors leaves out "
+                                     "one the GPU run did not have) and --device 'cuda' needs a CUDA GPU")
     assert "4 point(s) need a CUDA GPU; plotting what was measured" in log.getvalue()
     assert res["resume"] == "rerun the same command on a machine with a CUDA GPU to resume"
     res = run_ablate(_tiny(tmp_path, source, studies=["budget"], device="cuda"), Console(file=io.StringIO()))
@@ -328,7 +329,7 @@ def test_without_matplotlib_the_points_and_tables_are_written(counted, tmp_path,
     (["--contexts", "2048,200000", "--yarn-factor", "2", "--studies", "budget"],
      "contexts (--contexts): 200,000 tokens and 73 more (new tokens, γ + 1 verification slots) do not fit the "
      "model's 32,768 tokens with YaRN ×2 (--yarn-factor); give contexts of at most 65,463 tokens, or a "
-     "--yarn-factor of at least 8"),
+     "--yarn-factor of at least 6.11 (left out, it is the smallest power of two that fits: 8)"),
 ])
 def test_cli_refuses_bad_options(args, message, tmp_path):
     result = CliRunner().invoke(main, ["ablate", "--out", str(tmp_path / "o"), *args])
@@ -524,3 +525,36 @@ def test_an_interrupted_run_keeps_tabulates_and_says_how_to_resume(counted, tmp_
     monkeypatch.undo()
     res = run_ablate(_tiny(tmp_path, source, studies=["budget"]), Console(file=io.StringIO()), pipe=pipe)
     assert res["complete"] and res["measured"] == 1 and res["reused"] == 1
+
+
+def test_out_of_memory_inside_a_selector_or_at_the_model_load_is_not_a_plugin_error(counted, tmp_path, click_ids,
+                                                                                   monkeypatch):
+    """Memory runs out where the work is: inside a selector (the oracle scores the whole context)
+    it stopped being said as a plugin error (skipped under the default "all", the run exit 0);
+    with --device left out the message crashed on None; at the model's load it was a traceback."""
+    import vegas.ablate as ab
+    from vegas.ablate import _allocator_summary
+    from vegas.strategies import OracleSelector
+
+    pipe, _ = counted
+    source = tmp_path / "src.py"
+    source.write_text(pipe.tokenizer.decode(click_ids[:3000]))
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 512 bytes. GPU 0 has a total capacity")
+
+    monkeypatch.setattr(OracleSelector, "select_for_query", oom)
+    monkeypatch.setattr(ab, "selector_names", lambda: ["collect2"])  # "all" = collect2 and the oracle
+    res = run_ablate(_tiny(tmp_path, source, selectors=None, studies=["budget"], device=None),
+                     Console(file=io.StringIO()), pipe=pipe)
+    assert res["skipped"] == {} and res["measured"] == 1 and not res["complete"]
+    assert res["failed"].startswith("out of cpu memory at budget: oracle ctx 128 s=0.1 γ=2 default "
+                                    "(CUDA out of memory. Tried to allocate 512 bytes); ")
+    assert _allocator_summary(torch.OutOfMemoryError("x " * 200)) == ("x " * 100)[:200]  # no request: cut
+
+    monkeypatch.setattr(ab, "Pipeline", lambda *a, **k: oom())
+    with pytest.raises(VegasConfigError, match=r"^out of cpu memory at the model's load \(CUDA out of memory. "
+                                               r"Tried to allocate 512 bytes\); .*--batch-size"):
+        run_ablate(_tiny(tmp_path, source, studies=["budget"], device="cpu", out=str(tmp_path / "new")),
+                   Console(file=io.StringIO()))
+    assert not (tmp_path / "new").exists()

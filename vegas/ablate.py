@@ -192,13 +192,12 @@ def _raise_if_a_context_does_not_fit(opts: AblateOptions, room: int, max_context
         rope = rope_for(context, room, max_context, opts.yarn_factor)
         factor = rope["factor"] if rope else 1.0
         if context + room > max_context * factor:
-            fits = int(max_context * factor) - room
+            fits, need = int(max_context * factor) - room, (context + room) / max_context
             raise VegasConfigError(
                 f"contexts (--contexts): {context:,} tokens and {room} more (new tokens, γ + 1 verification slots) "
                 f"do not fit the model's {max_context:,} tokens with YaRN ×{factor:g} (--yarn-factor); give contexts "
-                f"of at most {fits:,} tokens, or a --yarn-factor of at least "
-                f"{2 ** math.ceil(math.log2((context + room) / max_context)):g} (or none: the smallest power of two "
-                "that fits)")
+                f"of at most {fits:,} tokens, or a --yarn-factor of at least {math.ceil(need * 100) / 100:g} (left "
+                f"out, it is the smallest power of two that fits: {rope_for(context, room, max_context)['factor']:g})")
 
 
 def plan(opts: AblateOptions, selectors: list[str]) -> list[dict]:
@@ -305,7 +304,7 @@ def _allocator_summary(exc: BaseException) -> str:
     """The allocator's message up to its request (CUDA's runs ~600 characters on one line and
     repeats advice given in :func:`_out_of_memory_advice`)."""
     line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    request = re.match(r".*?Tried to allocate [\d.]+ [KMGT]?i?B", line)
+    request = re.match(r".*?Tried to allocate [\d.]+ (?:[KMGT]iB|bytes)", line)
     return request.group(0) if request else line[:200]
 
 
@@ -385,13 +384,13 @@ def _columns(per_prompt: list[list[float | None]]) -> dict:
 def _unmeasurable_here(device: str | None, missing: list[dict]) -> str | None:
     """Why the ``missing`` points cannot be measured here: ``--device cuda`` where torch sees no
     GPU (a folder measured on a GPU machine, replotted elsewhere); None when they can."""
-    import torch
-
     if not (device or "").startswith("cuda") or torch.cuda.is_available():
         return None
     contexts = ", ".join(f"{c:,}" for c in sorted({s["context"] for s in missing}))
     studies = ", ".join(sorted({s["study"] for s in missing}))
-    return (f"{len(missing)} point(s) of the plan are not in points.json (studies {studies}; contexts {contexts}) "
+    selectors = ",".join(sorted({s["selector"] for s in missing}))
+    return (f"{len(missing)} point(s) of the plan are not in points.json (studies {studies}; contexts {contexts}; "
+            f"selectors {selectors}: --selectors leaves out one the GPU run did not have) "
             f"and --device {device!r} needs a CUDA GPU, which this torch build does not see (tables and plots hold "
             "what is measured)")
 
@@ -468,7 +467,11 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
         where = " on a machine with a CUDA GPU"
         console.print(f"[yellow]{len(missing)} point(s) need a CUDA GPU; plotting what was measured[/yellow]")
     elif pipe is None and missing:
-        pipeline_for(opts.contexts[0])  # the model loads (or a bad --model / --device is named) before the progress bar
+        try:  # the model loads (or a bad --model / --device is named) before the progress bar
+            pipeline_for(opts.contexts[0])
+        except torch.OutOfMemoryError as exc:  # before any point: nothing to keep, nothing written
+            raise VegasConfigError(_out_of_memory_advice(settings_device(opts.device), "the model's load",
+                                                         _allocator_summary(exc))) from exc
     with LoggedProgress(console=console, transient=True) as progress:
         task = progress.add_task("vegas ablate", total=len(specs))
         point_name = "the first point"
@@ -503,14 +506,15 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
                 progress.advance(task, note=f"τ {point['acceptance_length']:.2f}{attended}")
         except _OutOfTime as exc:
             stopped = f"time budget of {opts.time_budget:g} s reached before {exc.args[0]}"
-            console.print(f"[yellow]{stopped}; plotting what was measured (rerun to resume)[/yellow]")
+            console.print(f"{stopped}; plotting what was measured (rerun to resume)", style="yellow", markup=False,
+                          soft_wrap=True)
         except KeyboardInterrupt:  # Ctrl-C: what was measured is tabulated and plotted, as at a time budget
             failed = stopped = (f"interrupted at {point_name}; the points measured before it are kept in points.json: "
                                 "rerun the same command to resume")
             console.print(f"interrupted at {point_name}; plotting what was measured", style="red", markup=False,
                           soft_wrap=True)
         except _OutOfMemory as exc:
-            failed = stopped = _out_of_memory_advice(opts.device, *exc.args)
+            failed = stopped = _out_of_memory_advice(settings_device(opts.device), *exc.args)
             console.print(f"out of memory at {exc.args[0]}; plotting what was measured", style="red", markup=False,
                           soft_wrap=True)
     out.mkdir(parents=True, exist_ok=True)  # only now: every check passed (the first point makes it too)

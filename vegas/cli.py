@@ -85,7 +85,8 @@ def _number_list(kind):
         try:
             items = [v.strip() for v in value.split(",")]
             if "" in items:  # "0.02,,0.1": a missing item is said, not dropped
-                raise ValueError
+                raise click.BadParameter(f"must be comma-separated {kind.__name__}s, got {value!r}: an empty item "
+                                         "(a stray comma?)")
             return [kind(v) for v in items]
         except ValueError:
             raise click.BadParameter(f"must be comma-separated {kind.__name__}s, got {value!r}") from None

@@ -47,9 +47,9 @@ def _panels(count: int, width: float = 4.6, per_row: int = 3):
     return fig, axes[:count]
 
 
-def _legend(fig, axes) -> None:
-    """One legend for every panel, outside them (per-panel legends covered the curves), and the
-    τ label on each row's first panel."""
+def _legend(fig, axes, selectors: list[str]) -> None:
+    """One legend for every panel, outside them (per-panel legends covered the curves), in the
+    order of ``selectors``, and the τ label on each row's first panel."""
     for ax in axes:
         if ax.get_subplotspec().is_first_col():
             ax.set_ylabel("τ (tokens / iteration), mean and 95 % CI")
@@ -57,9 +57,10 @@ def _legend(fig, axes) -> None:
     for ax in axes:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             seen.setdefault(label, handle)
-    fig.legend(list(seen.values()), list(seen), loc="outside lower center",
-               ncols=min(len(seen), 7 if fig.get_figwidth() >= 10 else 4),
-               fontsize="small")
+    names = [sel for sel in selectors if sel in seen]
+    per_row = 8 if fig.get_figwidth() >= 10 else 4
+    fig.legend([seen[n] for n in names], names, loc="outside lower center",
+               ncols=-(-len(names) // -(-len(names) // per_row)), fontsize="small")
 
 
 def _with_runs(ax, x: list, curve: list[dict], key: str, **style) -> None:
@@ -227,22 +228,30 @@ def _tau_errorbar(ax, curve: list[dict], x: list, **style) -> None:
 #: a selector's markers sit this factor apart from the next one's on a log x axis, so that equal
 #: points and overlapping intervals stay visible (the ticks name the measured values)
 DODGE = 1.025
+#: the built-in selectors' colours, the same in every figure (a plugin's take the next ones)
+SELECTOR_COLOURS = {"aggregated": "C0", "collect2": "C1", "last_token": "C2", "quest": "C3", "sliding_window": "C4"}
+
+
+def _colour(selector: str, selectors: list[str]) -> str:
+    """``selector``'s colour: its own among :data:`SELECTOR_COLOURS`, else one after them by its
+    place among the other selectors of ``selectors`` (the oracle is black)."""
+    if selector == "oracle":
+        return "black"
+    if selector in SELECTOR_COLOURS:
+        return SELECTOR_COLOURS[selector]
+    others = [s for s in selectors if s not in SELECTOR_COLOURS and s != "oracle"]
+    return f"C{(len(SELECTOR_COLOURS) + others.index(selector)) % 10}"
 
 
 def _selector_lines(ax, points: list[dict], x: str, selectors: list[str]) -> None:
     """One τ line per selector of ``points`` against the field ``x`` (log axis; oracle dashed
     black), each selector dodged by its place in ``selectors`` (the same colour and offset in
     every panel)."""
-    from matplotlib import rcParams
-
-    colours = rcParams["axes.prop_cycle"].by_key()["color"]
-    plain = [sel for sel in selectors if sel != "oracle"]
     for i, sel in enumerate(selectors):
         curve = sorted((p for p in points if p["selector"] == sel), key=lambda p: p[x])
         if not curve:
             continue
-        style = ({"color": "black", "linestyle": "--"} if sel == "oracle"
-                 else {"color": colours[plain.index(sel) % len(colours)]})
+        style = {"color": _colour(sel, selectors)} | ({"linestyle": "--"} if sel == "oracle" else {})
         shift = DODGE ** (i - (len(selectors) - 1) / 2)
         _tau_errorbar(ax, curve, [p[x] * shift for p in curve], label=sel, **style)
 
@@ -262,14 +271,14 @@ def _budget_panels(points: list[dict], kind: str, gamma: int, title: str, path: 
         rope = here[0].get("rope_scaling")
         extra = f", YaRN ×{rope['factor']:g}" if rope else ""
         if kind == "retrieval":
-            extra += f", passage ~{here[0].get('distance_tokens', 0):.0f} tokens back"
-        ax.set_title(f"context {ctx}{extra}", fontsize="medium")
+            extra += f", passage ~{here[0].get('distance_tokens', 0):,.0f} tokens back"
+        ax.set_title(f"context {ctx:,}{extra}", fontsize="medium")
         ax.set_xscale("log")
         _plain_ticks(ax.xaxis, minor=False)  # minor labels run together within a decade (0.07 0.08 0.09)
         ax.set_xticks(sorted({p["sparsity_ratio"] for p in here}))  # the measured sparsities, labelled
         ax.set_xlabel("sparsity (KV budget / context)")
         ax.grid(True, which="both", alpha=0.3)
-    _legend(fig, axes)
+    _legend(fig, axes, selectors)
     fig.suptitle(title)
     fig.savefig(path, dpi=100)
     return True
@@ -298,7 +307,7 @@ def _context_panels(points: list[dict], gamma: int, title: str, path: Path) -> b
         ax.set_title(f"sparsity {s:g}", fontsize="medium")
         ax.set_xlabel("context (prompt tokens)")
         ax.grid(True, alpha=0.3)
-    _legend(fig, axes)
+    _legend(fig, axes, selectors)
     fig.suptitle(title)
     fig.savefig(path, dpi=100)
     return True
@@ -363,6 +372,9 @@ def plot_ablate(points: list[dict], opts, out: Path, source: str = "held-out cod
                            key=lambda p: p["num_draft_tokens"])
             if curve:
                 _tau_errorbar(ax_g, curve, [p["num_draft_tokens"] for p in curve], label=sel)
+        from matplotlib.ticker import MaxNLocator
+
+        ax_g.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax_g.set_xlabel("γ (draft tokens per iteration)")
         ax_g.set_ylabel("τ (tokens / iteration)")
         ax_g.set_title("τ against γ", fontsize="medium")

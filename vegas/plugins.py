@@ -279,10 +279,12 @@ def plugin_failure(kind: str, name: str, what: str, exc: BaseException) -> Vegas
 @contextmanager
 def blame(kind: str, name: str, what: str):
     """Turn an exception other than :class:`VegasConfigError` inside the block into a
-    :class:`VegasPluginError` naming selector or backend ``name`` and its plugin."""
+    :class:`VegasPluginError` naming selector or backend ``name`` and its plugin. Running out of
+    memory (``torch.OutOfMemoryError``, ``MemoryError``) is the run's size, not the plugin's
+    fault: it passes unchanged (``vegas ablate`` stops on it and says what to change)."""
     try:
         yield
-    except VegasConfigError:
+    except (VegasConfigError, torch.OutOfMemoryError, MemoryError):
         raise
     except Exception as exc:
         raise plugin_failure(kind, name, what, exc) from exc

@@ -2,8 +2,9 @@
 
 A rich progress bar is drawn on a terminal only; when the output goes to a file or a CI log
 it draws nothing, and a run of many minutes looks dead. :class:`LoggedProgress` is a rich
-``Progress`` that also prints one plain line per finished step when the console is not a
-terminal: what finished, how long it took and the time since the start (seconds).
+``Progress`` that also prints, when the console is not a terminal, one plain line as the first
+step starts and one per finished step: what finished, how long it took and the time since the
+start (seconds).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def plain_printer(console, style: str | None = None):
 
 
 class LoggedProgress(Progress):
-    """``rich.progress.Progress`` plus one log line per :meth:`advance` off a terminal.
+    """``rich.progress.Progress`` plus, off a terminal, one log line per :meth:`advance` and one as
+    the first step starts.
 
     The line names the task's description at the time of the call (the step that finished),
     e.g. ``vegas: collect2 γ=4 s=0.05 done in 12.3 s (3/9, elapsed 45 s) τ=3.41``; ``note``
@@ -42,7 +44,7 @@ class LoggedProgress(Progress):
         self._last = self._started
         self._working = False  # a step has started (said once off a terminal: the first may take minutes)
 
-    def update(self, task_id, *args, description: str | None = None, **kwargs) -> None:  # noqa: D102
+    def update(self, task_id, *args, description: str | None = None, **kwargs) -> None:
         super().update(task_id, *args, description=description, **kwargs)
         if description is not None and not self._working and not self.console.is_terminal:
             self.console.print(f"{description} started", markup=False, highlight=False, soft_wrap=True)
