@@ -552,6 +552,12 @@ def test_out_of_memory_inside_a_selector_or_at_the_model_load_is_not_a_plugin_er
                                     "(CUDA out of memory. Tried to allocate 512 bytes); ")
     assert _allocator_summary(torch.OutOfMemoryError("x " * 200)) == ("x " * 100)[:200]  # no request: cut
 
+    monkeypatch.setattr(OracleSelector, "select", oom)  # the first point, in a new folder: nothing is written
+    with pytest.raises(VegasConfigError, match=r"^out of cpu memory at budget: oracle ctx 128"):
+        run_ablate(_tiny(tmp_path, source, studies=["budget"], selectors=["oracle"], out=str(tmp_path / "new")),
+                   Console(file=io.StringIO()), pipe=pipe)
+    assert not (tmp_path / "new").exists()
+
     monkeypatch.setattr(ab, "Pipeline", lambda *a, **k: oom())
     with pytest.raises(VegasConfigError, match=r"^out of cpu memory at the model's load \(CUDA out of memory. "
                                                r"Tried to allocate 512 bytes\); .*--batch-size"):

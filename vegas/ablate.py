@@ -413,7 +413,8 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
         keeps and plots what was measured.
 
     Raises:
-        VegasConfigError: a bad option (named), or ``points.json`` from other settings.
+        VegasConfigError: a bad option (named), ``points.json`` from other settings, or out of
+            memory (or Ctrl-C) before any point is in ``points.json`` (then nothing is written).
     """
     started = time.monotonic()
     console = console or Console(stderr=True)
@@ -517,6 +518,8 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
             failed = stopped = _out_of_memory_advice(settings_device(opts.device), *exc.args)
             console.print(f"out of memory at {exc.args[0]}; plotting what was measured", style="red", markup=False,
                           soft_wrap=True)
+    if failed and not store.points:  # stopped before anything was measured: nothing to keep, nothing written
+        raise VegasConfigError(failed)
     out.mkdir(parents=True, exist_ok=True)  # only now: every check passed (the first point makes it too)
     from .plots import plot_ablate, write_ablate_tables
 
