@@ -507,17 +507,14 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
                 progress.advance(task, note=f"τ {point['acceptance_length']:.2f}{attended}")
         except _OutOfTime as exc:
             stopped = f"time budget of {opts.time_budget:g} s reached before {exc.args[0]}"
-            console.print(f"{stopped}; plotting what was measured (rerun to resume)", style="yellow", markup=False,
-                          soft_wrap=True)
+            plain_printer(console, "yellow")(f"{stopped}; plotting what was measured (rerun to resume)")
         except KeyboardInterrupt:  # Ctrl-C: what was measured is tabulated and plotted, as at a time budget
             failed = stopped = (f"interrupted at {point_name}; the points measured before it are kept in points.json: "
                                 "rerun the same command to resume")
-            console.print(f"interrupted at {point_name}; plotting what was measured", style="red", markup=False,
-                          soft_wrap=True)
+            plain_printer(console, "red")(f"interrupted at {point_name}; plotting what was measured")
         except _OutOfMemory as exc:
             failed = stopped = _out_of_memory_advice(settings_device(opts.device), *exc.args)
-            console.print(f"out of memory at {exc.args[0]}; plotting what was measured", style="red", markup=False,
-                          soft_wrap=True)
+            plain_printer(console, "red")(f"out of memory at {exc.args[0]}; plotting what was measured")
     if failed and not store.points:  # stopped before anything was measured: nothing to keep, nothing written
         raise VegasConfigError(failed)
     out.mkdir(parents=True, exist_ok=True)  # only now: every check passed (the first point makes it too)

@@ -6,6 +6,7 @@ no global state.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 __all__ = ["plot_tune", "plot_bench", "plot_ablate", "write_ablate_tables", "paired_difference"]
@@ -36,8 +37,7 @@ def _panels(count: int, width: float = 4.6, per_row: int = 3):
     panels compare), the unused ones removed; one legend goes below them (:func:`_legend`)."""
     from matplotlib.figure import Figure
 
-    cols = min(count, per_row)
-    rows = -(-count // per_row)
+    cols, rows = min(count, per_row), math.ceil(count / per_row)
     fig = Figure(figsize=(max(width * cols, 6.4), 3.9 * rows + 0.6), layout="constrained")
     axes = list(fig.subplots(rows, cols, squeeze=False, sharey=True).flat)
     for ax in axes[count:]:
@@ -58,9 +58,9 @@ def _legend(fig, axes, selectors: list[str]) -> None:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             seen.setdefault(label, handle)
     names = [sel for sel in selectors if sel in seen]
-    per_row = 8 if fig.get_figwidth() >= 10 else 4
-    fig.legend([seen[n] for n in names], names, loc="outside lower center",
-               ncols=-(-len(names) // -(-len(names) // per_row)), fontsize="small")
+    rows = math.ceil(len(names) / (8 if fig.get_figwidth() >= 10 else 4))  # as few rows as fit, filled evenly
+    fig.legend([seen[n] for n in names], names, loc="outside lower center", ncols=math.ceil(len(names) / rows),
+               fontsize="small")
 
 
 def _with_runs(ax, x: list, curve: list[dict], key: str, **style) -> None:
