@@ -9,7 +9,7 @@ import torch
 from click.testing import CliRunner
 from rich.console import Console
 
-from vegas.ablate import AblateOptions, plan, rope_for, run_ablate, spread
+from vegas.ablate import AblateOptions, AblateStopped, plan, rope_for, run_ablate, spread
 from vegas.cli import main
 from vegas.config import VegasConfig, VegasConfigError
 from vegas.interfaces import SelectionInput
@@ -287,13 +287,19 @@ def test_a_gpu_folder_replots_without_a_gpu_and_names_what_is_unmeasured(counted
     assert not (tmp_path / "empty").exists()
 
 
-def test_time_budget_stops_before_measuring_and_still_plots(counted, tmp_path, click_ids):
+def test_time_budget_measures_one_point_a_run_so_that_reruns_get_further(counted, tmp_path, click_ids):
+    """A budget shorter than a point: each run still measures one (before, it measured none, said
+    "rerun to resume", and every rerun did the same), then stops before the next and plots."""
     pipe, calls = counted
     source = tmp_path / "src.py"
     source.write_text(pipe.tokenizer.decode(click_ids[:3000]))
-    res = run_ablate(_tiny(tmp_path, source, time_budget=1e-6), Console(file=io.StringIO()), pipe=pipe)
-    assert calls == [] and res["complete"] is False and res["plots"] == []
-    assert res["resume"] == "rerun the same command to resume"
+    opts = _tiny(tmp_path, source, studies=["budget"], time_budget=1e-6)
+    res = run_ablate(opts, Console(file=io.StringIO()), pipe=pipe)
+    assert len(calls) == 1 and res["measured"] == 1 and res["complete"] is False
+    assert res["stopped"] == "time budget of 1e-06 s reached before budget: oracle ctx 128 s=0.1 γ=2 default"
+    assert res["plots"] == ["tau_by_budget.png"] and res["resume"] == "rerun the same command to resume"
+    res = run_ablate(opts, Console(file=io.StringIO()), pipe=pipe)
+    assert res["measured"] == 1 and res["reused"] == 1 and res["complete"]
 
 
 def test_without_matplotlib_the_points_and_tables_are_written(counted, tmp_path, click_ids, monkeypatch):
@@ -327,8 +333,8 @@ def test_without_matplotlib_the_points_and_tables_are_written(counted, tmp_path,
     (["--device", "bogus"], "Invalid value for '--device': must be 'cpu', 'cuda' or 'cuda:N', got 'bogus'"),
     (["--contexts", "10,2048"], "contexts (--contexts) must be integers >= 64 with the retrieval study"),
     (["--contexts", "2048,200000", "--yarn-factor", "2", "--studies", "budget"],
-     "contexts (--contexts): 200,000 tokens and 73 more (new tokens, γ + 1 verification slots) do not fit the "
-     "model's 32,768 tokens with YaRN ×2 (--yarn-factor); give contexts of at most 65,463 tokens, or a "
+     "contexts (--contexts): 200,000 tokens and 69 more (new tokens, γ + 1 verification slots) do not fit the "
+     "model's 32,768 tokens with YaRN ×2 (--yarn-factor); give contexts of at most 65,467 tokens, or a "
      "--yarn-factor of at least 6.11 (left out, it is the smallest power of two that fits: 8)"),
 ])
 def test_cli_refuses_bad_options(args, message, tmp_path):
@@ -412,6 +418,77 @@ def test_batch_size_is_compared_as_the_rows_a_batch_holds():
 
     assert _same_setting("batch_size", {"batch_size": 8, "num_prompts": 4}, {"batch_size": 32, "num_prompts": 4})
     assert not _same_setting("batch_size", {"batch_size": 8, "num_prompts": 32}, {"batch_size": 32, "num_prompts": 32})
+    # --num-prompts 4 -> 2 alone was said as "--batch-size: 4 -> 4 (other content)" beside it
+    assert _same_setting("batch_size", {"batch_size": 4, "num_prompts": 4}, {"batch_size": 4, "num_prompts": 2})
+
+
+def test_what_the_fresh_user_met_is_named_before_the_first_point(counted, tmp_path, click_ids, monkeypatch):
+    """Session 28's fresh user: a context longer than the prompt source failed only after the
+    earlier contexts were measured (points.json without tables); an ablation-only run whose
+    --selectors named none of the ablated selectors planned nothing and ended "0 points", exit 0;
+    Ctrl-C in the first point was said as a usage error claiming kept points. Each now stops
+    before anything is written."""
+    import vegas.ablate as ab
+
+    pipe, calls = counted
+    source = tmp_path / "src.py"
+    source.write_text(pipe.tokenizer.decode(click_ids[:3000]))
+    out = tmp_path / "out"
+    with pytest.raises(VegasConfigError, match=r"context \(--contexts\) of 5000 tokens is longer than the prompt "
+                                               r"source \(\d+ tokens\)"):
+        run_ablate(_tiny(tmp_path, source, contexts=[128, 5000], studies=["budget"]), Console(file=io.StringIO()),
+                   pipe=pipe)
+    with pytest.raises(VegasConfigError, match=r"selectors names none of the selectors that "
+                                               r"--studies ablation runs: the ablation study ablates aggregated, "
+                                               r"collect2, last_token, got sliding_window,quest"):
+        run_ablate(_tiny(tmp_path, source, studies=["ablation"], selectors=["sliding_window", "quest"]),
+                   Console(file=io.StringIO()), pipe=pipe)
+    _failing_measure(monkeypatch, tmp_path, pipe, click_ids, "collect2", KeyboardInterrupt())
+    with pytest.raises(AblateStopped, match=r"^interrupted at budget: collect2 ctx 128 s=0.1 γ=2 default, before "
+                                            r"any point was measured; nothing written$"):
+        run_ablate(_tiny(tmp_path, source, studies=["budget"]), Console(file=io.StringIO()), pipe=pipe)
+    assert calls == [] and not out.exists()
+
+    def stopped(opts, console):
+        raise AblateStopped("interrupted at x, before any point was measured; nothing written")
+
+    monkeypatch.setattr(ab, "run_ablate", stopped)
+    result = CliRunner().invoke(main, ["ablate", "--out", str(out)])
+    assert result.exit_code == 1 and "Usage:" not in result.output
+    assert result.output == "Error: interrupted at x, before any point was measured; nothing written\n"
+
+
+def test_room_holds_the_gammas_only_of_studies_that_run_them(counted, tmp_path, click_ids):
+    """The budget study decodes at γ = --num-draft-tokens: reserving --gammas' largest too put
+    YaRN on a context that fits natively (8,180 of SmolLM2's 8,192 with 4 new tokens)."""
+    pipe, _ = counted
+    source = tmp_path / "src.py"
+    source.write_text(pipe.tokenizer.decode(click_ids))
+    longest = pipe.backend.max_context
+    for studies, room in ((["budget"], 4 + 2 + 1), (["budget", "ablation"], 4 + 8 + 1)):
+        with pytest.raises(VegasConfigError, match=rf"{longest:,} tokens and {room} more \(new tokens, γ \+ 1"):
+            run_ablate(_tiny(tmp_path, source, contexts=[longest], studies=studies, gammas=[8], yarn_factor=1.0001),
+                       Console(file=io.StringIO()), pipe=pipe)
+
+
+def test_a_fresh_run_leaves_no_plot_of_the_discarded_points(counted, tmp_path, click_ids):
+    pipe, _ = counted
+    source = tmp_path / "src.py"
+    source.write_text(pipe.tokenizer.decode(click_ids[:3000]))
+    out = tmp_path / "out"
+    run_ablate(_tiny(tmp_path, source, studies=["budget"], selectors=["collect2"]), Console(file=io.StringIO()),
+               pipe=pipe)
+    assert (out / "tau_by_budget.png").is_file()
+    res = run_ablate(_tiny(tmp_path, source, studies=["overlap"], fresh=True), Console(file=io.StringIO()), pipe=pipe)
+    assert res["plots"] == ["overlap.png"] and sorted(p.name for p in out.glob("*.png")) == ["overlap.png"]
+
+
+def test_the_overlap_probe_is_not_named_as_a_selector(monkeypatch):
+    from vegas.ablate import PROBE, _unmeasurable_here
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    said = _unmeasurable_here("cuda", [{"study": "overlap", "context": 4096, "selector": PROBE}])
+    assert "(studies overlap; contexts 4,096; selectors -: " in said and PROBE not in said
 
 
 def test_tables_pair_selectors_over_the_same_prompts(tmp_path):
@@ -553,14 +630,15 @@ def test_out_of_memory_inside_a_selector_or_at_the_model_load_is_not_a_plugin_er
     assert _allocator_summary(torch.OutOfMemoryError("x " * 200)) == ("x " * 100)[:200]  # no request: cut
 
     monkeypatch.setattr(OracleSelector, "select", oom)  # the first point, in a new folder: nothing is written
-    with pytest.raises(VegasConfigError, match=r"^out of cpu memory at budget: oracle ctx 128"):
+    with pytest.raises(AblateStopped, match=r"^out of cpu memory at budget: oracle ctx 128 s=0.1 γ=2 default "
+                                            r"\(CUDA out of memory. Tried to allocate 512 bytes\); nothing was written"):
         run_ablate(_tiny(tmp_path, source, studies=["budget"], selectors=["oracle"], out=str(tmp_path / "new")),
                    Console(file=io.StringIO()), pipe=pipe)
     assert not (tmp_path / "new").exists()
 
     monkeypatch.setattr(ab, "Pipeline", lambda *a, **k: oom())
-    with pytest.raises(VegasConfigError, match=r"^out of cpu memory at the model's load \(CUDA out of memory. "
-                                               r"Tried to allocate 512 bytes\); .*--batch-size"):
+    with pytest.raises(AblateStopped, match=r"^out of cpu memory at the model's load \(CUDA out of memory. "
+                                            r"Tried to allocate 512 bytes\); nothing was written. .*--batch-size"):
         run_ablate(_tiny(tmp_path, source, studies=["budget"], device="cpu", out=str(tmp_path / "new")),
                    Console(file=io.StringIO()))
     assert not (tmp_path / "new").exists()

@@ -147,6 +147,7 @@ def test_bench_names_bad_options(tmp_path):
         (["--batch-size", "0"], "Invalid value for '--batch-size': must be an integer >= 1"),
         (["--check-tokens", "0"], "Invalid value for '--check-tokens'"),
         (["--context", "40000"], "Invalid value for '--context': must be in"),
+        (["--context", "40000"], """(a longer context: --rope-scaling, e.g. '{"rope_type": "yarn", "factor": 4}')"""),
         (["--selectors", ","], "Invalid value for '--selectors': must name at least one selector"),
         (["--selectors", "collect2,collect2"], "Invalid value for '--selectors': names a selector twice"),
         (["--selectors", "collect2,ngram"], "'ngram' is vLLM's n-gram proposer: it runs with --backend vllm only"),

@@ -178,12 +178,17 @@ def test_tiny_sweep_writes_points_plots_recommendation_and_resumes(counted, tmp_
 
 
 def test_time_budget_stops_cleanly_and_still_writes(counted, tmp_path):
+    """A budget shorter than a point: the run measures one (before, none: every rerun said "rerun
+    to resume" and got no further), then stops before the next, naming it, and writes the plots."""
     pipe, calls = counted
     rec = run_tune(_tiny(tmp_path, time_budget=1e-3), Console(file=io.StringIO()), pipe=pipe)
-    assert calls == [] and rec["complete"] is False and "time budget" in rec["stopped"]
+    assert rec["measured_points"] == 1 and rec["complete"] is False and "time budget" in rec["stopped"]
     # the step is named: plain decoding is measured in steps 2 and 3
-    assert "reached before step 1: collect2 γ=4 sparsity=0.05" in rec["stopped"], rec["stopped"]
-    assert rec["best"] is None and "nothing to recommend" in describe(rec)[0]
+    assert "reached before step 1: collect2 γ=4 sparsity=" in rec["stopped"], rec["stopped"]
+    assert "sparsity=0.05" not in rec["stopped"]  # the first point was measured
+    assert describe(rec)[0].startswith("no recommendation yet: plain decoding is not measured")
+    again = run_tune(_tiny(tmp_path, time_budget=1e-3), Console(file=io.StringIO()), pipe=pipe)
+    assert again["measured_points"] == 1 and again["reused_points"] == 1
     for name in PLOTS:
         assert (tmp_path / name).read_bytes().startswith(PNG)
 
@@ -238,6 +243,7 @@ def test_no_timed_run_follows_a_change_of_configuration(pipe, monkeypatch, tmp_p
     (["--time-budget", "0"], "--time-budget"),
     (["--tolerance", "1"], "--tolerance"),
     (["--repeats", "0"], "--repeats"),
+    (["--context", "40000", "--device", "cpu"], "got 40000 (a longer context: --rope-scaling, e.g. "),
 ])
 def test_tune_names_bad_options(args, message):
     result = CliRunner().invoke(main, ["tune", *args])

@@ -244,7 +244,8 @@ def _same_setting(key: str, old: dict, new: dict) -> bool:
         def rows(settings):
             return min(settings.get("batch_size") or 0, settings.get("num_prompts") or 0)
 
-        return rows(old) == rows(new)
+        # a changed --num-prompts alone is named as itself, not as a batch of other rows
+        return old.get("batch_size") == new.get("batch_size") or rows(old) == rows(new)
     return same_setting(key, old, new)
 
 
@@ -292,6 +293,12 @@ class _Prompts:
         return self.cache[(kind, context)]
 
 
+class AblateStopped(Exception):
+    """The run stopped (out of device memory, Ctrl-C) before any point was in ``points.json``:
+    nothing to keep and nothing written. Not a bad option: ``vegas ablate`` says it in one line
+    (exit status 1)."""
+
+
 class _OutOfTime(Exception):
     pass
 
@@ -308,13 +315,15 @@ def _allocator_summary(exc: BaseException) -> str:
     return request.group(0) if request else line[:200]
 
 
-def _out_of_memory_advice(device: str, point_name: str, summary: str) -> str:
-    """One line: the point that ran out of ``device`` memory, the allocator's ``summary``, what to change."""
+def _out_of_memory_advice(device: str, point_name: str, summary: str, kept: bool = True) -> str:
+    """One line: the point that ran out of ``device`` memory, the allocator's ``summary``, whether
+    points are ``kept``, what to change."""
     fragmentation = ("; set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True against fragmentation"
                      if device.startswith("cuda")
                      and "expandable_segments:True" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") else "")
-    return (f"out of {device} memory at {point_name} ({summary}); the points measured before it are kept in "
-            f"points.json. Free the device's memory{fragmentation}; then rerun the same command, or measure with a "
+    kept_here = "the points measured before it are kept in points.json" if kept else "nothing was written"
+    return (f"out of {device} memory at {point_name} ({summary}); {kept_here}. "
+            f"Free the device's memory{fragmentation}; then rerun the same command, or measure with a "
             "smaller --batch-size into another --out (the batch size is a measurement setting)")
 
 
@@ -388,7 +397,7 @@ def _unmeasurable_here(device: str | None, missing: list[dict]) -> str | None:
         return None
     contexts = ", ".join(f"{c:,}" for c in sorted({s["context"] for s in missing}))
     studies = ", ".join(sorted({s["study"] for s in missing}))
-    selectors = ",".join(sorted({s["selector"] for s in missing}))
+    selectors = ",".join(sorted({s["selector"] for s in missing if s["selector"] != PROBE}) or ["-"])
     return (f"{len(missing)} point(s) of the plan are not in points.json (studies {studies}; contexts {contexts}; "
             f"selectors {selectors}: --selectors leaves out one the GPU run did not have) "
             f"and --device {device!r} needs a CUDA GPU, which this torch build does not see (tables and plots hold "
@@ -413,8 +422,11 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
         keeps and plots what was measured.
 
     Raises:
-        VegasConfigError: a bad option (named), ``points.json`` from other settings, or out of
-            memory (or Ctrl-C) before any point is in ``points.json`` (then nothing is written).
+        VegasConfigError: a bad option (named), ``points.json`` from other settings, a plan with
+            no point (``--selectors`` naming none that ``--studies`` runs), or a context longer
+            than the prompt source (checked before the first point).
+        AblateStopped: out of memory (or Ctrl-C) before any point is in ``points.json`` (then
+            nothing is written).
     """
     started = time.monotonic()
     console = console or Console(stderr=True)
@@ -433,10 +445,16 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
     skipped = SelectorSkips(opts.selectors is None, plain_printer(console, "yellow"))  # "all": one that raises is left out
     selectors = opts.selectors or selector_names() + [ORACLE]
     specs = plan(opts, selectors)
+    if not specs:  # only the ablation study, with none of the selectors it ablates
+        raise VegasConfigError.bad("selectors", f"names none of the selectors that --studies "
+                                   f"{','.join(opts.studies)} runs: the ablation study ablates {', '.join(ABLATED)}, "
+                                   f"got {','.join(selectors)}")
     prompts = _Prompts(read_text_source(source) if source else package_source("click"), opts)
     pipes: dict[str, Pipeline] = {}
     state = {"measured": 0, "reused": 0, "last": 0.0, "fits": False}
-    room = opts.new_tokens + max(opts.gammas + [opts.num_draft_tokens]) + 1
+    # new tokens and the verification's γ + 1 slots; --gammas only where a study runs them (ablation, overlap)
+    gammas = opts.gammas if {"ablation", "overlap"} & set(opts.studies) else []
+    room = opts.new_tokens + max(gammas + [opts.num_draft_tokens]) + 1
     reuse = REUSE if opts.batch_size >= opts.num_prompts else None
 
     def pipeline_for(context: int) -> tuple[Pipeline, dict | None]:
@@ -471,8 +489,11 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
         try:  # the model loads (or a bad --model / --device is named) before the progress bar
             pipeline_for(opts.contexts[0])
         except torch.OutOfMemoryError as exc:  # before any point: nothing to keep, nothing written
-            raise VegasConfigError(_out_of_memory_advice(settings_device(opts.device), "the model's load",
-                                                         _allocator_summary(exc))) from exc
+            raise AblateStopped(_out_of_memory_advice(settings_device(opts.device), "the model's load",
+                                                      _allocator_summary(exc), kept=False)) from exc
+    if not stopped:  # every context's prompts are cut before the first point: one too long for the source is
+        for spec in missing:  # named now, with nothing written (the tokenizer is the same at every RoPE scaling)
+            prompts.get(pipe or pipes["native"], spec["prompt_kind"], spec["context"])
     with LoggedProgress(console=console, transient=True) as progress:
         task = progress.add_task("vegas ablate", total=len(specs))
         point_name = "the first point"
@@ -487,7 +508,8 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
                     continue
                 point_name = (f"{spec['study']}: {spec['selector']} ctx {spec['context']} "
                               f"s={spec['sparsity_ratio']:g} γ={spec['num_draft_tokens']} {spec['variant']}")
-                if opts.time_budget is not None and time.monotonic() - started + state["last"] > opts.time_budget:
+                if (opts.time_budget is not None and state["measured"]  # each run measures one point at least
+                        and time.monotonic() - started + state["last"] > opts.time_budget):
                     raise _OutOfTime(point_name)
                 progress.update(task, description=point_name)
                 try:  # a point's model (another RoPE scaling) may load here: out of memory too
@@ -509,20 +531,25 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
             stopped = f"time budget of {opts.time_budget:g} s reached before {exc.args[0]}"
             plain_printer(console, "yellow")(f"{stopped}; plotting what was measured (rerun to resume)")
         except KeyboardInterrupt:  # Ctrl-C: what was measured is tabulated and plotted, as at a time budget
+            if not store.points:
+                raise AblateStopped(f"interrupted at {point_name}, before any point was measured; nothing "
+                                    "written") from None
             failed = stopped = (f"interrupted at {point_name}; the points measured before it are kept in points.json: "
                                 "rerun the same command to resume")
             plain_printer(console, "red")(f"interrupted at {point_name}; plotting what was measured")
         except _OutOfMemory as exc:
-            failed = stopped = _out_of_memory_advice(settings_device(opts.device), *exc.args)
+            failed = stopped = _out_of_memory_advice(settings_device(opts.device), *exc.args, kept=bool(store.points))
             plain_printer(console, "red")(f"out of memory at {exc.args[0]}; plotting what was measured")
     if failed and not store.points:  # stopped before anything was measured: nothing to keep, nothing written
-        raise VegasConfigError(failed)
+        raise AblateStopped(failed)
     out.mkdir(parents=True, exist_ok=True)  # only now: every check passed (the first point makes it too)
-    from .plots import plot_ablate, write_ablate_tables
+    from .plots import ABLATE_PLOTS, plot_ablate, write_ablate_tables
 
     write_ablate_tables(store.points, out / "tables.md", source=source_name)
     try:
         plots = plot_ablate(store.points, opts, out, source=source_name)
+        for name in set(ABLATE_PLOTS) - set(plots):  # one its points no longer draw (--fresh with other studies)
+            (out / name).unlink(missing_ok=True)
     except ImportError as exc:  # a machine without matplotlib (e.g. a GPU box with a fixed environment)
         plots = []
         console.print(f"[yellow]plots not drawn ({exc}): install matplotlib and rerun the same command to draw "

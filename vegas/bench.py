@@ -101,7 +101,8 @@ def _raise_if_bad_options(opts: BenchOptions, pipe: Pipeline) -> None:
         raise VegasConfigError.bad(
             "context", f"must be in [2, {room}] tokens: the model context is {pipe.backend.max_context} and "
             f"max(--new-tokens, --check-tokens) = {generated} tokens plus γ + 1 "
-            f"verification slots need the rest; got {opts.context}"
+            f"verification slots need the rest; got {opts.context} (a longer context: --rope-scaling, e.g. "
+            "'{\"rope_type\": \"yarn\", \"factor\": 4}')"
         )
 
 

@@ -407,8 +407,8 @@ def _tune_options(fn):
 @click.option("--min-kv-budget", default=0, show_default=True, type=int,
               help="Floor of the KV budget in tokens (VegasConfig.min_kv_budget; 0 lets the grid set the budget).")
 @click.option("--time-budget", default=None, type=float,
-              help="Seconds: stop before a point that would not finish in time, then write plots and a "
-                   "recommendation [default: none; --quick 570].")
+              help="Seconds: stop before a point that would not finish in time (each run measures one at "
+                   "least), then write plots and a recommendation [default: none; --quick 570].")
 @click.option("--repeats", default=None, type=int,
               help="Timed runs per point (seeds --seed, +1, ...): the point keeps the run of median tokens/s and the "
                    "spread of its runs; a point is chosen over another only beyond the spread [default: 3].")
@@ -450,7 +450,8 @@ def _ablate_options(fn):
 @click.option("--studies", default=",".join(("budget", "ablation", "overlap", "retrieval")), show_default=True,
               help="Comma-separated studies: budget, ablation, overlap, retrieval.")
 @click.option("--selectors", default="all", show_default=True,
-              help="Comma-separated selectors for the budget and retrieval studies; 'all' = every registered "
+              help="Comma-separated selectors of the budget and retrieval studies, and which of the ablated "
+                   "ones (aggregated, collect2, last_token) the ablation study runs; 'all' = every registered "
                    "selector plus oracle (exact top-k of each draft query).")
 @click.option("--contexts", default=None, callback=_number_list(int),
               help="Prompt lengths in tokens; beyond the model's context YaRN is applied "
@@ -474,8 +475,8 @@ def _ablate_options(fn):
 @click.option("--out", default="vegas-ablate", show_default=True, type=click.Path(file_okay=False),
               help="Directory for points.json, tables.md and the PNG plots; a rerun resumes from it.")
 @click.option("--time-budget", default=None, type=float,
-              help="Seconds: stop before a point that would not finish in time, then plot (rerun to resume) "
-                   "[default: none; --quick 570].")
+              help="Seconds: stop before a point that would not finish in time (each run measures one at "
+                   "least), then plot (rerun to resume) [default: none; --quick 570].")
 @click.option("--fresh", is_flag=True, help="Discard the points already in --out instead of resuming.")
 @click.option("--quick", is_flag=True, help="Every study, small (context 1024, 4 prompts in one batch, 32 new "
                                             "tokens, budgets 2 and 10 %, γ 2,4, 570 s at most: rerun to resume): a "
@@ -484,7 +485,7 @@ def ablate(studies, selectors, quick, **kwargs) -> None:
     """The studies behind the method's claims on the HF backend: τ by KV budget and context
     (oracle included), ablations, top-k overlap of nearby queries, retrieval prompts; writes
     points.json as it goes, tables.md and PNG plots to --out."""
-    from .ablate import QUICK, AblateOptions, run_ablate
+    from .ablate import QUICK, AblateOptions, AblateStopped, run_ablate
 
     given = {k: v for k, v in kwargs.items() if v is not None}
     try:
@@ -495,6 +496,8 @@ def ablate(studies, selectors, quick, **kwargs) -> None:
         results = run_ablate(opts, Console(stderr=True))
     except VegasConfigError as exc:
         raise _click_error(exc) from exc
+    except AblateStopped as exc:  # out of memory or Ctrl-C before the first point: one line, exit status 1
+        raise click.ClickException(str(exc)) from exc
     click.echo(f"{results['points']} points ({results['measured']} measured now, {results['reused']} reused); "
                f"{results['tables']}" + (f" and plots ({', '.join(results['plots'])})" if results["plots"] else
                                          " (no plots)") + f" in {kwargs['out']}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-__all__ = ["plot_tune", "plot_bench", "plot_ablate", "write_ablate_tables", "paired_difference"]
+__all__ = ["plot_tune", "plot_bench", "plot_ablate", "ABLATE_PLOTS", "write_ablate_tables", "paired_difference"]
 
 THROUGHPUT = "throughput (generated tokens / decode second)"
 
@@ -311,6 +311,10 @@ def _context_panels(points: list[dict], gamma: int, title: str, path: Path) -> b
     fig.suptitle(title)
     fig.savefig(path, dpi=100)
     return True
+
+
+#: every file :func:`plot_ablate` may write (one whose study has no points is not drawn)
+ABLATE_PLOTS = ("tau_by_budget.png", "retrieval.png", "tau_by_context.png", "ablations.png", "overlap.png")
 
 
 def plot_ablate(points: list[dict], opts, out: Path, source: str = "held-out code") -> list[str]:

@@ -33,7 +33,8 @@ measures its own points, plain decoding included, so that the throughputs it com
 from minutes close together (a load that drifts over a long run would otherwise favour the
 points measured later). ``time_budget`` (seconds, counted from the start, model loading included)
 stops before a point that would not finish in time, judged by the previous point's duration;
-plots and the recommendation are then written from what was measured.
+plots and the recommendation are then written from what was measured. Each run measures at least one
+point, however short the budget, so that rerunning the same command always gets further.
 
 Outputs in ``OUT``: ``points.json``, ``recommendation.json``, ``tau_vs_budget.png``,
 ``throughput_vs_gamma.png``, ``throughput_vs_sparsity.png``.
@@ -259,7 +260,11 @@ def run_tune(opts: TuneOptions, console: Console | None = None, pipe: Pipeline |
                         rope_scaling=opts.rope_scaling, min_kv_budget=opts.min_kv_budget, fallback=False)
     room = pipe.backend.max_context - opts.new_tokens - max(opts.gammas + [opts.num_draft_tokens]) - 1
     if not opts.context <= room:
-        raise VegasConfigError(f"context (--context) must be in [2, {room}] tokens for this model, got {opts.context}")
+        raise VegasConfigError(
+            f"context (--context) must be in [2, {room}] tokens for this model: its context is "
+            f"{pipe.backend.max_context} and --new-tokens plus the largest γ + 1 verification slots need the rest; "
+            f"got {opts.context} (a longer context: --rope-scaling, e.g. "
+            "'{\"rope_type\": \"yarn\", \"factor\": 4}')")
     text = read_text_source(opts.prompts) if opts.prompts else package_source("click")
     ids = pipe.tokenizer(text, add_special_tokens=False, verbose=False).input_ids
     prompts = cut_contexts(ids, opts.context, opts.batch_size)
@@ -289,7 +294,8 @@ def run_tune(opts: TuneOptions, console: Console | None = None, pipe: Pipeline |
             progress.skip(task)
             state["reused"] += 1
             return found
-        if opts.time_budget is not None and time.monotonic() - started + state["last"] > opts.time_budget:
+        if (opts.time_budget is not None and state["measured"]
+                and time.monotonic() - started + state["last"] > opts.time_budget):  # each run measures one at least
             raise _OutOfTime(f"step {step}: {label}")
         cfg = replace(base, num_draft_tokens=gamma, sparsity_ratio=sparsity or base.sparsity_ratio)
         pipe.config = cfg
