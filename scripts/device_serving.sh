@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Serving-speed runs of issue 19 on the H200 (runs ON the device machine, after the vLLM bundle and the
-# SmolLM2 parts are unpacked and converted: see the header of scripts/device_check.sh).
+# SmolLM2 parts are unpacked and converted: see the header of scripts/device_check.sh). The HF-backend jobs
+# (ablate23, tests21 hf) need only the SmolLM2 parts, whose last one carries the gguf wheel.
 #   bash scripts/device_serving.sh profile   # step timelines (scripts/vllm_profile.py), one process per engine
 #   bash scripts/device_serving.sh serve     # vllm bench serve against vegas serve (scripts/serve_bench.py)
 #   bash scripts/device_serving.sh greedy    # greedy Vegas (V2 runner) against plain vLLM (tests/gpu/test_vllm_v2.py)

@@ -12,7 +12,7 @@
 # `smollm2` of scripts/device_check.sh) then converts it into the HF checkpoint /tmp/smollm2-hf.
 # The last part also holds the wheel of `gguf` (GGUF_VERSION, 118 KB; its needs numpy, pyyaml, requests and
 # tqdm are on the device image), which the GGUF reader needs and the image lacks: unpack.sh installs it into
-# /tmp/site. With it, the HF-backend jobs (scripts/device_serving.sh ablate23, tests21 hf) need only these
+# /tmp/site-gguf. With it, the HF-backend jobs (scripts/device_serving.sh ablate23, tests21 hf) need only these
 # six parts, not the vLLM bundle: the image's transformers 5.17, tokenizers, safetensors, pluggy, click, rich
 # and matplotlib meet vegas's requirements.
 set -euo pipefail

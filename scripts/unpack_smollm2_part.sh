@@ -15,8 +15,10 @@ cp -n "$PART"/* "$STASH"/ 2>/dev/null || true
 read -r SHA NAME < "$STASH/SHA256"
 install_gguf() {
   [ -d /tmp/site-gguf/gguf ] && return 0
-  ls "$STASH"/gguf-*.whl > /dev/null 2>&1 || return 0  # parts made before the wheel was added
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-gguf "$STASH"/gguf-*.whl
+  local whl
+  whl=$(ls "$STASH"/gguf-*.whl 2>/dev/null | sort -V | tail -1)  # the newest: a stash may hold an older build's
+  [ -n "$whl" ] || return 0  # parts made before the wheel was added
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-gguf "$whl"
   echo "gguf installed in /tmp/site-gguf"
 }
 if [ -f "$OUTD/$NAME" ]; then echo "$NAME already in $OUTD"; install_gguf; exit 0; fi

@@ -465,20 +465,26 @@ def test_room_holds_the_gammas_only_of_studies_that_run_them(counted, tmp_path, 
     source = tmp_path / "src.py"
     source.write_text(pipe.tokenizer.decode(click_ids))
     longest = pipe.backend.max_context
-    for studies, room in ((["budget"], 4 + 2 + 1), (["budget", "ablation"], 4 + 8 + 1)):
+    for contexts, studies, room in (([longest], ["budget"], 4 + 2 + 1), ([longest], ["budget", "ablation"], 4 + 8 + 1),
+                                    ([128, longest], ["budget", "overlap"], 4 + 2 + 1)):  # they run at the first
         with pytest.raises(VegasConfigError, match=rf"{longest:,} tokens and {room} more \(new tokens, γ \+ 1"):
-            run_ablate(_tiny(tmp_path, source, contexts=[longest], studies=studies, gammas=[8], yarn_factor=1.0001),
+            run_ablate(_tiny(tmp_path, source, contexts=contexts, studies=studies, gammas=[8], yarn_factor=1.0001),
                        Console(file=io.StringIO()), pipe=pipe)
 
 
-def test_a_fresh_run_leaves_no_plot_of_the_discarded_points(counted, tmp_path, click_ids):
+def test_a_fresh_run_leaves_no_plot_of_the_discarded_points_and_a_resume_keeps_them(counted, tmp_path, click_ids):
+    """--fresh: the discarded points' plots go too; a resume whose options do not redraw a plot
+    (ablations.png is drawn at --ablation-sparsity) keeps it, as its points stay."""
     pipe, _ = counted
     source = tmp_path / "src.py"
     source.write_text(pipe.tokenizer.decode(click_ids[:3000]))
     out = tmp_path / "out"
-    run_ablate(_tiny(tmp_path, source, studies=["budget"], selectors=["collect2"]), Console(file=io.StringIO()),
+    run_ablate(_tiny(tmp_path, source, studies=["ablation"], selectors=["collect2"]), Console(file=io.StringIO()),
                pipe=pipe)
-    assert (out / "tau_by_budget.png").is_file()
+    assert (out / "ablations.png").is_file()
+    res = run_ablate(_tiny(tmp_path, source, studies=["budget"], selectors=["collect2"], budgets=[0.2],
+                           ablation_sparsity=0.5), Console(file=io.StringIO()), pipe=pipe)
+    assert res["plots"] == ["tau_by_budget.png"] and (out / "ablations.png").is_file()
     res = run_ablate(_tiny(tmp_path, source, studies=["overlap"], fresh=True), Console(file=io.StringIO()), pipe=pipe)
     assert res["plots"] == ["overlap.png"] and sorted(p.name for p in out.glob("*.png")) == ["overlap.png"]
 
@@ -630,11 +636,12 @@ def test_out_of_memory_inside_a_selector_or_at_the_model_load_is_not_a_plugin_er
     assert _allocator_summary(torch.OutOfMemoryError("x " * 200)) == ("x " * 100)[:200]  # no request: cut
 
     monkeypatch.setattr(OracleSelector, "select", oom)  # the first point, in a new folder: nothing is written
+    log = io.StringIO()
     with pytest.raises(AblateStopped, match=r"^out of cpu memory at budget: oracle ctx 128 s=0.1 γ=2 default "
                                             r"\(CUDA out of memory. Tried to allocate 512 bytes\); nothing was written"):
         run_ablate(_tiny(tmp_path, source, studies=["budget"], selectors=["oracle"], out=str(tmp_path / "new")),
-                   Console(file=io.StringIO()), pipe=pipe)
-    assert not (tmp_path / "new").exists()
+                   Console(file=log), pipe=pipe)
+    assert not (tmp_path / "new").exists() and "plotting what was measured" not in log.getvalue()
 
     monkeypatch.setattr(ab, "Pipeline", lambda *a, **k: oom())
     with pytest.raises(AblateStopped, match=r"^out of cpu memory at the model's load \(CUDA out of memory. "

@@ -180,7 +180,7 @@ def test_tiny_sweep_writes_points_plots_recommendation_and_resumes(counted, tmp_
 def test_time_budget_stops_cleanly_and_still_writes(counted, tmp_path):
     """A budget shorter than a point: the run measures one (before, none: every rerun said "rerun
     to resume" and got no further), then stops before the next, naming it, and writes the plots."""
-    pipe, calls = counted
+    pipe, _ = counted
     rec = run_tune(_tiny(tmp_path, time_budget=1e-3), Console(file=io.StringIO()), pipe=pipe)
     assert rec["measured_points"] == 1 and rec["complete"] is False and "time budget" in rec["stopped"]
     # the step is named: plain decoding is measured in steps 2 and 3

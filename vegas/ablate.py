@@ -74,7 +74,7 @@ from .tune_points import (
     spread,
 )
 
-__all__ = ["AblateOptions", "run_ablate", "plan", "spread", "rope_for", "STUDIES", "VARIANTS", "QUICK"]
+__all__ = ["AblateOptions", "AblateStopped", "run_ablate", "plan", "spread", "rope_for", "STUDIES", "VARIANTS", "QUICK"]
 
 POINTS_FILE = "points.json"
 STUDIES = ("budget", "ablation", "overlap", "retrieval")
@@ -92,7 +92,8 @@ VARIANTS = {
 #: ``--quick``: every study, small (a CPU look at the command; not results)
 QUICK = {"contexts": [1024], "budgets": [0.02, 0.1], "gammas": [2, 4], "num_prompts": 4, "batch_size": 4,
          "new_tokens": 32,
-         "time_budget": 570.0}  # seconds: --quick ends within 10 minutes whatever the load (rerun resumes), as tune's
+         "time_budget": 570.0}  # seconds: --quick stops before a point that would not end within 10 minutes (rerun
+                                 # resumes), as tune's; each run measures one point at least
 #: with one batch for all prompts (``batch_size`` >= ``num_prompts``) the HF backend keeps that batch
 #: prefilled (``reuse_prefill``, :class:`~vegas.backends.hf.PrefillPrefix`): every point decodes the same
 #: prompts, so a context's prompts are prefilled once, not once per point (the same tokens; the prefill of
@@ -180,15 +181,16 @@ def rope_for(context: int, room: int, max_context: int, factor: float | None = N
     return {"rope_type": "yarn", "factor": float(factor)}
 
 
-def _raise_if_a_context_does_not_fit(opts: AblateOptions, room: int, max_context: int) -> None:
-    """Before the first point: every context of ``opts.contexts`` plus ``room`` (new tokens and
-    the verification slots) fits ``max_context`` tokens, scaled by YaRN where :func:`rope_for`
-    scales it.
+def _raise_if_a_context_does_not_fit(opts: AblateOptions, room_for, max_context: int) -> None:
+    """Before the first point: every context of ``opts.contexts`` plus ``room_for(context)``
+    (new tokens and the verification slots) fits ``max_context`` tokens, scaled by YaRN where
+    :func:`rope_for` scales it.
 
     Raises:
         VegasConfigError: naming --contexts and --yarn-factor, and the largest context that fits.
     """
     for context in opts.contexts:
+        room = room_for(context)
         rope = rope_for(context, room, max_context, opts.yarn_factor)
         factor = rope["factor"] if rope else 1.0
         if context + room > max_context * factor:
@@ -425,8 +427,8 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
         VegasConfigError: a bad option (named), ``points.json`` from other settings, a plan with
             no point (``--selectors`` naming none that ``--studies`` runs), or a context longer
             than the prompt source (checked before the first point).
-        AblateStopped: out of memory (or Ctrl-C) before any point is in ``points.json`` (then
-            nothing is written).
+        AblateStopped: out of memory, or Ctrl-C, in a point before any point is in ``points.json``
+            (then nothing is written; Ctrl-C while the model loads is not caught: click says "Aborted!").
     """
     started = time.monotonic()
     console = console or Console(stderr=True)
@@ -452,9 +454,12 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
     prompts = _Prompts(read_text_source(source) if source else package_source("click"), opts)
     pipes: dict[str, Pipeline] = {}
     state = {"measured": 0, "reused": 0, "last": 0.0, "fits": False}
-    # new tokens and the verification's γ + 1 slots; --gammas only where a study runs them (ablation, overlap)
-    gammas = opts.gammas if {"ablation", "overlap"} & set(opts.studies) else []
-    room = opts.new_tokens + max(gammas + [opts.num_draft_tokens]) + 1
+    def room_for(context: int) -> int:
+        """New tokens and the verification's γ + 1 slots; --gammas only where a study runs them (the
+        ablation and overlap studies, at the first context)."""
+        gammas = opts.gammas if context == opts.contexts[0] and {"ablation", "overlap"} & set(opts.studies) else []
+        return opts.new_tokens + max(gammas + [opts.num_draft_tokens]) + 1
+
     reuse = REUSE if opts.batch_size >= opts.num_prompts else None
 
     def pipeline_for(context: int) -> tuple[Pipeline, dict | None]:
@@ -463,9 +468,9 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
             native = pipes["native"] = Pipeline(opts.model, selector=None, dtype=opts.dtype, device=opts.device,
                                                 backend_options=reuse)
         if not state["fits"]:  # before any model with RoPE scaling loads
-            _raise_if_a_context_does_not_fit(opts, room, native.backend.max_context)
+            _raise_if_a_context_does_not_fit(opts, room_for, native.backend.max_context)
             state["fits"] = True
-        rope = rope_for(context, room, native.backend.max_context, opts.yarn_factor)
+        rope = rope_for(context, room_for(context), native.backend.max_context, opts.yarn_factor)
         if rope is None:
             return native, None
         key = str(rope)
@@ -539,17 +544,18 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
             plain_printer(console, "red")(f"interrupted at {point_name}; plotting what was measured")
         except _OutOfMemory as exc:
             failed = stopped = _out_of_memory_advice(settings_device(opts.device), *exc.args, kept=bool(store.points))
+            if not store.points:
+                raise AblateStopped(failed) from None
             plain_printer(console, "red")(f"out of memory at {exc.args[0]}; plotting what was measured")
-    if failed and not store.points:  # stopped before anything was measured: nothing to keep, nothing written
-        raise AblateStopped(failed)
     out.mkdir(parents=True, exist_ok=True)  # only now: every check passed (the first point makes it too)
     from .plots import ABLATE_PLOTS, plot_ablate, write_ablate_tables
 
     write_ablate_tables(store.points, out / "tables.md", source=source_name)
+    if opts.fresh:  # the discarded points' plots go with them (a resume keeps those its options do not redraw)
+        for name in ABLATE_PLOTS:
+            (out / name).unlink(missing_ok=True)
     try:
         plots = plot_ablate(store.points, opts, out, source=source_name)
-        for name in set(ABLATE_PLOTS) - set(plots):  # one its points no longer draw (--fresh with other studies)
-            (out / name).unlink(missing_ok=True)
     except ImportError as exc:  # a machine without matplotlib (e.g. a GPU box with a fixed environment)
         plots = []
         console.print(f"[yellow]plots not drawn ({exc}): install matplotlib and rerun the same command to draw "

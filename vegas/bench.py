@@ -98,11 +98,12 @@ def _raise_if_bad_options(opts: BenchOptions, pipe: Pipeline) -> None:
     generated = max(opts.new_tokens, opts.check_tokens)
     room = pipe.backend.max_context - generated - opts.num_draft_tokens - 1
     if not 2 <= opts.context <= room:
+        longer = (" (a longer context: --rope-scaling, e.g. '{\"rope_type\": \"yarn\", \"factor\": 4}')"
+                  if opts.context > room else "")
         raise VegasConfigError.bad(
             "context", f"must be in [2, {room}] tokens: the model context is {pipe.backend.max_context} and "
             f"max(--new-tokens, --check-tokens) = {generated} tokens plus γ + 1 "
-            f"verification slots need the rest; got {opts.context} (a longer context: --rope-scaling, e.g. "
-            "'{\"rope_type\": \"yarn\", \"factor\": 4}')"
+            f"verification slots need the rest; got {opts.context}{longer}"
         )
 
 

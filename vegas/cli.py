@@ -479,7 +479,7 @@ def _ablate_options(fn):
                    "least), then plot (rerun to resume) [default: none; --quick 570].")
 @click.option("--fresh", is_flag=True, help="Discard the points already in --out instead of resuming.")
 @click.option("--quick", is_flag=True, help="Every study, small (context 1024, 4 prompts in one batch, 32 new "
-                                            "tokens, budgets 2 and 10 %, γ 2,4, 570 s at most: rerun to resume): a "
+                                            "tokens, budgets 2 and 10 %, γ 2,4, a 570 s time budget: rerun to resume): a "
                                             "CPU look.")
 def ablate(studies, selectors, quick, **kwargs) -> None:
     """The studies behind the method's claims on the HF backend: τ by KV budget and context
