@@ -454,6 +454,7 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
     prompts = _Prompts(read_text_source(source) if source else package_source("click"), opts)
     pipes: dict[str, Pipeline] = {}
     state = {"measured": 0, "reused": 0, "last": 0.0, "fits": False}
+
     def room_for(context: int) -> int:
         """New tokens and the verification's γ + 1 slots; --gammas only where a study runs them (the
         ablation and overlap studies, at the first context)."""
