@@ -334,6 +334,9 @@ def plot_ablate(points: list[dict], opts, out: Path, source: str = "held-out cod
 
     ``source``: how the prompt source reads in titles (:func:`vegas.prompts.source_label`).
     """
+    # integer ticks on the γ, query-distance and draft-step axes
+    from matplotlib.ticker import MaxNLocator
+
     written = []
     gamma = opts.num_draft_tokens
     temp = f"T={opts.temperature:g}" if opts.temperature else "greedy"
@@ -376,8 +379,6 @@ def plot_ablate(points: list[dict], opts, out: Path, source: str = "held-out cod
                            key=lambda p: p["num_draft_tokens"])
             if curve:
                 _tau_errorbar(ax_g, curve, [p["num_draft_tokens"] for p in curve], label=sel)
-        from matplotlib.ticker import MaxNLocator
-
         ax_g.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax_g.set_xlabel("γ (draft tokens per iteration)")
         ax_g.set_ylabel("τ (tokens / iteration)")
@@ -391,8 +392,6 @@ def plot_ablate(points: list[dict], opts, out: Path, source: str = "held-out cod
     probe = [p for p in points if p["selector"] == "overlap_probe" and "jaccard" in p]
     if probe:
         p = probe[0]
-        from matplotlib.ticker import MaxNLocator
-
         fig, (ax_d, ax_p) = _figure(ncols=2, width=5.6)
         for series, ax in (("within", ax_d), ("across", ax_d), ("proxy_last_token", ax_p),
                            ("proxy_collect2", ax_p), ("proxy_aggregated", ax_p)):

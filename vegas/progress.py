@@ -43,11 +43,12 @@ class LoggedProgress(Progress):
         self._started = time.monotonic()
         self._last = self._started
         self._working = False  # a step has started (said once off a terminal: the first may take minutes)
+        self._say = plain_printer(self.console)
 
     def update(self, task_id, *args, description: str | None = None, **kwargs) -> None:
         super().update(task_id, *args, description=description, **kwargs)
         if description is not None and not self._working and not self.console.is_terminal:
-            self.console.print(f"{description} started", markup=False, highlight=False, soft_wrap=True)
+            self._say(f"{description} started")
         self._working = self._working or description is not None
 
     def advance(self, task_id, advance: float = 1, note: str = "") -> None:  # noqa: D102
@@ -56,11 +57,8 @@ class LoggedProgress(Progress):
         if not self.console.is_terminal:
             task = self._tasks[task_id]
             total = f"/{task.total:g}" if task.total is not None else ""
-            self.console.print(
-                f"{task.description} done in {now - self._last:.1f} s ({task.completed:g}{total}, "
-                f"elapsed {now - self._started:.0f} s){' ' + note if note else ''}",
-                markup=False, highlight=False, soft_wrap=True,
-            )
+            self._say(f"{task.description} done in {now - self._last:.1f} s ({task.completed:g}{total}, "
+                      f"elapsed {now - self._started:.0f} s){' ' + note if note else ''}")
         self._last = now
 
     def skip(self, task_id, advance: float = 1) -> None:
