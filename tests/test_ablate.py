@@ -47,6 +47,32 @@ def test_oracle_selects_the_exact_top_k_of_the_draft_query():
         assert sel.indices[b, 0].tolist() == want.tolist() and sel.mask[b].all()
 
 
+def test_oracle_per_kv_head_selects_each_heads_top_k_and_stays_lossless(pipe, click_ids):
+    """granularity="kv_head": one exact top-k per KV head (the sum over its query heads), and the
+    empty selection of ``select`` already carries those groups (a (B, 1, 0) one was refused by
+    the selection check once ``select_for_query`` returned (B, KVH, k))."""
+    torch.manual_seed(0)
+    keys, query = torch.randn(1, 2, 30, 8), torch.randn(1, 4, 1, 8)  # [B, KVH, L, D], [B, H, 1, D]
+    valid = torch.ones(1, 30, dtype=torch.bool)
+    oracle = OracleSelector(VegasConfig(recent_window=0, kv_budget=5, granularity="kv_head"))
+    assert oracle.select(SelectionInput(0, None, valid, torch.tensor([5]), keys)).indices.shape == (1, 2, 0)
+    sel = oracle.select_for_query(0, query, None)
+    logits = (query.view(1, 2, 2, 8) @ keys.transpose(-1, -2)).sum(dim=2)  # [B, KVH, L]
+    for g in range(2):
+        assert sel.indices[0, g].tolist() == logits[0, g].topk(5).indices.sort().values.tolist()
+
+    prompts = [click_ids[30000:30300], click_ids[70000:70300]]
+    saved = pipe.config
+    try:
+        pipe.config = VegasConfig(kv_budget=12, num_draft_tokens=4, granularity="kv_head", fallback=False)
+        outs = pipe.generate(prompts, max_new_tokens=16, selector=OracleSelector(pipe.config))
+    finally:
+        pipe.config = saved
+    plain = pipe.generate(prompts, max_new_tokens=16, selector=None)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert all(o.stats.acceptance_length > 1 for o in outs)
+
+
 def test_oracle_drafts_at_least_as_well_as_collect2(pipe, click_ids):
     """Greedy τ on real prompts at a tiny budget: the draft query's own top-k beats the verified
     chunk's (a broken oracle, e.g. a bottom-k or stale keys, falls well below)."""

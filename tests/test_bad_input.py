@@ -56,6 +56,13 @@ def test_unknown_selector_in_generate(pipe):
         pipe.generate(["x = 1"], max_new_tokens=2, selector="nope")
 
 
+@pytest.mark.parametrize("selector", [object(), 3, ["collect2"]])
+def test_a_selector_neither_name_none_nor_instance_in_generate(pipe, selector):
+    with pytest.raises(VegasConfigError, match=r"^selector must be a registered name \(none, .*collect2.*\), None "
+                                               r"\(plain decoding\) or a vegas.interfaces.Selector instance, got "):
+        pipe.generate(["x = 1"], max_new_tokens=2, selector=selector)
+
+
 @pytest.mark.parametrize("selector", ["collect2", "aggregated", "sliding_window", "quest", "last_token"])
 @pytest.mark.parametrize("prompts", [[[42]], [[42], [7, 8, 9]], ["   "]], ids=["one", "batch", "whitespace"])
 def test_single_token_prompts_work(pipe, selector, prompts):

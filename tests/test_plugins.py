@@ -220,3 +220,18 @@ def test_example_plugin_selector_runs_through_pipeline_and_bench(pipe, code_prom
     ])
     assert result.exit_code == 0, result.output
     assert json.loads(path.read_text())["selectors"]["h2o"]["lossless"] is True
+
+
+def test_an_unregistered_selector_instance_is_named_as_such_when_it_fails():
+    """A Selector instance no plugin registered (as OracleSelector is passed) is checked like a
+    plugin's, and the error says it is not registered rather than naming plugin '?'."""
+
+    class Unregistered(Collect2Selector):
+        name = "handmade"
+
+        def select(self, inputs):
+            raise RuntimeError("boom")
+
+    with pytest.raises(VegasPluginError, match=r"^selector 'handmade' \(not registered\) raised in select\(\): "
+                                               r"RuntimeError: boom$"):
+        plugins.run_selector(Unregistered(VegasConfig()), "select", None)

@@ -181,9 +181,17 @@ def _collect(hook_name: str, kind: str) -> dict[Any, Any]:
 
 
 def owner(kind: str, name: str) -> str:
-    """The plugin that registered selector or backend ``name`` (``kind``: "selectors" or "backends")."""
+    """The plugin that registered selector or backend ``name`` (``kind``: "selectors" or "backends");
+    "?" for a name no plugin registered (a selector instance handed over directly)."""
     registry()
     return _owners.get((kind, name), "?")
+
+
+def described(kind: str, name: str) -> str:
+    """``selector 'name' (plugin 'p')`` for messages; ``(not registered)`` where no plugin
+    registered ``name`` (e.g. :class:`~vegas.strategies.OracleSelector`, passed as an instance)."""
+    plugin = owner(kind, name)
+    return f"{kind[:-1]} {name!r} " + ("(not registered)" if plugin == "?" else f"(plugin {plugin!r})")
 
 
 #: selector methods whose result must be a :class:`~vegas.interfaces.Selection`
@@ -210,11 +218,11 @@ def run_selector(selector, method: str, *args, num_slots: int | None = None):
     if method in _RETURNS_SELECTION:
         if not isinstance(result, Selection):
             raise VegasPluginError(
-                f"selector {name!r} (plugin {owner('selectors', name)!r}) {method}() returned "
+                f"{described('selectors', name)} {method}() returned "
                 f"{type(result).__name__}; it must return a vegas.interfaces.Selection"
             )
         if owner("selectors", name) != BUILTIN_SELECTORS_PLUGIN:
-            where = f"selector {name!r} (plugin {owner('selectors', name)!r}) {method}() returned a Selection"
+            where = f"{described('selectors', name)} {method}() returned a Selection"
             _check_selection(result, where, method, args, num_slots)
     return result
 
@@ -272,7 +280,7 @@ def _check_selection(selection: Selection, where: str, method: str, args: tuple,
 def plugin_failure(kind: str, name: str, what: str, exc: BaseException) -> VegasPluginError:
     """The error for a selector or backend that raised (``what``: e.g. "failed to build")."""
     return VegasPluginError(
-        f"{kind[:-1]} {name!r} (plugin {owner(kind, name)!r}) {what}: {type(exc).__name__}: {exc}"
+        f"{described(kind, name)} {what}: {type(exc).__name__}: {exc}"
     )
 
 

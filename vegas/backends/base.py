@@ -6,10 +6,10 @@
 
 from __future__ import annotations
 
-from ..config import VegasConfig
+from ..config import VegasConfig, VegasConfigError
 from ..interfaces import Backend, Selector
 from ..outputs import RequestOutput, RequestStats, as_token_ids
-from ..plugins import create_selector
+from ..plugins import create_selector, selector_names
 
 __all__ = ["Backend", "RequestOutput", "RequestStats", "as_selector", "as_token_ids"]
 
@@ -19,9 +19,13 @@ def as_selector(selector: Selector | str | None, config: VegasConfig) -> Selecto
     that name built with ``config`` (:func:`vegas.plugins.create_selector`), or None.
 
     Raises:
-        VegasConfigError: an unknown name.
+        VegasConfigError: an unknown name, or neither a name, None nor a Selector.
         VegasPluginError: the selector's constructor raised.
     """
     if selector is None or isinstance(selector, Selector):
         return selector
+    if not isinstance(selector, str):
+        raise VegasConfigError.bad("selector", f"must be a registered name ({', '.join(selector_names(plain=True))}), "
+                                               f"None (plain decoding) or a vegas.interfaces.Selector instance, "
+                                               f"got {selector!r}")
     return create_selector(selector, config)

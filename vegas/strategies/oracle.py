@@ -39,7 +39,8 @@ class OracleSelector(Selector):
         query. The cache's key tensor is kept by reference: transformers' ``DynamicCache``
         appends by concatenation and crops by slicing, so it is never written in place."""
         self._inputs[inputs.layer_idx] = inputs
-        empty = inputs.budget.new_zeros(inputs.budget.shape[0], 1, 0)
+        groups = 1 if self.config.granularity == "layer" else inputs.keys.shape[1]  # as select_for_query's
+        empty = inputs.budget.new_zeros(inputs.budget.shape[0], groups, 0)
         return Selection(indices=empty, mask=empty.bool())
 
     def select_for_query(self, layer_idx: int, query: torch.Tensor, selection: Selection) -> Selection:

@@ -35,7 +35,7 @@ import torch
 from ...config import VegasConfigError, VegasPluginError
 from ...interfaces import Selection, SelectionInput
 from ...kernels import paged_slots
-from ...plugins import owner, run_selector
+from ...plugins import described, run_selector
 from .scores import CollectingPath
 
 __all__ = ["GenericPath", "positions_to_slots"]
@@ -82,7 +82,7 @@ class GenericPath(CollectingPath):
             )
         if selector.query_aware:
             raise VegasConfigError(
-                f"selector {selector.name!r} (plugin {owner('selectors', selector.name)!r}) is query-aware "
+                f"{described('selectors', selector.name)} is query-aware "
                 "(select_for_query at every draft step) and has no vLLM fast path; the vllm backend runs "
                 "query-aware selectors only through a fast path (register one with vegas_vllm_fast_paths), "
                 "or use backend='hf'"
@@ -135,4 +135,4 @@ class GenericPath(CollectingPath):
 
     def _failure(self, message: str) -> VegasPluginError:
         name = self.selector.name
-        return VegasPluginError(f"selector {name!r} (plugin {owner('selectors', name)!r}): {message}")
+        return VegasPluginError(f"{described('selectors', name)}: {message}")
