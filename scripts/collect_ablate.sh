@@ -23,7 +23,7 @@ PY
 )
 vegas ablate --model smollm2-135m --device cuda --batch-size 32 --yarn-factor 4 --contexts "$CONTEXTS" \
   --studies "$STUDIES" --out "$DIR" | tail -2
-for f in tau_by_budget tau_by_context retrieval; do
+for f in tau_by_budget tau_by_context retrieval ablations overlap; do
   [ -f "$DIR/$f.png" ] && cp "$DIR/$f.png" "docs/figures/h200-smollm2-b32-$f.png"
 done
 git status --short "$DIR" docs/figures
