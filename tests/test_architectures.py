@@ -52,6 +52,7 @@ from transformers import AutoModelForCausalLM
 from vegas import Pipeline, VegasConfig
 from vegas.config import VegasConfigError
 from vegas.sampling import SamplingParams
+from vegas.strategies import OracleSelector
 
 VOCAB = 512
 NEW_TOKENS = 24
@@ -327,6 +328,20 @@ def test_speculative_equals_plain(zoo, arch, selector, gamma):
     assert 0 <= out.stats.num_accepted <= out.stats.num_drafted
     drafting = out.stats.iterations - out.stats.plain_steps  # γ each; at most γ last ones capped at the tokens left
     assert (drafting - gamma) * gamma < out.stats.num_drafted <= drafting * gamma
+
+
+# -- one selection per KV head (granularity="kv_head"): any KV-head count, MHA configs included -----
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_per_kv_head_selection_equals_plain(zoo, arch):
+    """collect2 and the oracle with one top-k per KV head; GPT-NeoX's config has no
+    ``num_key_value_heads`` (every head is its own KV head), which once raised AttributeError."""
+    want = zoo.reference(arch, tuple(PROMPT))
+    config = VegasConfig(num_draft_tokens=4, granularity="kv_head", **SMALL)
+    for selector in ("collect2", OracleSelector(config)):
+        out = zoo.pipe(arch).backend.generate([PROMPT], max_new_tokens=NEW_TOKENS, sampling=GREEDY,
+                                              selector=selector, config=config)[0]
+        assert out.token_ids == want, f"{arch} / {selector} per KV head: {_first_divergence(out.token_ids, want)}"
+        assert out.stats.num_drafted > 0
 
 
 # -- (c) the speculative checks are not vacuous ---------------------------------------------------

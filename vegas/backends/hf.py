@@ -253,8 +253,11 @@ class HFSession(Drafter, Verifier):
         )
 
     def _groups(self) -> int:
+        """Selection groups: 1, or one per KV head (``num_key_value_heads``; configs of models
+        without grouped-query attention, e.g. GPT-NeoX, name only ``num_attention_heads``)."""
         if self.config.granularity == "kv_head":
-            return self.model.config.get_text_config().num_key_value_heads
+            text = self.model.config.get_text_config()
+            return getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         return 1
 
     # -- Verifier --------------------------------------------------------------------------
