@@ -545,6 +545,33 @@ def test_tables_pair_selectors_over_the_same_prompts(tmp_path):
     assert "| collect2 − aggregated | " in text and "| oracle − collect2 | +21.2 % [" in text  # n.s.: not bold
 
 
+
+def test_tables_pair_the_ablation_variants_over_the_same_prompts(tmp_path):
+    """The ablation's verdicts are read off tables.md: collect2 against aggregated and last_token
+    in each variant and γ, and each selector's variant against its own default (not across γ)."""
+    from vegas.plots import write_ablate_tables
+    from vegas.tune_points import spread
+
+    def point(sel, taus, variant="default", gamma=4):
+        return {"study": "ablation", "prompt_kind": "heldout", "selector": sel, "context": 4096,
+                "sparsity_ratio": 0.02, "num_draft_tokens": gamma, "variant": variant, "kv_budget": 82,
+                "tau": spread(taus), "tau_per_prompt": taus}
+
+    base = [3.0, 2.0, 4.0, 3.0]
+    up = [t + 0.3 for t in base]  # +0.3 on every prompt, +10 % of the mean: an interval of one point
+    points = [point("aggregated", base), point("collect2", up), point("last_token", base),
+              point("collect2", base, "recent_window=0"), point("last_token", up, "recent_window=0"),
+              point("aggregated", base, gamma=2), point("collect2", up, gamma=2)]
+    write_ablate_tables(points, tmp_path / "t.md")
+    text = (tmp_path / "t.md").read_text()
+    ten, minus = "**+10.0 % [+10.0, +10.0]**", "**-9.1 % [-9.1, -9.1]**"
+    assert f"| default | {ten} | {ten} | – | – | – |" in text
+    # recent_window=0: collect2 lost its 10 % (-0.1/1.1 against last_token's and its own default), last_token
+    # gained it; aggregated has no such point
+    assert f"| recent_window=0 | – | {minus} | – | {minus} | {ten} |" in text
+    assert f"| γ=2 | {ten} | – | – | – | – |" in text  # γ rows compare selectors, not γ against γ = 4
+
+
 CUDA_OOM = ("CUDA out of memory. Tried to allocate 750.00 MiB. GPU 0 has a total capacity of 139.80 GiB of which "
             "37.12 MiB is free. Of the allocated memory 107.85 GiB is allocated by PyTorch, and 31.24 GiB is reserved "
             "by PyTorch but unallocated. If reserved but unallocated memory is large try setting "

@@ -494,6 +494,30 @@ def _paired_rows(here: list[dict], budgets: list[float]) -> list[str]:
     return rows
 
 
+def _ablation_paired(here: list[dict], gamma: int, names: list[str], gammas: list[int]) -> list[str]:
+    """The ablation's paired differences (over the same prompts, :func:`paired_difference`), a row
+    per variant at γ ``gamma`` and per other γ: collect2 − aggregated and collect2 − last_token
+    within the row, and each selector's variant − its own default (γ rows: none, τ grows with γ)."""
+    def at(sel, variant, g):
+        return next((p for p in here if p["selector"] == sel and p["variant"] == variant
+                     and p["num_draft_tokens"] == g), None)
+
+    def cell(a, b):
+        return _paired_cell(paired_difference(a, b) if a and b else None)
+
+    sels = [s for s in ("aggregated", "collect2", "last_token") if any(p["selector"] == s for p in here)]
+    rows = [(v, v, gamma) for v in names] + [(f"γ={g}", "default", g) for g in gammas if g != gamma]
+    lines = [(f"paired over the same prompts (γ={gamma} unless named): mean difference of τ in % of the second's "
+              "mean τ [95 % bootstrap interval, in %]; bold: the interval excludes 0"), "",
+             ("| variant | collect2 − aggregated | collect2 − last_token | "
+              + " | ".join(f"{s}: variant − default" for s in sels) + " |"), "|---" * (3 + len(sels)) + "|"]
+    for label, variant, g in rows:
+        own = ["–" if variant == "default" else cell(at(s, variant, g), at(s, "default", g)) for s in sels]
+        lines.append(f"| {label} | {cell(at('collect2', variant, g), at('aggregated', variant, g))} | "
+                     f"{cell(at('collect2', variant, g), at('last_token', variant, g))} | " + " | ".join(own) + " |")
+    return lines + [""]
+
+
 def write_ablate_tables(points: list[dict], path: Path, source: str = "held-out code") -> None:
     """Markdown tables of every ``vegas ablate`` point: τ mean [95 % CI] and the KV entries
     attended (``kv_attended``) per selector × sparsity for each prompt kind, context and γ; the
@@ -553,7 +577,7 @@ def write_ablate_tables(points: list[dict], path: Path, source: str = "held-out 
                                                                   and p["variant"] == "default"
                                                                   and p["num_draft_tokens"] == g), None))]
             lines.append(f"| {sel} | " + " | ".join(cells) + " |")
-        lines.append("")
+        lines += ["", *_ablation_paired(here, gamma, names, gammas)]
     for p in points:
         if "jaccard" not in p:
             continue
