@@ -552,8 +552,8 @@ def test_tables_pair_the_ablation_variants_over_the_same_prompts(tmp_path):
     from vegas.plots import write_ablate_tables
     from vegas.tune_points import spread
 
-    def point(sel, taus, variant="default", gamma=4):
-        return {"study": "ablation", "prompt_kind": "heldout", "selector": sel, "context": 4096,
+    def point(sel, taus, variant="default", gamma=4, context=4096):
+        return {"study": "ablation", "prompt_kind": "heldout", "selector": sel, "context": context,
                 "sparsity_ratio": 0.02, "num_draft_tokens": gamma, "variant": variant, "kv_budget": 82,
                 "tau": spread(taus), "tau_per_prompt": taus}
 
@@ -561,7 +561,8 @@ def test_tables_pair_the_ablation_variants_over_the_same_prompts(tmp_path):
     up = [t + 0.3 for t in base]  # +0.3 on every prompt, +10 % of the mean: an interval of one point
     points = [point("aggregated", base), point("collect2", up), point("last_token", base),
               point("collect2", base, "recent_window=0"), point("last_token", up, "recent_window=0"),
-              point("aggregated", base, gamma=2), point("collect2", up, gamma=2)]
+              point("aggregated", base, gamma=2), point("collect2", up, gamma=2),
+              point("collect2", base, context=2048), point("collect2", up, "recent_window=0", context=2048)]
     write_ablate_tables(points, tmp_path / "t.md")
     text = (tmp_path / "t.md").read_text()
     ten, minus = "**+10.0 % [+10.0, +10.0]**", "**-9.1 % [-9.1, -9.1]**"
@@ -570,6 +571,9 @@ def test_tables_pair_the_ablation_variants_over_the_same_prompts(tmp_path):
     # gained it; aggregated has no such point
     assert f"| recent_window=0 | – | {minus} | – | {minus} | {ten} |" in text
     assert f"| γ=2 | {ten} | – | – | – | – |" in text  # γ rows compare selectors, not γ against γ = 4
+    # a second ablated context gets its own tables (a run resumed at another first context)
+    assert text.index("### ablations, context 2048") < text.index("### ablations, context 4096")
+    assert f"| recent_window=0 | – | – | {ten} |" in text
 
 
 CUDA_OOM = ("CUDA out of memory. Tried to allocate 750.00 MiB. GPU 0 has a total capacity of 139.80 GiB of which "

@@ -557,13 +557,13 @@ def write_ablate_tables(points: list[dict], path: Path, source: str = "held-out 
                 lines.append(f"| {sel} | " + " | ".join(cells) + " |")
         lines.append("")
     variants = [p for p in points if p["variant"] != "default"]
-    if variants:
-        ctx, s = variants[0]["context"], variants[0]["sparsity_ratio"]
+    for ctx, s in sorted({(p["context"], p["sparsity_ratio"]) for p in variants}):  # each context ablated
+        at = [p for p in variants if p["context"] == ctx and p["sparsity_ratio"] == s]
         here = [p for p in _ablate_points(points, prompt_kind="heldout", context=ctx, sparsity_ratio=s)
                 if p["selector"] in ("aggregated", "collect2", "last_token")]
-        gamma = variants[0]["num_draft_tokens"]
-        names = ["default"] + sorted({p["variant"] for p in variants})
-        sels = sorted({p["selector"] for p in variants})
+        gamma = at[0]["num_draft_tokens"]
+        names = ["default"] + sorted({p["variant"] for p in at})
+        sels = sorted({p["selector"] for p in at})
         lines += [f"### ablations, context {ctx}, sparsity {s:g}, γ={gamma}: τ mean [95 % CI]", "",
                   *_tau_header(names)]
         for sel in sels:
