@@ -521,7 +521,8 @@ def _ablation_paired(here: list[dict], gamma: int, names: list[str], gammas: lis
 def write_ablate_tables(points: list[dict], path: Path, source: str = "held-out code") -> None:
     """Markdown tables of every ``vegas ablate`` point: τ mean [95 % CI] and the KV entries
     attended (``kv_attended``) per selector × sparsity for each prompt kind, context and γ; the
-    variants; the overlap series. ``source``: how the prompt source reads
+    ablation's variants and γ values with their paired differences, for each context ablated; the
+    overlap series. ``source``: how the prompt source reads
     (:func:`vegas.prompts.source_label`)."""
     lines = [ATTENDED_NOTE + ".", ""]
     studied = [p for p in points if p["study"] in ("budget", "retrieval")]
