@@ -52,6 +52,7 @@ from rich.console import Console
 from .config import VegasConfig, VegasConfigError, VegasPluginError, kv_budget_for
 from .overlap import OverlapProbe
 from .pipeline import Pipeline
+from .plots import ABLATED
 from .plugins import SelectorSkips, create_selector, selector_names
 from .progress import LoggedProgress, plain_printer
 from .prompts import (
@@ -80,8 +81,6 @@ POINTS_FILE = "points.json"
 STUDIES = ("budget", "ablation", "overlap", "retrieval")
 ORACLE = "oracle"
 PROBE = "overlap_probe"
-#: the selectors of the ablation study (they share the verified-chunk scores)
-ABLATED = ("aggregated", "collect2", "last_token")
 #: config variants of the ablation study: name -> VegasConfig overrides
 VARIANTS = {
     "default": {},

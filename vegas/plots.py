@@ -14,6 +14,12 @@ __all__ = ["plot_tune", "plot_bench", "plot_ablate", "ABLATE_PLOTS", "write_abla
 THROUGHPUT = "throughput (generated tokens / decode second)"
 
 
+#: the selectors of the ablation study (they share the verified-chunk scores)
+ABLATED = ("aggregated", "collect2", "last_token")
+#: the selector the paired differences are taken against (the method's), and the upper bound
+PAIRED_BASE, PAIRED_BOUND = "collect2", "oracle"
+
+
 def _plain_ticks(axis, minor: bool = True) -> None:
     """Tick labels such as 20, 0.05 instead of 2×10^1, 5×10^-2 on a log axis (``minor``:
     the minor ticks labelled too)."""
@@ -353,11 +359,11 @@ def plot_ablate(points: list[dict], opts, out: Path, source: str = "held-out cod
 
     ctx, s = opts.contexts[0], round_sparsity(opts.ablation_sparsity)
     here = _ablate_points(points, prompt_kind="heldout", context=ctx, sparsity_ratio=s)
-    variants = [p for p in here if p["num_draft_tokens"] == gamma and p["selector"] in ("aggregated", "collect2", "last_token")]
+    variants = [p for p in here if p["num_draft_tokens"] == gamma and p["selector"] in ABLATED]
     ablated = any(p["variant"] != "default" for p in here) or len({p["num_draft_tokens"] for p in here}) > 1
     if variants and ablated:  # the budget study alone has one default point per selector: nothing to compare
         fig, (ax_v, ax_g) = _figure(ncols=2, width=5.6)
-        sels = [sel for sel in ("aggregated", "collect2", "last_token") if any(p["selector"] == sel for p in variants)]
+        sels = [sel for sel in ABLATED if any(p["selector"] == sel for p in variants)]
         names = sorted({p["variant"] for p in variants}, key=lambda v: (v != "default", v))
         width = 0.8 / len(names)
         for i, name in enumerate(names):
@@ -449,8 +455,6 @@ def _tau_header(columns: list[str]) -> list[str]:
             "|---" * (2 * len(columns) + 1) + "|"]
 
 
-#: the selector the paired differences are taken against (the method's), and the upper bound
-PAIRED_BASE, PAIRED_BOUND = "collect2", "oracle"
 
 
 def paired_difference(a: dict, b: dict, seed: int = 0) -> dict | None:
@@ -477,6 +481,11 @@ def _paired_cell(diff: dict | None) -> str:
     return f"**{cell}**" if lo > 0 or hi < 0 else cell
 
 
+def _pair_cell(a: dict | None, b: dict | None) -> str:
+    """The table cell of :func:`paired_difference` of points ``a`` and ``b``; "–" where either is missing."""
+    return _paired_cell(paired_difference(a, b) if a and b else None)
+
+
 def _paired_rows(here: list[dict], budgets: list[float]) -> list[str]:
     """Rows of paired differences for one prompt kind, context and γ: collect2 − each other
     selector, and oracle − collect2 (empty without collect2)."""
@@ -487,8 +496,7 @@ def _paired_rows(here: list[dict], budgets: list[float]) -> list[str]:
     pairs = [(PAIRED_BASE, other) for other in sels] + [(PAIRED_BOUND, PAIRED_BASE)]
     rows = []
     for a, b in pairs:
-        cells = [_paired_cell(paired_difference(at(a, s), at(b, s)) if at(a, s) and at(b, s) else None)
-                 for s in budgets]
+        cells = [_pair_cell(at(a, s), at(b, s)) for s in budgets]
         if any(c != "–" for c in cells):
             rows.append(f"| {a} − {b} | " + " | ".join(cells) + " |")
     return rows
@@ -502,19 +510,16 @@ def _ablation_paired(here: list[dict], gamma: int, names: list[str], gammas: lis
         return next((p for p in here if p["selector"] == sel and p["variant"] == variant
                      and p["num_draft_tokens"] == g), None)
 
-    def cell(a, b):
-        return _paired_cell(paired_difference(a, b) if a and b else None)
-
-    sels = [s for s in ("aggregated", "collect2", "last_token") if any(p["selector"] == s for p in here)]
+    sels = [s for s in ABLATED if any(p["selector"] == s for p in here)]
     rows = [(v, v, gamma) for v in names] + [(f"γ={g}", "default", g) for g in gammas if g != gamma]
     lines = [(f"paired over the same prompts (γ={gamma} unless named): mean difference of τ in % of the second's "
               "mean τ [95 % bootstrap interval, in %]; bold: the interval excludes 0"), "",
              ("| variant | collect2 − aggregated | collect2 − last_token | "
               + " | ".join(f"{s}: variant − default" for s in sels) + " |"), "|---" * (3 + len(sels)) + "|"]
     for label, variant, g in rows:
-        own = ["–" if variant == "default" else cell(at(s, variant, g), at(s, "default", g)) for s in sels]
-        lines.append(f"| {label} | {cell(at('collect2', variant, g), at('aggregated', variant, g))} | "
-                     f"{cell(at('collect2', variant, g), at('last_token', variant, g))} | " + " | ".join(own) + " |")
+        own = ["–" if variant == "default" else _pair_cell(at(s, variant, g), at(s, "default", g)) for s in sels]
+        lines.append(f"| {label} | {_pair_cell(at('collect2', variant, g), at('aggregated', variant, g))} | "
+                     f"{_pair_cell(at('collect2', variant, g), at('last_token', variant, g))} | " + " | ".join(own) + " |")
     return lines + [""]
 
 
@@ -561,7 +566,7 @@ def write_ablate_tables(points: list[dict], path: Path, source: str = "held-out 
     for ctx, s in sorted({(p["context"], p["sparsity_ratio"]) for p in variants}):  # each context ablated
         at = [p for p in variants if p["context"] == ctx and p["sparsity_ratio"] == s]
         here = [p for p in _ablate_points(points, prompt_kind="heldout", context=ctx, sparsity_ratio=s)
-                if p["selector"] in ("aggregated", "collect2", "last_token")]
+                if p["selector"] in ABLATED]
         gamma = at[0]["num_draft_tokens"]
         names = ["default"] + sorted({p["variant"] for p in at})
         sels = sorted({p["selector"] for p in at})
