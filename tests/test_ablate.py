@@ -276,6 +276,13 @@ def test_tiny_run_writes_schema_plots_tables_and_resumes(counted, tmp_path, clic
         assert auto["measured"] == 0 and auto["reused"] == 2
     with pytest.raises(VegasConfigError, match=r"other settings \(--new-tokens: 4 -> 5\).*--fresh"):
         run_ablate(_tiny(tmp_path, source, new_tokens=5), Console(file=io.StringIO()), pipe=pipe)
+    # a bad value is named as such, not as a change of settings against points.json
+    with pytest.raises(VegasConfigError, match=r"^device must be 'cpu', 'cuda' or 'cuda:N', got 'tpu'"):
+        run_ablate(_tiny(tmp_path, source, device="tpu"), Console(file=io.StringIO()), pipe=pipe)
+    binary = tmp_path / "bin.dat"
+    binary.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(VegasConfigError, match="binary"):
+        run_ablate(_tiny(tmp_path, binary), Console(file=io.StringIO()), pipe=pipe)
 
 
 def test_a_gpu_folder_replots_without_a_gpu_and_names_what_is_unmeasured(counted, tmp_path, click_ids, monkeypatch):

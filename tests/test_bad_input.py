@@ -168,6 +168,28 @@ def test_remote_code_is_off_by_default(monkeypatch):
     assert seen[2:] == [True, True]
 
 
+def test_model_with_its_own_code_is_refused_without_running_it(tmp_path):
+    """A model directory whose config.json names its own code (auto_map) is refused with a message
+    saying how to allow it, and none of that code runs."""
+    import json
+    import shutil
+
+    from vegas.models import DEFAULT_MODEL
+
+    model = tmp_path / "custom"
+    shutil.copytree(DEFAULT_MODEL, model)
+    config = json.loads((model / "config.json").read_text())
+    config.update(model_type="vegas_custom_xyz", auto_map={"AutoConfig": "configuration_xyz.XyzConfig",
+                                                           "AutoModelForCausalLM": "modeling_xyz.XyzModel"})
+    (model / "config.json").write_text(json.dumps(config))
+    marker = tmp_path / "ran"
+    for name in ("configuration_xyz.py", "modeling_xyz.py"):
+        (model / name).write_text(f"open({str(marker)!r}, 'w').close()\n")
+    with pytest.raises(VegasConfigError, match=r"model .* needs its own code .*trust_remote_code=True"):
+        Pipeline(str(model), selector=None)
+    assert not marker.exists()
+
+
 def test_integer_temperature_and_numpy_token_ids_work(pipe):
     """Token ids as numpy arrays (one prompt, or a 2-D batch), numpy integers or a torch tensor."""
     import numpy as np
@@ -221,6 +243,24 @@ def test_a_prompt_folder_skips_entries_that_cannot_be_looked_at(tmp_path, monkey
     (tmp_path / "a.py").unlink()
     with pytest.raises(VegasConfigError, match="is not a file or a directory with text files"):
         read_text_source(tmp_path)
+
+
+@pytest.mark.parametrize(("content", "problem"), [
+    ('{"text": "a"}\n\nnot json at all\n', "line 3: JSONDecodeError"),
+    ('{"text": "a"}\n{"body": "b"}\n', "line 2: KeyError: 'text'"),
+    ('{"text": 7}\n', "line 1: 'text' is int, not a string"),
+], ids=["not-json", "no-text-field", "text-not-a-string"])
+def test_a_bad_json_lines_file_names_its_line(tmp_path, content, problem):
+    """A malformed .jsonl prompt file is refused with the number of the first bad line."""
+    from vegas.prompts import read_text_source
+
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(VegasConfigError, match="is not JSON lines with a 'text' field per line") as err:
+        read_text_source(path)
+    assert problem in str(err.value)
+    path.write_text('{"text": "a"}\n\n{"text": "b"}\n')
+    assert read_text_source(path) == "a\n\nb"
 
 
 @pytest.mark.parametrize("config", [{"model_type": "no_such_type"}, {"model_type": "qwen3"}],

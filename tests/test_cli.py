@@ -151,7 +151,8 @@ def test_bench_names_bad_options(tmp_path):
         (["--selectors", ","], "Invalid value for '--selectors': must name at least one selector"),
         (["--selectors", "collect2,collect2"], "Invalid value for '--selectors': names a selector twice"),
         (["--selectors", "collect2,ngram"], "'ngram' is vLLM's n-gram proposer: it runs with --backend vllm only"),
-        (["--json", str(tmp_path)], "must be a file path in an existing directory"),
+        (["--json", str(tmp_path)], "is a directory; it must be a file path, such as"),
+        (["--plot", str(tmp_path / "no_such_dir" / "a.png")], "must be a file path in an existing directory"),
     ]
     for args, match in cases:
         result = CliRunner().invoke(main, ["bench", *args])

@@ -174,12 +174,14 @@ def test_broken_entry_point_is_reported(tmp_path):
 
 
 def test_plugin_that_exits_or_takes_a_builtin_name_is_reported(tmp_path):
-    """An entry point whose module calls sys.exit() on import, and one named like a built-in plugin
-    module, are each skipped with a message naming them; the built-ins still load."""
+    """An entry point whose module calls sys.exit() on import, one named like a built-in plugin
+    module, and one that loads a built-in plugin module under another name, are each skipped with a
+    message naming them; the built-ins still load."""
     dist = tmp_path / "bad_plugins-0.1.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: bad-plugins\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text("[vegas]\nexiter = vegas_exiter_xyz\nvegas.strategies = vegas_harmless_xyz\n")
+    (dist / "entry_points.txt").write_text("[vegas]\nexiter = vegas_exiter_xyz\nvegas.strategies = vegas_harmless_xyz\n"
+                                          "shadow = vegas.strategies\n")
     (tmp_path / "vegas_exiter_xyz.py").write_text("import sys\nsys.exit(3)\n")
     (tmp_path / "vegas_harmless_xyz.py").write_text("X = 1\n")
     code = f"import sys; sys.path.insert(0, {str(tmp_path)!r}); {LIST}; print(plugins.plugin_errors)"
@@ -187,6 +189,7 @@ def test_plugin_that_exits_or_takes_a_builtin_name_is_reported(tmp_path):
     assert "collect2" in out and "sliding_window" in out
     assert "'exiter' failed and was skipped: SystemExit: 3" in out
     assert "'vegas.strategies' failed and was skipped: ValueError: its entry-point name is that of a built-in" in out
+    assert "'shadow' failed and was skipped: ValueError: it loads 'vegas.strategies', which is already registered" in out
 
 
 def test_unknown_name_in_vegas_plugins_is_reported():

@@ -440,7 +440,8 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
     if source is None:
         console.print("[yellow]prompts: installed click source; the held-out set (benchmarks/data/"
                       "heldout_code_dev.jsonl.xz) is not here: run from a checkout or pass --prompts[/yellow]")
-    settings = source_settings({**{k: getattr(opts, k) for k in MEASUREMENT_SETTINGS},
+    text = read_text_source(source) if source else package_source("click")  # a bad file is named before
+    settings = source_settings({**{k: getattr(opts, k) for k in MEASUREMENT_SETTINGS},  # points.json's settings
                                 "prompts": source or "package:click", "device": settings_device(opts.device)})
     store = PointStore(out / POINTS_FILE, settings, opts.fresh, "vegas ablate", same=_same_setting)
     skipped = SelectorSkips(opts.selectors is None, plain_printer(console, "yellow"))  # "all": one that raises is left out
@@ -450,7 +451,7 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
         raise VegasConfigError.bad("selectors", f"names none of the selectors that --studies "
                                    f"{','.join(opts.studies)} runs: the ablation study ablates {', '.join(ABLATED)}, "
                                    f"got {','.join(selectors)}")
-    prompts = _Prompts(read_text_source(source) if source else package_source("click"), opts)
+    prompts = _Prompts(text, opts)
     pipes: dict[str, Pipeline] = {}
     state = {"measured": 0, "reused": 0, "last": 0.0, "fits": False}
 

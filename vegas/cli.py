@@ -182,7 +182,10 @@ def bench(json_path, plot_path, selectors, **kwargs) -> None:
             raise VegasConfigError.bad("selectors", "'ngram' is vLLM's n-gram proposer: it runs with --backend vllm "
                                                     f"only, got --backend {kwargs['backend']}")
         for flag, path in (("--json", json_path), ("--plot", plot_path)):
-            if path and (Path(path).is_dir() or not Path(path).resolve().parent.is_dir()):
+            if path and Path(path).is_dir():
+                raise VegasConfigError(f"{flag} {path!r} is a directory; it must be a file path, such as "
+                                       f"{str(Path(path) / ('out.json' if flag == '--json' else 'out.png'))!r}")
+            if path and not Path(path).resolve().parent.is_dir():
                 raise VegasConfigError(f"{flag} {path!r} must be a file path in an existing directory")
         if kwargs["backend"] == "vllm":
             return _bench_vllm(names, json_path, plot_path, vllm_only, kwargs)

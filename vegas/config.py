@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, TypeVar
 
@@ -18,6 +19,7 @@ __all__ = [
     "VegasConfig",
     "VegasConfigError",
     "VllmOptions",
+    "check_device_name",
     "kv_budget_for",
     "parse_json_object",
     "recent_window_for",
@@ -85,6 +87,17 @@ def _raise_if_not_number(name: str, value: object, *, positive: bool) -> None:
 def _raise_if_not_one_of(name: str, value: object, allowed: tuple) -> None:
     if value not in allowed:
         raise VegasConfigError.bad(name, f"must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+
+
+_DEVICE_NAME = re.compile(r"(cpu|cuda)(:[0-9]+)?")
+
+
+def check_device_name(device: str) -> None:
+    """Raise :class:`VegasConfigError` (field ``device``) unless ``device`` names a device the
+    backends run on: ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (whether that GPU exists is the
+    backend's check)."""
+    if not isinstance(device, str) or not _DEVICE_NAME.fullmatch(device):
+        raise VegasConfigError.bad("device", f"must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
 
 
 def parse_json_object(raw: str, source: str) -> dict[str, Any]:

@@ -112,6 +112,13 @@ def unloadable_model(model: str, exc: Exception) -> VegasConfigError:
     ``ValueError`` from ``from_pretrained``): a local directory is named as one, with what
     transformers found wrong in it; anything else is neither such a directory nor in the local
     Hugging Face cache (nothing is downloaded)."""
+    if "trust_remote_code" in str(exc):
+        return VegasConfigError(
+            f"model {model!r} needs its own code (config.json's auto_map) to load, and running a "
+            "model's code is off by default: from Python, Pipeline(model, trust_remote_code=True) if "
+            "you trust that code; the command line never runs it",
+            field="model",
+        )
     lines = [line for line in str(exc).splitlines() if line.strip()]
     cause = f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
     if Path(model).expanduser().is_dir():

@@ -79,7 +79,10 @@ def _load_entry_points(pm: pluggy.PluginManager) -> None:
                                         f"{', '.join(BUILTIN_PLUGINS)}"))
             continue
         try:
-            pm.register(ep.load(), name=ep.name)
+            plugin = ep.load()
+            if pm.is_registered(plugin):  # e.g. an entry point that names a built-in module itself
+                raise ValueError(f"it loads {pm.get_name(plugin)!r}, which is already registered")
+            pm.register(plugin, name=ep.name)
         except (Exception, SystemExit) as exc:  # a broken plugin (even one that exits) must not break the others
             _report(ep.name, exc)
 
@@ -94,7 +97,7 @@ def _report(name: str, exc: BaseException, hook_name: str | None = None) -> None
 
 
 def get_plugin_manager() -> pluggy.PluginManager:
-    """The process-wide manager: hook specs, entry-point plugins, then the built-ins."""
+    """The process-wide manager: hook specs, the built-ins, then the entry-point plugins."""
     global _manager
     if _manager is None:
         pm = pluggy.PluginManager("vegas")
@@ -102,9 +105,9 @@ def get_plugin_manager() -> pluggy.PluginManager:
         if os.environ.get("VEGAS_TRACE_PLUGINS"):
             pm.trace.root.setwriter(log.debug)
             pm.enable_tracing()
-        _load_entry_points(pm)
         for module in BUILTIN_PLUGINS:
             pm.register(importlib.import_module(module), name=module)
+        _load_entry_points(pm)
         _manager = pm
     return _manager
 

@@ -114,11 +114,24 @@ def _read_documents(path: Path) -> str:
     """The ``text`` fields of a JSON-lines file (xz-compressed when it ends in ``.xz``),
     joined by blank lines."""
     opener = lzma.open if path.suffix == ".xz" else open
+    bad = f"{str(path)!r} is not JSON lines with a 'text' field per line"
     try:
         with opener(path, "rt", encoding="utf-8") as f:
-            return "\n\n".join(json.loads(line)["text"] for line in f if line.strip())
-    except (ValueError, KeyError, TypeError, lzma.LZMAError) as exc:
-        raise VegasConfigError(f"{str(path)!r} is not JSON lines with a 'text' field per line ({exc})") from None
+            lines = f.readlines()
+    except (ValueError, lzma.LZMAError) as exc:  # not UTF-8, or not xz
+        raise VegasConfigError(f"{bad} ({type(exc).__name__}: {exc})") from None
+    texts = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            text = json.loads(line)["text"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise VegasConfigError(f"{bad} (line {number}: {type(exc).__name__}: {exc})") from None
+        if not isinstance(text, str):
+            raise VegasConfigError(f"{bad} (line {number}: 'text' is {type(text).__name__}, not a string)")
+        texts.append(text)
+    return "\n\n".join(texts)
 
 
 def _is_binary(path: Path) -> bool:

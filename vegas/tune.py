@@ -252,8 +252,9 @@ def run_tune(opts: TuneOptions, console: Console | None = None, pipe: Pipeline |
     out = Path(opts.out)
     if out.exists() and not out.is_dir():
         raise VegasConfigError(f"out (--out) {str(out)!r} exists and is not a directory")
-    settings = source_settings({**{k: getattr(opts, k) for k in MEASUREMENT_SETTINGS},
-                                "device": settings_device(opts.device)})
+    text = read_text_source(opts.prompts) if opts.prompts else package_source("click")  # a bad file is named
+    settings = source_settings({**{k: getattr(opts, k) for k in MEASUREMENT_SETTINGS},   # before points.json's
+                                "device": settings_device(opts.device)})                 # settings are compared
     store = PointStore(out / POINTS_FILE, settings, opts.fresh, "vegas tune")
     if pipe is None:
         pipe = Pipeline(opts.model, selector=None, backend=opts.backend, dtype=opts.dtype, device=opts.device,
@@ -265,7 +266,6 @@ def run_tune(opts: TuneOptions, console: Console | None = None, pipe: Pipeline |
             f"{pipe.backend.max_context} and --new-tokens plus the largest γ + 1 verification slots need the rest; "
             f"got {opts.context} (a longer context: --rope-scaling, e.g. "
             "'{\"rope_type\": \"yarn\", \"factor\": 4}')")
-    text = read_text_source(opts.prompts) if opts.prompts else package_source("click")
     ids = pipe.tokenizer(text, add_special_tokens=False, verbose=False).input_ids
     prompts = cut_contexts(ids, opts.context, opts.batch_size)
     sampled = dict(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)

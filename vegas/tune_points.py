@@ -10,7 +10,7 @@ import os
 import random
 from pathlib import Path
 
-from .config import VegasConfigError
+from .config import VegasConfigError, check_device_name
 
 __all__ = ["PointStore", "points_of", "round_sparsity", "same_setting", "settings_device", "source_settings",
            "spread"]
@@ -196,8 +196,12 @@ class PointStore:
 def settings_device(device: str | None) -> str:
     """The device a run measures on, as its stored settings name it: ``device``, or for None (the
     default) the one the HF backend then picks (``"cuda"`` when available, else ``"cpu"``), so that
-    a rerun that leaves ``--device`` out resumes points measured with it given, and the reverse."""
+    a rerun that leaves ``--device`` out resumes points measured with it given, and the reverse.
+
+    Raises:
+        VegasConfigError: ``device`` is not ``"cpu"``, ``"cuda"`` or ``"cuda:N"``."""
     if device is not None:
+        check_device_name(device)
         return device
     import torch
 

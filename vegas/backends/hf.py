@@ -27,7 +27,7 @@ from transformers import (
     DynamicCache,
 )
 
-from ..config import VegasConfig, VegasConfigError
+from ..config import VegasConfig, VegasConfigError, check_device_name
 from ..draft_policy import DraftPolicy
 from ..hookspecs import hookimpl
 from ..interfaces import Drafter, Selection, SelectionInput, Selector, Verifier
@@ -385,12 +385,8 @@ def _checked_device(device: str | None) -> torch.device:
     """
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise VegasConfigError.bad("device", f"must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from exc
-    if parsed.type not in ("cpu", "cuda"):
-        raise VegasConfigError.bad("device", f"must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    check_device_name(device)
+    parsed = torch.device(device)
     if parsed.type == "cuda" and not torch.cuda.is_available():
         raise VegasConfigError(f"device={device!r} but no CUDA GPU is available to this torch build; use 'cpu'",
                                field="device", problem=f"{device!r} needs a CUDA GPU, and this torch build sees "
