@@ -257,6 +257,11 @@ def test_tiny_run_writes_schema_plots_tables_and_resumes(counted, tmp_path, clic
     two.mkdir()
     assert plot_ablate(budget_only + longer, _tiny(tmp_path, source), two) == ["tau_by_budget.png", "tau_by_context.png"]
     assert (two / "tau_by_context.png").read_bytes().startswith(PNG)
+    # overlap.png draws the probe at the ablation context (the run's first), as ablations.png does
+    probe_elsewhere = {**probe, "context": 2 * probe["context"]}
+    assert "overlap.png" not in plot_ablate([probe_elsewhere], _tiny(tmp_path, source), two)
+    assert plot_ablate([probe_elsewhere], _tiny(tmp_path, source, contexts=[2 * probe["context"]]), two) == [
+        "overlap.png"]
 
     # points.json from before kv_attended: its points are reused, their attended cells "–"
     for p in data["points"]:

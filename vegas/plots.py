@@ -333,7 +333,8 @@ def plot_ablate(points: list[dict], opts, out: Path, source: str = "held-out cod
       against γ, at the ablation context and sparsity.
     * ``overlap.png``: Jaccard of top-k sets against query distance d (within a verified
       chunk, across iterations; min–max over prompts shaded), and of each proxy's set with
-      the next chunk's queries against draft step.
+      the next chunk's queries against draft step, at the ablation context (as ``ablations.png``;
+      ``tables.md`` lists every context's).
     * ``retrieval.png``: as ``tau_by_budget.png`` on copy-task prompts.
     * ``tau_by_context.png``: τ against context per selector, one panel per sparsity measured at
       two or more contexts (held-out prompts, γ = ``opts.num_draft_tokens``).
@@ -395,7 +396,7 @@ def plot_ablate(points: list[dict], opts, out: Path, source: str = "held-out cod
         fig.savefig(out / "ablations.png", dpi=100)
         written.append("ablations.png")
 
-    probe = [p for p in points if p["selector"] == "overlap_probe" and "jaccard" in p]
+    probe = [p for p in points if p["selector"] == "overlap_probe" and "jaccard" in p and p["context"] == ctx]
     if probe:
         p = probe[0]
         fig, (ax_d, ax_p) = _figure(ncols=2, width=5.6)
