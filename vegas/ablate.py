@@ -440,8 +440,9 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
     if source is None:
         console.print("[yellow]prompts: installed click source; the held-out set (benchmarks/data/"
                       "heldout_code_dev.jsonl.xz) is not here: run from a checkout or pass --prompts[/yellow]")
-    text = read_text_source(source) if source else package_source("click")  # a bad file is named before
-    settings = source_settings({**{k: getattr(opts, k) for k in MEASUREMENT_SETTINGS},  # points.json's settings
+    # a bad --prompts file or --device is named as such, before points.json's settings are compared
+    text = read_text_source(source) if source else package_source("click")
+    settings = source_settings({**{k: getattr(opts, k) for k in MEASUREMENT_SETTINGS},
                                 "prompts": source or "package:click", "device": settings_device(opts.device)})
     store = PointStore(out / POINTS_FILE, settings, opts.fresh, "vegas ablate", same=_same_setting)
     skipped = SelectorSkips(opts.selectors is None, plain_printer(console, "yellow"))  # "all": one that raises is left out

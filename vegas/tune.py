@@ -252,9 +252,10 @@ def run_tune(opts: TuneOptions, console: Console | None = None, pipe: Pipeline |
     out = Path(opts.out)
     if out.exists() and not out.is_dir():
         raise VegasConfigError(f"out (--out) {str(out)!r} exists and is not a directory")
-    text = read_text_source(opts.prompts) if opts.prompts else package_source("click")  # a bad file is named
-    settings = source_settings({**{k: getattr(opts, k) for k in MEASUREMENT_SETTINGS},   # before points.json's
-                                "device": settings_device(opts.device)})                 # settings are compared
+    # a bad --prompts file or --device is named as such, before points.json's settings are compared
+    text = read_text_source(opts.prompts) if opts.prompts else package_source("click")
+    settings = source_settings({**{k: getattr(opts, k) for k in MEASUREMENT_SETTINGS},
+                                "device": settings_device(opts.device)})
     store = PointStore(out / POINTS_FILE, settings, opts.fresh, "vegas tune")
     if pipe is None:
         pipe = Pipeline(opts.model, selector=None, backend=opts.backend, dtype=opts.dtype, device=opts.device,
