@@ -456,8 +456,6 @@ def _tau_header(columns: list[str]) -> list[str]:
             "|---" * (2 * len(columns) + 1) + "|"]
 
 
-
-
 def paired_difference(a: dict, b: dict, seed: int = 0) -> dict | None:
     """τ of point ``a`` minus τ of point ``b`` over the same prompts (``tau_per_prompt``, in the
     same order: points of one prompt kind and context), in % of ``b``'s mean τ: ``{"mean", "ci95"}``
