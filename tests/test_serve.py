@@ -165,6 +165,9 @@ def test_cli_dry_run_prints_the_command_and_starts_nothing():
     command = next(line for line in lines if line.strip().startswith("command: "))
     assert " serve vegas/model " in command and "--additional-config '{\"vegas\": {\"selector\": \"collect2\"" in command
     assert command.endswith("--port 8011 --max-model-len 4096")
+    # the HF backend's draft policy (top-level fallback*) is not shown as if vLLM used it
+    settings = json.loads(next(line for line in lines if "settings (" in line).split(": ", 1)[1])
+    assert not [k for k in settings if k.startswith("fallback")] and settings["vllm"]["fallback"] is False
 
 
 def test_cli_plain_dry_run_and_ngram_through_extra_args():

@@ -55,8 +55,10 @@ DEFAULT_SELECTOR = Collect2Selector.name
 
 def settings_json(selector: str, config: VegasConfig) -> str:
     """The settings JSON (``additional_config["vegas"]``, :func:`vegas.vllm_plugin.configure`)
-    for a selector name and a config; without ``num_draft_tokens`` (γ is vLLM's)."""
-    values = config.to_dict()
+    for a selector name and a config; without ``num_draft_tokens`` (γ is vLLM's) and without the
+    top-level ``fallback*`` fields, the HF backend's draft policy (:mod:`vegas.draft_policy`),
+    which the vLLM backend does not read (its measured fallback is ``vllm.fallback``)."""
+    values = {k: v for k, v in config.to_dict().items() if not k.startswith("fallback")}
     values.pop("num_draft_tokens", None)
     return json.dumps({"selector": selector, **values})
 
