@@ -718,3 +718,28 @@ def test_out_of_memory_inside_a_selector_or_at_the_model_load_is_not_a_plugin_er
         run_ablate(_tiny(tmp_path, source, studies=["budget"], device="cpu", out=str(tmp_path / "new")),
                    Console(file=io.StringIO()))
     assert not (tmp_path / "new").exists()
+
+
+def test_a_context_beyond_the_model_says_it_scales_the_rope(counted, tmp_path, click_ids, monkeypatch):
+    """YaRN is chosen when a context does not fit: the run says so (and which factor) before it loads
+    the scaled model, instead of measuring another model silently."""
+    from vegas import ablate
+
+    pipe, _ = counted
+    source = tmp_path / "src.py"
+    source.write_text(pipe.tokenizer.decode(click_ids[:3000]))
+    monkeypatch.setattr(pipe.backend.model.config, "max_position_embeddings", 100)
+
+    class Loaded(Exception):
+        pass
+
+    def scaled(*args, rope_scaling=None, **kwargs):
+        raise Loaded(rope_scaling)
+
+    monkeypatch.setattr(ablate, "Pipeline", scaled)
+    out = io.StringIO()
+    with pytest.raises(Loaded, match="'factor': 2.0"):
+        run_ablate(_tiny(tmp_path, source, studies=["budget"], selectors=["collect2"]), Console(file=out, width=300),
+                   pipe=pipe)
+    assert ("context 128: beyond the model's 100 tokens, so its RoPE is scaled with YaRN ×2 (the smallest power of "
+            "two that fits; --yarn-factor sets it)") in out.getvalue()

@@ -232,7 +232,7 @@ def test_no_timed_run_follows_a_change_of_configuration(pipe, monkeypatch, tmp_p
 @pytest.mark.parametrize("args, message", [
     (["--selectors", ","], "--selectors"),
     (["--selectors", "none"], "must name at least one selector, or 'all' (plain decoding is always measured)"),
-    (["--selectors", "nope"], "Invalid value for '--selectors': unknown selector(s) 'nope'; known: none, "),
+    (["--selectors", "nope"], "Invalid value for '--selectors': unknown selector(s) 'nope'; known: aggregated, "),
     (["--sparsities", "0.1,1.5"], "(0, 1]"),
     (["--sparsities", "0"], "--sparsities"),
     (["--sparsities", "x"], "comma-separated floats"),

@@ -479,6 +479,10 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
         if key not in pipes:
             for k in [k for k in pipes if k != "native"]:  # one scaled model at a time
                 del pipes[k]
+            how = "--yarn-factor" if opts.yarn_factor else "the smallest power of two that fits; --yarn-factor sets it"
+            console.print(f"[yellow]context {context:,}: beyond the model's {native.backend.max_context:,} tokens, "
+                          f"so its RoPE is scaled with YaRN ×{rope['factor']:g} ({how}); τ there is the scaled "
+                          "model's[/yellow]")
             pipes[key] = Pipeline(opts.model, selector=None, dtype=opts.dtype, device=opts.device, rope_scaling=rope,
                                   backend_options=reuse)
         return pipes[key], rope

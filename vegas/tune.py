@@ -152,8 +152,9 @@ def raise_if_bad_options(opts: TuneOptions) -> None:
     known = selector_names(plain=True)
     unknown = [s for s in opts.selectors if s not in known]
     if unknown:
-        raise VegasConfigError.bad("selectors", f"unknown selector(s) {', '.join(map(repr, unknown))}; "
-                                                f"known: {', '.join(known)}")
+        raise VegasConfigError.bad("selectors", f"unknown selector(s) {', '.join(map(repr, unknown))}; known: "
+                                                f"{', '.join(s for s in known if s != PLAIN)}, or 'all' (plain "
+                                                "decoding is always measured)")
     if not opts.sparsities or any(
         isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 < s <= 1 for s in opts.sparsities
     ):
