@@ -59,8 +59,7 @@ from .prompts import (
     RETRIEVAL_MIN_CONTEXT,
     cut_contexts,
     heldout_path,
-    package_source,
-    read_text_source,
+    prompt_text,
     retrieval_prompts,
     source_label,
 )
@@ -441,7 +440,7 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
         console.print("[yellow]prompts: installed click source; the held-out set (benchmarks/data/"
                       "heldout_code_dev.jsonl.xz) is not here: run from a checkout or pass --prompts[/yellow]")
     # a bad --prompts file or --device is named as such, before points.json's settings are compared
-    text = read_text_source(source) if source else package_source("click")
+    text = prompt_text(source)
     settings = source_settings({**{k: getattr(opts, k) for k in MEASUREMENT_SETTINGS},
                                 "prompts": source or "package:click", "device": settings_device(opts.device)})
     store = PointStore(out / POINTS_FILE, settings, opts.fresh, "vegas ablate", same=_same_setting)

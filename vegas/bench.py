@@ -21,7 +21,7 @@ from .config import VegasConfigError, VegasPluginError, kv_budget_for
 from .pipeline import Pipeline
 from .plugins import PLAIN, SelectorSkips, create_selector, selector_names
 from .progress import LoggedProgress, plain_printer
-from .prompts import cut_contexts, package_source, read_text_source
+from .prompts import cut_contexts, prompt_text
 from .sampling import SamplingParams
 
 __all__ = ["BenchOptions", "bench_config", "clearly_faster", "median_row", "run_bench", "summarize", "verdict"]
@@ -85,7 +85,7 @@ def summarize(outputs: list[RequestOutput]) -> dict:
 
 
 def _prompts(pipe: Pipeline, opts: BenchOptions) -> list[list[int]]:
-    text = read_text_source(opts.prompts) if opts.prompts else package_source("click")
+    text = prompt_text(opts.prompts)
     ids = pipe.tokenizer(text, add_special_tokens=False, verbose=False).input_ids
     return cut_contexts(ids, opts.context, opts.batch_size)
 

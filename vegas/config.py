@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, TypeVar
 
 __all__ = [
+    "DRAFT_POLICY_FIELDS",
     "SCORE_PATHS",
     "TP_SELECTIONS",
     "VERIFY_CUDA_GRAPH_MODES",
@@ -387,6 +388,11 @@ class VegasConfig:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
+
+
+#: :class:`VegasConfig`'s fields of the HF backend's draft policy (:mod:`vegas.draft_policy`); the
+#: vLLM backend does not read them (its measured fallback is ``vllm.fallback``)
+DRAFT_POLICY_FIELDS = tuple(f.name for f in fields(VegasConfig) if f.name.startswith("fallback"))
 
 
 def kv_budget_for(config: VegasConfig, context_len: Budget) -> Budget:

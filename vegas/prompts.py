@@ -23,7 +23,7 @@ from pathlib import Path
 
 from .config import VegasConfigError
 
-__all__ = ["package_source", "read_text_source", "cut_contexts", "heldout_path", "retrieval_prompts",
+__all__ = ["package_source", "prompt_text", "read_text_source", "cut_contexts", "heldout_path", "retrieval_prompts",
            "RETRIEVAL_CUE", "RETRIEVAL_MIN_CONTEXT"]
 
 #: held-out code documents of a repository checkout (click, docutils, jinja2; unseen by the
@@ -87,6 +87,12 @@ def read_text_source(path: str | Path, *, what: str = "prompts path", max_bytes:
     if files:
         return _concatenate(files, path)
     raise VegasConfigError(f"{what} {str(path)!r} is not a file or a directory with text files")
+
+
+def prompt_text(source: str | Path | None) -> str:
+    """The prompts' text: :func:`read_text_source` of ``source``, or for None the fallback, the
+    installed click source (:func:`package_source`)."""
+    return read_text_source(source) if source else package_source("click")
 
 
 def heldout_path() -> Path | None:

@@ -38,7 +38,12 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .config import VegasConfig, VegasConfigError, parse_json_object
+from .config import (
+    DRAFT_POLICY_FIELDS,
+    VegasConfig,
+    VegasConfigError,
+    parse_json_object,
+)
 from .models import in_local_cache, resolve_model
 
 __all__ = [
@@ -314,7 +319,7 @@ def plan_serve(
         argv += ["--host", host]
     argv += ["--port", str(port), *extra]
     notes = []
-    hf_only = sorted(k for k in given_fields if k.startswith("fallback")) if not plain else []
+    hf_only = sorted(given_fields & set(DRAFT_POLICY_FIELDS)) if not plain else []
     if hf_only:  # top-level fallback* fields are the HF backend's draft policy
         notes.append(f"--config field(s) {', '.join(hf_only)}: the HF backend's draft policy, unused on vLLM; "
                      'the measured fallback on vLLM is {"vllm": {"fallback": true}}')

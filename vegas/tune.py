@@ -59,7 +59,7 @@ from .config import VegasConfig, VegasConfigError, VegasPluginError, kv_budget_f
 from .pipeline import Pipeline
 from .plugins import PLAIN, SelectorSkips, selector_names
 from .progress import LoggedProgress, plain_printer
-from .prompts import cut_contexts, package_source, read_text_source
+from .prompts import cut_contexts, prompt_text
 from .sampling import SamplingParams
 from .tune_points import (
     PointStore,
@@ -254,7 +254,7 @@ def run_tune(opts: TuneOptions, console: Console | None = None, pipe: Pipeline |
     if out.exists() and not out.is_dir():
         raise VegasConfigError(f"out (--out) {str(out)!r} exists and is not a directory")
     # a bad --prompts file or --device is named as such, before points.json's settings are compared
-    text = read_text_source(opts.prompts) if opts.prompts else package_source("click")
+    text = prompt_text(opts.prompts)
     settings = source_settings({**{k: getattr(opts, k) for k in MEASUREMENT_SETTINGS},
                                 "device": settings_device(opts.device)})
     store = PointStore(out / POINTS_FILE, settings, opts.fresh, "vegas tune")

@@ -28,7 +28,7 @@ import sys
 from typing import Any
 from dataclasses import replace
 
-from ..config import VegasConfig, VegasConfigError, parse_json_object
+from ..config import DRAFT_POLICY_FIELDS, VegasConfig, VegasConfigError, parse_json_object
 from ..interfaces import Selector
 from ..plugins import PLAIN, create_selector, vllm_fast_path
 from ..strategies import Collect2Selector
@@ -58,7 +58,7 @@ def settings_json(selector: str, config: VegasConfig) -> str:
     for a selector name and a config; without ``num_draft_tokens`` (γ is vLLM's) and without the
     top-level ``fallback*`` fields, the HF backend's draft policy (:mod:`vegas.draft_policy`),
     which the vLLM backend does not read (its measured fallback is ``vllm.fallback``)."""
-    values = {k: v for k, v in config.to_dict().items() if not k.startswith("fallback")}
+    values = {k: v for k, v in config.to_dict().items() if k not in DRAFT_POLICY_FIELDS}
     values.pop("num_draft_tokens", None)
     return json.dumps({"selector": selector, **values})
 
