@@ -311,10 +311,12 @@ def test_a_gpu_folder_replots_without_a_gpu_and_names_what_is_unmeasured(counted
     res = run_ablate(_tiny(tmp_path, source, studies=["budget", "retrieval"], device="cuda",
                            selectors=["collect2", "oracle", "sliding_window"]), Console(file=log, width=300))
     assert res["measured"] == 0 and res["reused"] == 2 and res["plots"] == ["tau_by_budget.png"]
+    assert res["planned"] == 6 and res["points"] == 2  # the plan, and what points.json holds
     assert (out / "tau_by_budget.png").is_file() and not res["complete"] and res["failed"] is None
     assert res["stopped"].startswith("4 point(s) of the plan are not in points.json (studies budget, retrieval; "
-                                     "contexts 128; selectors collect2,oracle,sliding_window: --selectors leaves out "
-                                     "one the GPU run did not have) and --device 'cuda' needs a CUDA GPU")
+                                     "contexts 128; selectors collect2,oracle,sliding_window; a selector installed "
+                                     "here that the GPU run did not measure, e.g. a plugin's, is left out by naming "
+                                     "the others with --selectors) and --device 'cuda' needs a CUDA GPU")
     assert "4 point(s) need a CUDA GPU; plotting what was measured" in log.getvalue()
     assert res["resume"] == "rerun the same command on a machine with a CUDA GPU to resume"
     res = run_ablate(_tiny(tmp_path, source, studies=["budget"], device="cuda"), Console(file=io.StringIO()))
@@ -389,6 +391,20 @@ def test_failed_ablate_leaves_no_out_directory(tmp_path):
         result = CliRunner().invoke(main, ["ablate", "--quick", "--out", str(out), *args])
         assert result.exit_code == 2, (args, result.output)
         assert not (tmp_path / "parent").exists(), args
+    assert f"Invalid value for '--prompts': '{empty}' holds no text (empty or only whitespace)" in result.output
+
+
+def test_cli_summary_counts_the_plan_and_the_file_apart(tmp_path, monkeypatch):
+    """The last line names the plan's points and, apart, what points.json holds (a new user read
+    "232 points (0 measured now, 180 reused)" as 52 points lost)."""
+    import vegas.ablate
+
+    monkeypatch.setattr(vegas.ablate, "run_ablate", lambda opts, console: {
+        "planned": 180, "points": 232, "measured": 0, "reused": 180, "tables": "tables.md", "plots": [],
+        "skipped": {}, "failed": None, "stopped": None, "resume": ""})
+    result = CliRunner().invoke(main, ["ablate", "--quick", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 0, result.output
+    assert "180 points (0 measured now, 180 reused from an earlier run; 232 in points.json); tables.md" in result.output
 
 
 def _failing_measure(monkeypatch, tmp_path, pipe, click_ids, selector, exc):
@@ -532,7 +548,7 @@ def test_the_overlap_probe_is_not_named_as_a_selector(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     said = _unmeasurable_here("cuda", [{"study": "overlap", "context": 4096, "selector": PROBE}])
-    assert "(studies overlap; contexts 4,096; selectors -: " in said and PROBE not in said
+    assert "(studies overlap; contexts 4,096) and --device 'cuda'" in said and PROBE not in said
 
 
 def test_tables_pair_selectors_over_the_same_prompts(tmp_path):

@@ -397,9 +397,11 @@ def _unmeasurable_here(device: str | None, missing: list[dict]) -> str | None:
         return None
     contexts = ", ".join(f"{c:,}" for c in sorted({s["context"] for s in missing}))
     studies = ", ".join(sorted({s["study"] for s in missing}))
-    selectors = ",".join(sorted({s["selector"] for s in missing if s["selector"] != PROBE}) or ["-"])
-    return (f"{len(missing)} point(s) of the plan are not in points.json (studies {studies}; contexts {contexts}; "
-            f"selectors {selectors}: --selectors leaves out one the GPU run did not have) "
+    names = ",".join(sorted({s["selector"] for s in missing if s["selector"] != PROBE}))
+    selectors = (f"; selectors {names}; a selector installed here that the GPU run did not measure, e.g. a "
+                 "plugin's, is left out by naming the others with --selectors") if names else ""
+    return (f"{len(missing)} point(s) of the plan are not in points.json (studies {studies}; contexts {contexts}"
+            f"{selectors}) "
             f"and --device {device!r} needs a CUDA GPU, which this torch build does not see (tables and plots hold "
             "what is measured)")
 
@@ -414,7 +416,8 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
             one is built per RoPE scaling.
 
     Returns:
-        ``{"points": count, "measured": count, "reused": count, "complete": bool, "stopped":
+        ``{"points": count in points.json, "planned": count of this run's plan, "measured": count,
+        "reused": count, "complete": bool, "stopped":
         reason or None, "failed": reason or None, "resume": how to go on, "plots": [file names],
         "tables": "tables.md"}``;
         ``failed`` (also in ``stopped``) when a point ran out of device memory
@@ -447,6 +450,7 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
     skipped = SelectorSkips(opts.selectors is None, plain_printer(console, "yellow"))  # "all": one that raises is left out
     selectors = opts.selectors or selector_names() + [ORACLE]
     specs = plan(opts, selectors)
+    planned = len(specs)  # specs empties on a replot without a GPU
     if not specs:  # only the ablation study, with none of the selectors it ablates
         raise VegasConfigError.bad("selectors", f"names none of the selectors that --studies "
                                    f"{','.join(opts.studies)} runs: the ablation study ablates {', '.join(ABLATED)}, "
@@ -565,7 +569,8 @@ def run_ablate(opts: AblateOptions, console: Console | None = None, pipe: Pipeli
         plots = []
         console.print(f"[yellow]plots not drawn ({exc}): install matplotlib and rerun the same command to draw "
                       f"them; {out / 'points.json'} and {out / 'tables.md'} are written[/yellow]")
-    return {"points": len(store.points), "measured": state["measured"], "reused": state["reused"],
+    return {"points": len(store.points), "planned": planned, "measured": state["measured"],
+            "reused": state["reused"],
             "complete": stopped is None and not skipped, "stopped": stopped, "failed": failed,
             "resume": f"rerun the same command{where} to resume",
             "skipped": dict(skipped), "plots": plots,

@@ -501,7 +501,8 @@ def ablate(studies, selectors, quick, **kwargs) -> None:
         raise _click_error(exc) from exc
     except AblateStopped as exc:  # out of memory or Ctrl-C before the first point: one line, exit status 1
         raise click.ClickException(str(exc)) from exc
-    click.echo(f"{results['points']} points ({results['measured']} measured now, {results['reused']} reused); "
+    click.echo(f"{results['planned']} points ({results['measured']} measured now, {results['reused']} reused from an "
+               f"earlier run; {results['points']} in points.json); "
                f"{results['tables']}" + (f" and plots ({', '.join(results['plots'])})" if results["plots"] else
                                          " (no plots)") + f" in {kwargs['out']}")
     for name in results["skipped"]:

@@ -91,8 +91,17 @@ def read_text_source(path: str | Path, *, what: str = "prompts path", max_bytes:
 
 def prompt_text(source: str | Path | None) -> str:
     """The prompts' text: :func:`read_text_source` of ``source``, or for None the fallback, the
-    installed click source (:func:`package_source`)."""
-    return read_text_source(source) if source else package_source("click")
+    installed click source (:func:`package_source`).
+
+    Raises:
+        VegasConfigError: as :func:`read_text_source`, or ``source`` holds no text (field ``prompts``).
+    """
+    if not source:
+        return package_source("click")
+    text = read_text_source(source)
+    if not text.strip():
+        raise VegasConfigError.bad("prompts", f"{str(source)!r} holds no text (empty or only whitespace)")
+    return text
 
 
 def heldout_path() -> Path | None:
