@@ -354,3 +354,14 @@ def test_summary_says_the_vllm_options_and_where_the_scores_came_from():
     lines = vb.summary_lines(results)
     assert lines[:2] == ['vLLM options of the Vegas engines: {"score_overlap": true}', "score path collect2: fa3_ext"]
     assert vb.summary_lines({"rows": [_row("plain")], "exactness": {}, "errors": {}}) == []
+
+
+def test_load_prompts_names_an_empty_prompts_file_before_any_tokenizer_loads(tmp_path):
+    """An explicit --prompts source goes through the same check as tune's, ablate's and bench's
+    (vegas.prompts.prompt_text): an empty file is named, not reported as too short."""
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    with pytest.raises(VegasConfigError, match=r"prompts '.*empty.txt' holds no text \(empty or only whitespace\)"):
+        vb.load_prompts("no-such-model", 2, 8, source=empty)
+    with pytest.raises(VegasConfigError, match=r"--prompts '.*nope' is not a file or a directory with text files"):
+        vb.load_prompts("no-such-model", 2, 8, source=tmp_path / "nope")

@@ -63,7 +63,7 @@ from .backends.vllm import (
 from .bench import bench_config, median_row
 from .config import VegasConfig, VegasConfigError, kv_budget_for
 from .plugins import PLAIN, create_selector, selector_names
-from .prompts import cut_contexts, heldout_path, prompt_text, read_text_source
+from .prompts import cut_contexts, heldout_path, prompt_text
 from .sampling import SamplingParams
 from .vllm_plugin import settings as vegas_settings
 
@@ -253,10 +253,7 @@ def load_prompts(model: str, count: int, length: int, source: str | Path | None 
     """
     from transformers import AutoTokenizer
 
-    if source is not None:
-        text = read_text_source(source, what="--prompts")
-    else:
-        text = prompt_text(heldout_path())
+    text = prompt_text(source, what="--prompts") if source is not None else prompt_text(heldout_path())
     tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=False)
     ids = tokenizer(text, add_special_tokens=False, verbose=False).input_ids
     return cut_contexts(ids, length, count)

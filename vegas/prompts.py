@@ -89,16 +89,16 @@ def read_text_source(path: str | Path, *, what: str = "prompts path", max_bytes:
     raise VegasConfigError(f"{what} {str(path)!r} is not a file or a directory with text files")
 
 
-def prompt_text(source: str | Path | None) -> str:
-    """The prompts' text: :func:`read_text_source` of ``source``, or for None the fallback, the
-    installed click source (:func:`package_source`).
+def prompt_text(source: str | Path | None, *, what: str = "prompts path") -> str:
+    """The prompts' text: :func:`read_text_source` of ``source`` (``what`` names it in its errors),
+    or for None the fallback, the installed click source (:func:`package_source`).
 
     Raises:
         VegasConfigError: as :func:`read_text_source`, or ``source`` holds no text (field ``prompts``).
     """
     if not source:
         return package_source("click")
-    text = read_text_source(source)
+    text = read_text_source(source, what=what)
     if not text.strip():
         raise VegasConfigError.bad("prompts", f"{str(source)!r} holds no text (empty or only whitespace)")
     return text
